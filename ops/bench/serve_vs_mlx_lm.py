@@ -1,0 +1,611 @@
+#!/usr/bin/env python3
+"""Benchmark specd against ``mlx_lm.server`` on the same model and prompts.
+
+Both servers are started by this script, one at a time (they would otherwise
+fight over the same few cores), on free ports of 127.0.0.1.  Each is warmed up
+with one request, then measured at every requested concurrency: one *run*
+fires ``c`` streaming ``/v1/completions`` requests at once and waits for all
+of them.  Per run we record
+
+* aggregate output tokens/s = total completion tokens / wall time of the run;
+* the median time to first content chunk (TTFT) of its requests.
+
+The reported figure per server is the median over runs (timings on a shared
+machine are noisy), and the comparison is the ratio specd / mlx_lm.
+
+Fairness choices, all recorded in the JSON:
+
+* raw text prompts on ``/v1/completions`` (no chat template), greedy decoding,
+  the same ``max_tokens``; prompt token counts reported by both servers are
+  compared, so a tokenisation difference (e.g. an added BOS) would show;
+* completion tokens are taken from each server's own ``usage`` (both send it
+  when asked with ``stream_options.include_usage``), never assumed to equal
+  ``max_tokens``: a model may emit EOS early;
+* ``mlx_lm.server`` batches concurrent requests by default
+  (``--decode-concurrency 32``, ``--prompt-concurrency 8``); we pass both
+  explicitly so the comparison is batched-vs-batched;
+* ``mlx_lm.server`` keeps an LRU prompt cache that would let it skip prefill
+  for prompts it has seen in an earlier run; specd has no prompt cache, so
+  by default it is turned off (``--prompt-cache-size 0``) and the two engines
+  do the same work.  ``--mlx-lm-prompt-cache`` keeps it on;
+* ``mlx_lm.server``'s listen backlog is raised from 5 to 64 (see
+  ``mlx_lm_spec``), else c=8 runs measure 1 s SYN retransmits, not serving;
+  ``--mlx-lm-backlog 0`` keeps the stock server;
+* with ``--rounds N`` each server is started N times, alternating which one
+  goes first, and the runs of all rounds are pooled before taking medians.
+
+Usage (from the repository root)::
+
+    python ops/bench/serve_vs_mlx_lm.py --model models/demo/target --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO_ROOT / "models" / "demo" / "target"
+DEFAULT_OUT = REPO_ROOT / "ops" / "bench" / "results" / "serve_vs_mlx_lm.json"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+SPECD_MODEL_ID = "bench"
+MLX_LM_BATCH_FLAGS = ("--decode-concurrency", "32", "--prompt-concurrency", "8")
+READY_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 900.0
+
+# Code-continuation prompts: the demo model is trained on Python sources.
+PROMPTS: tuple[str, ...] = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\ndef main(",
+    "class Stack:\n    def __init__(self):\n",
+    "def read_config(path):\n    with open(path) as f:\n",
+    "for i in range(10):\n    if i % 2 == 0:\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+    "class Node:\n    def __init__(self, value, next=None):\n",
+    "try:\n    import json\nexcept ImportError:\n",
+)
+
+
+# --------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class RequestResult:
+    """One streamed completion, as the client saw it."""
+
+    prompt_index: int
+    ttft_s: float | None  # None if no content chunk ever arrived
+    latency_s: float
+    completion_tokens: int
+    prompt_tokens: int | None
+    usage_reported: bool  # False: completion_tokens counts content chunks
+    content_chunks: int
+    finish_reason: str | None
+    text: str
+
+
+@dataclass
+class RunResult:
+    """``concurrency`` requests fired together and awaited together."""
+
+    concurrency: int
+    wall_s: float
+    completion_tokens: int
+    tok_s: float
+    ttft_ms_median: float | None
+    requests: list[RequestResult] = field(default_factory=list)
+
+
+# server name -> its sessions (one per round), as bench_server returns them
+Results = dict[str, list[dict[str, Any]]]
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server and address its model."""
+
+    name: str
+    argv: list[str]
+    ready_path: str
+    model_id: str
+
+
+# --------------------------------------------------------------------------
+# Server processes
+
+
+def free_port() -> int:
+    """A port the kernel says is free right now on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> tuple[dict[str, str], str]:
+    """The environment both servers get, and how LD_PRELOAD came to be set.
+
+    OpenBLAS makes MLX's fp32 CPU matmuls ~40x faster; both servers must get
+    the same BLAS or the comparison measures BLAS, not serving.
+    """
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    preload = env.get("LD_PRELOAD", "")
+    if OPENBLAS in preload.split(":"):
+        return env, "inherited"
+    if not Path(OPENBLAS).exists():
+        return env, "missing"
+    env["LD_PRELOAD"] = f"{OPENBLAS}:{preload}" if preload else OPENBLAS
+    return env, "added"
+
+
+def specd_spec(model: Path, workdir: Path, port: int) -> ServerSpec:
+    """specd serving ``model`` from a one-file manifest directory."""
+    manifests = workdir / "manifests"
+    manifests.mkdir()
+    (manifests / "bench.yaml").write_text(
+        "apiVersion: specd.dev/v1alpha1\n"
+        "kind: Model\n"
+        "metadata:\n"
+        f"  name: {SPECD_MODEL_ID}\n"
+        "spec:\n"
+        f"  source: {model}\n"
+        "  maxBatchSize: 16\n"
+    )
+    argv = [sys.executable, "-m", "specd.cli", "daemon", "--manifests", str(manifests),
+            "--state-dir", str(workdir / "state"), "--host", "127.0.0.1", "--port", str(port)]
+    return ServerSpec("specd", argv, "/readyz", SPECD_MODEL_ID)
+
+
+def mlx_lm_spec(model: Path, port: int, prompt_cache: bool, backlog: int) -> ServerSpec:
+    """mlx_lm.server with batching on and (by default) its prompt cache off.
+
+    mlx_lm.server is a ``ThreadingHTTPServer`` speaking HTTP/1.0, so every
+    request opens a new connection, and its listen backlog is socketserver's
+    default of 5.  Eight simultaneous connects overflow it: the kernel drops
+    the extra SYNs and the client retries them after 1 s, which would show up
+    as a 1 s TTFT for the last requests of every c=8 run.  That measures the
+    stdlib socket setup, not the engine, so unless ``backlog`` is 0 we start
+    the server through a bootstrap that raises the backlog first.
+    """
+    args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+            *MLX_LM_BATCH_FLAGS]
+    if backlog > 0:
+        bootstrap = ("import socketserver, sys; "
+                     f"socketserver.TCPServer.request_queue_size = {backlog}; "
+                     "from mlx_lm.server import main; sys.argv[0] = 'mlx_lm.server'; main()")
+        argv = [sys.executable, "-c", bootstrap, *args]
+    else:
+        argv = [sys.executable, "-m", "mlx_lm", "server", *args]
+    if not prompt_cache:
+        argv += ["--prompt-cache-size", "0"]
+    # The model field must equal --model for mlx_lm to use the loaded model.
+    return ServerSpec("mlx_lm", argv, "/v1/models", str(model))
+
+
+@contextlib.contextmanager
+def running(spec: ServerSpec, env: dict[str, str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """Run a server in its own process group; always kill the whole group.
+
+    A new session means SIGTERM/SIGKILL reach every process the server
+    spawned, and a Ctrl-C in this terminal does not hit the server directly
+    (we stop it ourselves, in order).
+    """
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(spec.argv, env=env, cwd=REPO_ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+async def wait_ready(session: aiohttp.ClientSession, base: str, spec: ServerSpec,
+                     proc: subprocess.Popen, log_path: Path) -> float:
+    """Poll the readiness endpoint until it answers 200; return seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < READY_TIMEOUT_S:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{spec.name} exited with {proc.returncode}:\n{log_tail(log_path)}")
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with session.get(base + spec.ready_path,
+                                   timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - started
+        await asyncio.sleep(0.25)
+    raise RuntimeError(f"{spec.name} not ready after {READY_TIMEOUT_S:.0f}s:\n{log_tail(log_path)}")
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return "(no log)"
+
+
+# --------------------------------------------------------------------------
+# Client
+
+
+async def stream_completion(session: aiohttp.ClientSession, base: str, model_id: str,
+                            prompt_index: int, max_tokens: int) -> RequestResult:
+    """One greedy streaming text completion; TTFT is the first non-empty text.
+
+    Both servers may send chunks with empty text (role/usage/finish chunks,
+    or a token whose bytes do not yet form a character), so "first content"
+    is the fair common definition.
+    """
+    body = {
+        "model": model_id,
+        "prompt": PROMPTS[prompt_index],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    ttft: float | None = None
+    usage: dict[str, Any] | None = None
+    chunks, finish, parts = 0, None, []
+    async with session.post(base + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from {base}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"stream error from {base}: {event['error']}")
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
+                text = choice.get("text") or ""
+                if text:
+                    chunks += 1
+                    parts.append(text)
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+    latency = time.perf_counter() - started
+    return RequestResult(
+        prompt_index=prompt_index,
+        ttft_s=ttft,
+        latency_s=latency,
+        completion_tokens=int(usage["completion_tokens"]) if usage else chunks,
+        prompt_tokens=int(usage["prompt_tokens"]) if usage else None,
+        usage_reported=usage is not None,
+        content_chunks=chunks,
+        finish_reason=finish,
+        text="".join(parts),
+    )
+
+
+async def measure_run(session: aiohttp.ClientSession, base: str, model_id: str,
+                      concurrency: int, max_tokens: int) -> RunResult:
+    """Fire ``concurrency`` requests (distinct prompts) at once, await all."""
+    started = time.perf_counter()
+    requests = await asyncio.gather(*(
+        stream_completion(session, base, model_id, i % len(PROMPTS), max_tokens)
+        for i in range(concurrency)))
+    wall = time.perf_counter() - started
+    tokens = sum(r.completion_tokens for r in requests)
+    ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
+    return RunResult(
+        concurrency=concurrency,
+        wall_s=wall,
+        completion_tokens=tokens,
+        tok_s=tokens / wall,
+        ttft_ms_median=statistics.median(ttfts) * 1000 if ttfts else None,
+        requests=list(requests),
+    )
+
+
+async def bench_server(spec: ServerSpec, port: int, env: dict[str, str], workdir: Path,
+                       concurrencies: list[int], runs: int, max_tokens: int) -> dict[str, Any]:
+    """Start one server, warm it up, measure every concurrency, stop it.
+
+    Returns one *session*: the server's start-up figures and its runs by
+    concurrency (keys are strings, as they will be in the JSON).
+    """
+    base = f"http://127.0.0.1:{port}"
+    log_path = workdir / f"{spec.name}.log"
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        with running(spec, env, log_path) as proc:
+            print(f"[{spec.name}] starting on port {port} (log: {log_path})", flush=True)
+            ready_s = await wait_ready(session, base, spec, proc, log_path)
+            started = time.perf_counter()
+            warmup = await stream_completion(session, base, spec.model_id, 0, max_tokens)
+            warmup_s = time.perf_counter() - started
+            print(f"[{spec.name}] ready in {ready_s:.1f}s, warm-up request {warmup_s:.2f}s "
+                  f"({warmup.completion_tokens} tokens)", flush=True)
+            by_c: dict[str, list[RunResult]] = {}
+            for c in concurrencies:
+                by_c[str(c)] = []
+                for r in range(runs):
+                    run = await measure_run(session, base, spec.model_id, c, max_tokens)
+                    by_c[str(c)].append(run)
+                    print(f"[{spec.name}] c={c} run {r + 1}/{runs}: {run.tok_s:7.1f} tok/s, "
+                          f"ttft {fmt_ms(run.ttft_ms_median)} ms, {run.completion_tokens} tokens "
+                          f"in {run.wall_s:.2f}s", flush=True)
+    return {"argv": spec.argv, "log": log_tail(log_path), "ready_s": ready_s,
+            "warmup_s": warmup_s, "warmup_completion_tokens": warmup.completion_tokens,
+            "runs": by_c}
+
+
+# --------------------------------------------------------------------------
+# Summary
+
+
+def pooled(results: Results, server: str, key: str) -> list[RunResult]:
+    """All runs of one server at one concurrency, over every round."""
+    return [run for session in results[server] for run in session["runs"][key]]
+
+
+def fmt_ms(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.1f}"
+
+
+def fmt_x(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(results: Results, concurrencies: list[int]) -> dict[str, Any]:
+    """Medians over runs per server, ratios, and token-count agreement.
+
+    The best run is kept too: background load only ever slows a run down, so
+    when medians and bests disagree the machine was too busy to trust either.
+    """
+    summary: dict[str, Any] = {}
+    for c in concurrencies:
+        key = str(c)
+        row: dict[str, Any] = {}
+        for server in ("specd", "mlx_lm"):
+            runs = pooled(results, server, key)
+            row[server] = {
+                "tok_s_median": statistics.median(r.tok_s for r in runs),
+                "tok_s_best": max(r.tok_s for r in runs),
+                "ttft_ms_median": median_or_none([r.ttft_ms_median for r in runs]),
+                "completion_tokens_per_run": [r.completion_tokens for r in runs],
+                "prompt_tokens": sorted({q.prompt_tokens for r in runs for q in r.requests},
+                                        key=lambda v: -1 if v is None else v),
+                "usage_reported": all(q.usage_reported for r in runs for q in r.requests),
+            }
+        row["ratio_tok_s"] = ratio(row["specd"]["tok_s_median"], row["mlx_lm"]["tok_s_median"])
+        row["ratio_tok_s_best"] = ratio(row["specd"]["tok_s_best"], row["mlx_lm"]["tok_s_best"])
+        row["ratio_ttft"] = ratio(row["specd"]["ttft_ms_median"], row["mlx_lm"]["ttft_ms_median"])
+        row["same_token_counts"] = (row["specd"]["completion_tokens_per_run"]
+                                    == row["mlx_lm"]["completion_tokens_per_run"])
+        row["same_prompt_tokens"] = row["specd"]["prompt_tokens"] == row["mlx_lm"]["prompt_tokens"]
+        row["same_text_first_run"] = same_texts(results, key)
+        summary[key] = row
+    return summary
+
+
+def same_texts(results: Results, key: str) -> float:
+    """Fraction of first-run requests whose greedy text is identical on both
+    servers: a sanity check that they ran the same model the same way.
+
+    Trailing U+FFFD is ignored: when a sequence ends (EOS) on a token whose
+    bytes are an incomplete character, specd flushes it as U+FFFD while
+    mlx_lm drops it; the tokens are the same.  Batched fp32 arithmetic may
+    also legitimately flip a near-tie late in a long output.
+    """
+    a = pooled(results, "specd", key)[0].requests
+    b = pooled(results, "mlx_lm", key)[0].requests
+    same = (x.text.rstrip("\ufffd") == y.text.rstrip("\ufffd") for x, y in zip(a, b, strict=True))
+    return sum(same) / len(a)
+
+
+def goal_check(summary: dict[str, Any]) -> dict[str, Any]:
+    """specd >= 0.95x mlx_lm tok/s at c=1 and >= 1.0x at c=8 (if measured)."""
+    targets = {"1": 0.95, "8": 1.0}
+    checks = {}
+    for key, need in targets.items():
+        got = summary.get(key, {}).get("ratio_tok_s")
+        checks[f"c{key}"] = {"required": need, "ratio_tok_s": got,
+                             "pass": None if got is None else got >= need}
+    measured = [c["pass"] for c in checks.values() if c["pass"] is not None]
+    checks["pass"] = bool(measured) and all(measured)
+    return checks
+
+
+def print_table(summary: dict[str, Any], goal: dict[str, Any]) -> None:
+    print()
+    print(f"{'concurrency':<12} {'server':<8} {'tok/s(median)':>14} {'tok/s(best)':>12} "
+          f"{'ttft_ms(median)':>16}")
+    for key, row in summary.items():
+        for server in ("specd", "mlx_lm"):
+            s = row[server]
+            print(f"{key:<12} {server:<8} {s['tok_s_median']:>14.1f} {s['tok_s_best']:>12.1f} "
+                  f"{fmt_ms(s['ttft_ms_median']):>16}")
+        print(f"ratio specd/mlx_lm: tok/s {fmt_x(row['ratio_tok_s'])}, "
+              f"ttft {fmt_x(row['ratio_ttft'])}  (best-run tok/s {fmt_x(row['ratio_tok_s_best'])})")
+        if not row["same_token_counts"]:
+            print(f"  note: completion tokens differ: specd {row['specd']['completion_tokens_per_run']}"
+                  f" vs mlx_lm {row['mlx_lm']['completion_tokens_per_run']}")
+        if not row["same_prompt_tokens"]:
+            print(f"  note: prompt token counts differ: specd {row['specd']['prompt_tokens']}"
+                  f" vs mlx_lm {row['mlx_lm']['prompt_tokens']}")
+        for server in ("specd", "mlx_lm"):
+            if not row[server]["usage_reported"]:
+                print(f"  note: {server} sent no usage; its tokens are counted as content chunks")
+        print(f"  identical greedy text (first run): {row['same_text_first_run']:.0%}")
+    verdicts = ", ".join(
+        f"c={k[1:]}: {v['ratio_tok_s']:.2f}x vs >= {v['required']}x {'PASS' if v['pass'] else 'FAIL'}"
+        for k, v in goal.items() if k != "pass" and v["ratio_tok_s"] is not None)
+    print(f"goal: {verdicts or 'not measured'} -> {'PASS' if goal['pass'] else 'FAIL'}")
+
+
+# --------------------------------------------------------------------------
+# Metadata and main
+
+
+def package_version(name: str) -> str | None:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version(name)
+    return None
+
+
+def forge_info(model: Path) -> Any:
+    """The forge's record of how the model was built, if it left one."""
+    path = model.parent / "forge.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {"unparsed": path.read_text()}
+
+
+def host_info() -> dict[str, Any]:
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "processor": platform.processor(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "loadavg": os.getloadavg()}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="mlx-lm model directory")
+    p.add_argument("--runs", type=int, default=5, help="runs per concurrency (median reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="start each server this many times, alternating which goes first; "
+                        "runs of all rounds are pooled")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results path")
+    p.add_argument("--mlx-lm-prompt-cache", action="store_true",
+                   help="keep mlx_lm.server's prompt cache on (off by default: specd has none)")
+    p.add_argument("--mlx-lm-backlog", type=int, default=64,
+                   help="listen backlog for mlx_lm.server (0: its stock 5, which drops "
+                        "connects beyond ~6 simultaneous ones for 1 s)")
+    args = p.parse_args(argv)
+    if min(args.runs, args.rounds, args.max_tokens, *args.concurrency) < 1:
+        p.error("--runs, --rounds, --max-tokens and --concurrency must be positive")
+    args.model = args.model.expanduser().resolve()
+    if not (args.model / "config.json").is_file():
+        p.error(f"{args.model} is not an mlx-lm model directory (no config.json)")
+    return args
+
+
+async def bench(args: argparse.Namespace, env: dict[str, str], workdir: Path) -> Results:
+    """Benchmark both servers in turn (never both at once), ``--rounds`` times.
+
+    Rounds alternate which server goes first, so a slow drift in background
+    load on a shared machine does not always fall on the same server.
+    """
+    results: Results = {"specd": [], "mlx_lm": []}
+    for n in range(args.rounds):
+        roundir = workdir / f"round{n}"
+        roundir.mkdir()
+        builders = [partial(specd_spec, args.model, roundir),
+                    partial(mlx_lm_spec, args.model, prompt_cache=args.mlx_lm_prompt_cache,
+                            backlog=args.mlx_lm_backlog)]
+        if n % 2:
+            builders.reverse()
+        for build in builders:
+            port = free_port()  # picked just before use, so the two never collide
+            spec = build(port)
+            session = await bench_server(spec, port, env, roundir, args.concurrency,
+                                         args.runs, args.max_tokens)
+            results[spec.name].append({"round": n, **session})
+    return results
+
+
+def to_jsonable(results: Results) -> dict[str, Any]:
+    return {server: [{**s, "runs": {c: [asdict(r) for r in runs] for c, runs in s["runs"].items()}}
+                     for s in sessions]
+            for server, sessions in results.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env, preload = child_env()
+    print(f"model: {args.model}")
+    print(f"LD_PRELOAD OpenBLAS for servers: {preload} (LD_PRELOAD={env.get('LD_PRELOAD', '')!r})")
+    if preload == "missing":
+        print(f"warning: {OPENBLAS} not found; MLX fp32 matmuls will be slow", file=sys.stderr)
+    # SIGTERM becomes SystemExit so the `finally`s stop the servers, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    host_before = host_info()
+    try:
+        with tempfile.TemporaryDirectory(prefix="specd-bench-") as tmp:
+            results = asyncio.run(bench(args, env, Path(tmp)))
+    except KeyboardInterrupt:
+        print("\ninterrupted; servers stopped, nothing written", file=sys.stderr)
+        return 130
+    summary = summarize(results, args.concurrency)
+    goal = goal_check(summary)
+    print_table(summary, goal)
+    report = {
+        "benchmark": "serve_vs_mlx_lm",
+        "created_unix": time.time(),
+        "model": str(args.model),
+        "forge": forge_info(args.model),
+        "config": {"runs": args.runs, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                   "concurrency": args.concurrency, "prompts": list(PROMPTS),
+                   "mlx_lm_prompt_cache": args.mlx_lm_prompt_cache,
+                   "mlx_lm_listen_backlog": args.mlx_lm_backlog or 5,
+                   "specd_max_batch_size": 16, "mlx_lm_batch_flags": list(MLX_LM_BATCH_FLAGS),
+                   "tok_s_definition": "sum of usage.completion_tokens / wall time of the run",
+                   "ttft_definition": "time to first streamed chunk with non-empty text"},
+        "host": {**host_before, "loadavg_after": os.getloadavg()},
+        "openblas_preload": {"state": preload, "LD_PRELOAD": env.get("LD_PRELOAD")},
+        "versions": {p: package_version(p) for p in ("mlx", "mlx-lm", "specd", "aiohttp")},
+        "summary": summary,
+        "goal": goal,
+        "results": to_jsonable(results),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

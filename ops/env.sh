@@ -1,0 +1,29 @@
+# Sourced by the ops scripts: a venv with specd installed, and on Linux the
+# OpenBLAS preload that makes MLX's CPU float32 matmuls ~40x faster.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SPECD_VENV:-$ROOT/.venv}"
+OPENBLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+
+if [ "$(uname -s)" = Linux ] && [ ! -e "$OPENBLAS" ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  echo "==> installing libopenblas0-pthread (Debian/Ubuntu)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "==> creating $VENV"
+  python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import specd, openai, pytest" 2>/dev/null \
+    || [ "$ROOT/pyproject.toml" -nt "$VENV/.specd-installed" ]; then
+  echo "==> installing specd and its test dependencies"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -e "$ROOT[test]"
+  touch "$VENV/.specd-installed"
+fi
+if [ -e "$OPENBLAS" ]; then
+  export LD_PRELOAD="$OPENBLAS${LD_PRELOAD:+:$LD_PRELOAD}"
+fi
+export PATH="$VENV/bin:$PATH"
+cd "$ROOT"

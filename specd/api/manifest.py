@@ -1,0 +1,174 @@
+"""Manifest types (``apiVersion: specd.dev/v1alpha1``) and their validation.
+
+A manifest is checked whole before anything is acted on: every problem is
+reported with the file, the field path (``spec.source``) and the reason, in
+the style of Kubernetes admission errors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+API_VERSION = "specd.dev/v1alpha1"
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.\-_]{0,251}[a-z0-9])?$")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be admitted, with where and why."""
+
+    def __init__(self, reason: str, path: str = "", file: str | None = None):
+        self.reason, self.path, self.file = reason, path, file
+        where = ":".join(p for p in (file, path) if p)
+        super().__init__(f"{where}: {reason}" if where else reason)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a served model should be: where its weights are and its limits."""
+
+    source: str
+    max_batch_size: int = 16
+    max_waiting: int = 64
+    max_context: int | None = None
+    prefill_step_tokens: int = 512
+
+
+@dataclass(frozen=True)
+class Resource:
+    api_version: str
+    kind: str
+    name: str
+    spec: Any
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    origin: str | None = None  # the file it came from, for messages and relative paths
+
+
+def _check_type(value: Any, kind: type | tuple, path: str) -> Any:
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise ManifestError(f"expected {_type_name(kind)}, got boolean", path)
+    if not isinstance(value, kind):
+        raise ManifestError(f"expected {_type_name(kind)}, got {type(value).__name__}", path)
+    return value
+
+
+def _type_name(kind: type | tuple) -> str:
+    names = {str: "string", int: "integer", float: "number", dict: "object", list: "array", bool: "boolean"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _fields(obj: Any, path: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
+    _check_type(obj, dict, path)
+    for key in obj:
+        if key not in allowed:
+            raise ManifestError(f'unknown field "{key}"', f"{path}.{key}" if path else key)
+    for key in sorted(required - obj.keys()):
+        raise ManifestError("required field is missing", f"{path}.{key}" if path else key)
+    return obj
+
+
+def _positive_int(obj: dict, key: str, path: str, default: int | None) -> int | None:
+    if key not in obj:
+        return default
+    value = _check_type(obj[key], int, f"{path}.{key}")
+    if value < 1:
+        raise ManifestError(f"must be at least 1, got {value}", f"{path}.{key}")
+    return value
+
+
+def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
+    keys = {"source", "maxBatchSize", "maxWaiting", "maxContext", "prefillStepTokens"}
+    _fields(spec, path, keys, {"source"})
+    source = _check_type(spec["source"], str, f"{path}.source")
+    if not source.strip():
+        raise ManifestError("must not be empty", f"{path}.source")
+    defaults = ModelSpec(source=source)
+    return ModelSpec(
+        source=source,
+        max_batch_size=_positive_int(spec, "maxBatchSize", path, defaults.max_batch_size),
+        max_waiting=_positive_int(spec, "maxWaiting", path, defaults.max_waiting),
+        max_context=_positive_int(spec, "maxContext", path, None),
+        prefill_step_tokens=_positive_int(spec, "prefillStepTokens", path, defaults.prefill_step_tokens),
+    )
+
+
+SPEC_PARSERS: dict[str, Callable[[Any], Any]] = {"Model": _parse_model_spec}
+
+
+def _string_map(obj: Any, path: str) -> dict[str, str]:
+    _check_type(obj, dict, path)
+    for k, v in obj.items():
+        _check_type(v, str, f"{path}.{k}")
+    return dict(obj)
+
+
+def parse_resource(doc: Any, origin: str | None = None) -> Resource:
+    """Validate one YAML document into a Resource, or raise ManifestError."""
+    try:
+        _fields(doc, "", {"apiVersion", "kind", "metadata", "spec", "status"},
+                {"apiVersion", "kind", "metadata", "spec"})
+        if doc["apiVersion"] != API_VERSION:
+            raise ManifestError(f'unsupported apiVersion "{doc["apiVersion"]}" (expected {API_VERSION})',
+                                "apiVersion")
+        kind = doc["kind"]
+        if kind not in SPEC_PARSERS:
+            raise ManifestError(f'unknown kind "{kind}" (known: {", ".join(sorted(SPEC_PARSERS))})', "kind")
+        meta = _fields(doc["metadata"], "metadata", {"name", "labels", "annotations"}, {"name"})
+        name = _check_type(meta["name"], str, "metadata.name")
+        if not NAME_RE.match(name):
+            raise ManifestError(
+                f'invalid name "{name}": lower-case letters, digits, ".", "-" and "_", '
+                "starting and ending with a letter or digit", "metadata.name")
+        return Resource(
+            api_version=API_VERSION, kind=kind, name=name, spec=SPEC_PARSERS[kind](doc["spec"]),
+            labels=_string_map(meta.get("labels", {}), "metadata.labels"),
+            annotations=_string_map(meta.get("annotations", {}), "metadata.annotations"),
+            origin=origin)
+    except ManifestError as err:
+        raise ManifestError(err.reason, err.path, origin) from None
+
+
+def parse_documents(text: str, origin: str | None = None) -> list[Resource]:
+    """Parse multi-document YAML; all documents are admitted or none."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise ManifestError(f"invalid YAML: {err}", "", origin) from None
+    resources = [parse_resource(d, origin) for d in docs]
+    seen: set[tuple[str, str]] = set()
+    for i, r in enumerate(resources):
+        if (r.kind, r.name) in seen:
+            raise ManifestError(f'duplicate {r.kind} "{r.name}"', f"[{i}].metadata.name", origin)
+        seen.add((r.kind, r.name))
+    return resources
+
+
+def load_manifest_dir(directory: Path) -> list[Resource]:
+    """Every resource in ``*.yaml``/``*.yml`` under ``directory`` (sorted, all-or-nothing)."""
+    files = sorted(p for p in directory.rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+    resources: list[Resource] = []
+    seen: dict[tuple[str, str], str] = {}
+    for f in files:
+        for r in parse_documents(f.read_text(), str(f)):
+            if (r.kind, r.name) in seen:
+                raise ManifestError(f'{r.kind} "{r.name}" is also declared in {seen[r.kind, r.name]}',
+                                    "metadata.name", str(f))
+            seen[r.kind, r.name] = str(f)
+            resources.append(r)
+    return resources
+
+
+def resolve_source(source: str, origin: str | None) -> str:
+    """A local path (``/``, ``./``, ``../``, ``~``) is taken relative to the
+    manifest's own file; anything else is a Hugging Face repo id."""
+    if source.startswith(("./", "../")) and origin:
+        return str((Path(origin).parent / source).resolve())
+    if source.startswith("~"):
+        return str(Path(source).expanduser())
+    return source

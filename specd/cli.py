@@ -1,0 +1,78 @@
+"""The ``specd`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import structlog
+
+from . import logs
+
+log = structlog.get_logger("specd")
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .api.manifest import ManifestError, load_manifest_dir
+    from .control.registry import ModelRegistry
+    from .metrics import Metrics
+    from .server.app import create_app
+
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    registry = ModelRegistry(Metrics())
+    if args.manifests is not None:
+        try:
+            resources = load_manifest_dir(args.manifests)
+        except ManifestError as err:
+            print(f"specd: invalid manifest: {err}", file=sys.stderr)
+            return 2
+        for resource in resources:
+            if resource.kind == "Model":
+                registry.declare(resource)
+    log.info("daemon starting", host=args.host, port=args.port, models=list(registry.models))
+    app = create_app(registry, drain_grace=args.drain_grace)
+    web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
+                handler_cancellation=True, print=None, access_log=None)
+    log.info("daemon stopped")
+    return 0
+
+
+def _forge(args: argparse.Namespace) -> int:
+    from . import forge
+
+    return forge.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description=__doc__)
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    daemon = sub.add_parser("daemon", help="run the serving daemon")
+    daemon.add_argument("--state-dir", type=Path, default=Path("state"))
+    daemon.add_argument("--host", default="127.0.0.1")
+    daemon.add_argument("--port", type=int, default=8000)
+    daemon.add_argument("--manifests", type=Path, default=None, help="directory of YAML manifests")
+    daemon.add_argument("--drain-grace", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on SIGTERM")
+    daemon.set_defaults(func=_daemon)
+
+    forge_cmd = sub.add_parser("forge", help="build a deterministic target/draft model pair")
+    from . import forge
+
+    forge.add_arguments(forge_cmd)
+    forge_cmd.set_defaults(func=_forge)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""The continuous-batching engine: one thread, one model, many requests.
+
+Every iteration of the engine thread admits waiting requests, runs one bounded
+chunk of prompt prefill for newcomers, then one decode step for the running
+batch, and hands each request its new tokens.  Requests join and leave the
+batch only between steps, so each step is a plain batched forward over
+left-padded rows (see ``batch.py``).
+
+The decode step is written as "forward a few tokens per row, choose how many
+to keep, roll the rest back" with one token per row, so a proposer and a
+multi-token verifier can slot into it without touching the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import mlx.core as mx
+import mlx.nn as nn
+import structlog
+
+from ..metrics import Metrics
+from .batch import RunningBatch, make_batch_cache
+from .sampling import SamplingParams, sample_rows, transform_logprobs
+from .sequence import GenerationRequest, Sequence, StepOutput, TokenLogprob
+
+log = structlog.get_logger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; the client should retry later (HTTP 429)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine is draining or stopped (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16
+    max_waiting: int = 64
+    prefill_step_tokens: int = 512
+    max_context: int | None = None
+
+
+@dataclass
+class _PrefillGroup:
+    """Newcomers whose prompts are being prefilled together, chunk by chunk."""
+
+    seqs: list[Sequence]
+    tokens: mx.array  # (B, L) left-padded prompts
+    cache: list
+    done: int = 0
+
+
+class Engine:
+    """Serves one model.  ``generate`` is called from the event loop; all MLX
+    work happens on the engine's own thread."""
+
+    def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig = EngineConfig(),
+                 metrics: Metrics | None = None):
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.max_context = _model_context(model, config.max_context)
+        self._detokenizer = tokenizer.detokenizer
+        self._cv = threading.Condition()
+        self._inbox: deque[Sequence] = deque()
+        self._cancelled: set[str] = set()
+        self._accepting = True
+        self._stopped = False
+        self._waiting: deque[Sequence] = deque()
+        self._prefill: _PrefillGroup | None = None
+        self._batch = RunningBatch()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+        self._labels = {"model_name": name}
+
+    # -- event-loop side -------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        with self._cv:
+            return len(self._inbox) + len(self._waiting) + len(self._batch) + (
+                len(self._prefill.seqs) if self._prefill else 0)
+
+    def check_prompt(self, request: GenerationRequest) -> None:
+        """Raise ValueError if the request can never fit the context window."""
+        if not request.prompt_tokens:
+            raise ValueError("prompt is empty")
+        if len(request.prompt_tokens) >= self.max_context:
+            raise ValueError(
+                f"prompt has {len(request.prompt_tokens)} tokens; this model's context "
+                f"window is {self.max_context} tokens")
+
+    def submit(self, request: GenerationRequest, emit) -> None:
+        """Queue a request; ``emit(StepOutput)`` is called from the engine thread."""
+        self.check_prompt(request)
+        seq = Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
+                       eos_ids=self.eos_ids, max_total_tokens=self.max_context)
+        with self._cv:
+            if not self._accepting:
+                raise EngineUnavailable(f"model {self.name!r} is shutting down")
+            if len(self._inbox) + len(self._waiting) >= self.config.max_waiting:
+                self.metrics.request_failure.labels(self.name, "overloaded").inc()
+                raise EngineOverloaded(
+                    f"model {self.name!r} has {self.config.max_waiting} requests waiting; retry later")
+            self._inbox.append(seq)
+            self._cv.notify()
+
+    def cancel(self, request_id: str) -> None:
+        """Free a request's batch slot at the next step boundary."""
+        with self._cv:
+            self._cancelled.add(request_id)
+            self._cv.notify()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        """Submit a request and yield its outputs; cancels it if the consumer stops early."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.submit(request, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finish_reason is not None or out.error is not None
+                yield out
+        finally:
+            if not finished:
+                self.cancel(request.request_id)
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish within ``grace``, then stop."""
+        with self._cv:
+            self._accepting = False
+        deadline = time.monotonic() + grace
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    # -- engine thread ---------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self._cancelled or self._waiting or self._prefill
+                           or self._batch or self._stopped):
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                cancelled, self._cancelled = self._cancelled, set()
+            try:
+                self._step(cancelled)
+            except Exception as exc:  # an engine fault fails its requests, not the daemon
+                log.exception("engine step failed", model=self.name)
+                self._fail_all(f"engine error: {exc}")
+        self._fail_all("engine stopped")
+
+    def _step(self, cancelled: set[str]) -> None:
+        if cancelled:
+            self._drop_cancelled(cancelled)
+        self._admit()
+        self._update_gauges()
+        if self._prefill is not None:
+            self._prefill_chunk()
+        if self._batch:
+            self._decode()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.requests_waiting.labels(self.name).set(len(self._waiting))
+        self.metrics.requests_running.labels(self.name).set(
+            len(self._batch) + (len(self._prefill.seqs) if self._prefill else 0))
+
+    def _drop_cancelled(self, ids: set[str]) -> None:
+        """Requests whose client went away leave now, counted as ``abort`` like vLLM."""
+        aborted = [s for s in self._waiting if s.request.request_id in ids]
+        self._waiting = deque(s for s in self._waiting if s.request.request_id not in ids)
+        if self._prefill is not None:
+            for s in self._prefill.seqs:
+                if s.request.request_id in ids and not s.cancelled:
+                    s.cancelled = True
+                    aborted.append(s)
+        keep = [i for i, s in enumerate(self._batch.seqs) if s.request.request_id not in ids]
+        aborted += [s for s in self._batch.seqs if s.request.request_id in ids]
+        self._batch.keep(keep)
+        for s in aborted:
+            self.metrics.request_success.labels(self.name, "abort").inc()
+
+    def _admit(self) -> None:
+        """Start prefilling as many waiting requests as the batch has room for."""
+        room = self.config.max_batch_size - len(self._batch)
+        if self._prefill is not None or room <= 0 or not self._waiting:
+            return
+        seqs = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        now = time.monotonic()
+        for s in seqs:
+            self.metrics.queue_time.labels(self.name).observe(now - s.arrival)
+        width = max(len(s.prompt) for s in seqs)
+        padding = [width - len(s.prompt) for s in seqs]
+        tokens = mx.array([[0] * p + s.prompt for p, s in zip(padding, seqs)])
+        self._prefill = _PrefillGroup(seqs, tokens, make_batch_cache(self.model, padding))
+
+    def _prefill_chunk(self) -> None:
+        """Run one bounded chunk of the prefill group; on its last chunk the
+        group samples its first tokens and joins the running batch."""
+        group = self._prefill
+        width = group.tokens.shape[1]
+        chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
+        end = min(width, group.done + chunk)
+        logits = self.model(group.tokens[:, group.done:end], cache=group.cache)
+        group.done = end
+        if end < width:
+            mx.eval([c.state for c in group.cache])
+            return
+        self._prefill = None
+        self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
+        tokens = self._sample_and_emit(group.seqs, logits[:, -1, :])
+        keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
+        if not keep:
+            return
+        if len(keep) < len(group.seqs):
+            idx = mx.array(keep)
+            for layer in group.cache:
+                layer.filter(idx)
+        self._batch.extend([group.seqs[i] for i in keep], group.cache, [tokens[i] for i in keep])
+
+    def _decode(self) -> None:
+        batch = self._batch
+        logits = self.model(mx.array(batch.last_tokens)[:, None], cache=batch.cache)
+        tokens = self._sample_and_emit(batch.seqs, logits[:, -1, :])
+        batch.last_tokens = tokens
+        batch.keep([i for i, s in enumerate(batch.seqs) if s.finish_reason is None])
+
+    def _sample_and_emit(self, seqs: list[Sequence], logits: mx.array) -> list[int]:
+        """Sample one token per row, hand each sequence its token, return them."""
+        params = [s.params for s in seqs]
+        logprobs = transform_logprobs(logits, params)
+        tokens, keys = sample_rows(logprobs, params, [s.key for s in seqs])
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs]
+        raw = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_logprobs else None
+        mx.eval(tokens, keys, raw if raw is not None else [])
+        token_list = tokens.tolist()
+        reported = _report_logprobs(raw, token_list, params, want_logprobs)
+        now = time.monotonic()
+        for i, seq in enumerate(seqs):
+            seq.key = keys[i]
+            self._deliver(seq, [token_list[i]], reported.get(i), now)
+        return token_list
+
+    def _deliver(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> None:
+        out = seq.accept(tokens, logprobs)
+        m, name = self.metrics, self.name
+        m.generation_tokens.labels(name).inc(len(out.tokens))
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            m.time_to_first_token.labels(name).observe(now - seq.arrival)
+        else:
+            m.inter_token_latency.labels(name).observe((now - seq.last_token_at) / max(1, len(out.tokens)))
+        seq.last_token_at = now
+        if out.finish_reason is not None:
+            m.request_success.labels(name, out.finish_reason).inc()
+            m.e2e_latency.labels(name).observe(now - seq.arrival)
+            m.request_prompt_tokens.labels(name).observe(len(seq.prompt))
+            m.request_generation_tokens.labels(name).observe(len(seq.tokens))
+        if not seq.cancelled:
+            seq.emit(out)
+
+    def _fail_all(self, message: str) -> None:
+        seqs = list(self._waiting) + list(self._batch.seqs)
+        if self._prefill is not None:
+            seqs += self._prefill.seqs
+        with self._cv:
+            seqs += list(self._inbox)
+            self._inbox.clear()
+        self._waiting.clear()
+        self._prefill = None
+        self._batch = RunningBatch()
+        for seq in seqs:
+            self.metrics.request_failure.labels(self.name, "engine_error").inc()
+            seq.emit(StepOutput(text="", tokens=[], logprobs=None, error=message,
+                                prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens)))
+        self._update_gauges()
+
+
+def _report_logprobs(raw: mx.array | None, tokens: list[int], params: list[SamplingParams],
+                     rows: list[int]) -> dict[int, list[TokenLogprob]]:
+    """Log-probabilities of the chosen tokens (and the top alternatives) under
+    the model's own distribution, as OpenAI's ``logprobs`` reports them."""
+    out: dict[int, list[TokenLogprob]] = {}
+    for i in rows:
+        row = raw[i]
+        n = params[i].top_logprobs
+        top: tuple[tuple[int, float], ...] = ()
+        if n > 0:
+            ids = mx.argsort(-row)[:n]
+            top = tuple(zip(ids.tolist(), row[ids].tolist()))
+        out[i] = [TokenLogprob(tokens[i], row[tokens[i]].item(), top)]
+    return out
+
+
+def _model_context(model: nn.Module, configured: int | None) -> int:
+    """The context window: the manifest's limit, else the model's own."""
+    args = getattr(model, "args", None)
+    native = getattr(args, "max_position_embeddings", None) or 4096
+    return min(configured, native) if configured else native

@@ -1,0 +1,115 @@
+"""Per-request sampling, vectorised over the running batch.
+
+mlx-lm's samplers take one scalar setting for the whole batch; a continuous
+batch mixes requests with different temperatures and truncations, so the same
+maths (temperature, then top-k, top-p and min-p masks on log-probabilities) is
+applied here with one parameter per row.  The speculative verifier applies this
+exact transform to both the target and the draft distributions, which is what
+keeps speculative sampling lossless.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+
+NEG_INF = -float("inf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler.  temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _column(values: Sequence[float], dtype=mx.float32) -> mx.array:
+    return mx.array(list(values), dtype=dtype)[:, None]
+
+
+def transform_logprobs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """Log-probabilities of the distribution each row samples from.
+
+    ``logits`` is (B, V) or (B, L, V); row b uses ``params[b]``.  Greedy rows
+    are left at temperature 1 (their argmax is unchanged by any of the masks).
+    """
+    squeeze = logits.ndim == 2
+    x = logits[:, None, :] if squeeze else logits
+    x = x.astype(mx.float32)
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        x = x / _column(temps)[:, :, None]
+    logprobs = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    if any(p.truncates for p in params):
+        logprobs = _truncate(logprobs, params)
+    return logprobs[:, 0, :] if squeeze else logprobs
+
+
+def _truncate(logprobs: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """Apply per-row top-k, top-p and min-p, then renormalise."""
+    vocab = logprobs.shape[-1]
+    keep = mx.ones(logprobs.shape, dtype=mx.bool_)
+    sorted_lp = mx.sort(logprobs, axis=-1)[..., ::-1]  # descending
+    if any(p.top_k > 0 for p in params):
+        k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+        kth = mx.take_along_axis(sorted_lp, (_column(k, mx.int32) - 1)[:, :, None], axis=-1)
+        keep = keep & (logprobs >= kth)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = _column([p.top_p for p in params])[:, :, None]
+        probs = mx.exp(sorted_lp)
+        mass_before = mx.cumsum(probs, axis=-1) - probs
+        # Number of leading tokens needed to reach top_p (at least one).
+        n_keep = mx.maximum((mass_before < top_p).sum(axis=-1, keepdims=True), 1)
+        threshold = mx.take_along_axis(sorted_lp, n_keep - 1, axis=-1)
+        keep = keep & (logprobs >= threshold)
+    if any(p.min_p > 0.0 for p in params):
+        log_min_p = _column([math.log(p.min_p) if p.min_p > 0 else NEG_INF for p in params])
+        keep = keep & (logprobs >= sorted_lp[..., :1] + log_min_p[:, :, None])
+    masked = mx.where(keep, logprobs, NEG_INF)
+    return masked - mx.logsumexp(masked, axis=-1, keepdims=True)
+
+
+def make_key(seed: int | None) -> mx.array:
+    """A request's own RNG stream, so its samples do not depend on batch mates."""
+    return mx.random.key(secrets.randbits(63) if seed is None else seed)
+
+
+def sample_rows(
+    logprobs: mx.array, params: Sequence[SamplingParams], keys: list[mx.array]
+) -> tuple[mx.array, list[mx.array]]:
+    """Sample one token per row of (B, V) ``logprobs``; greedy rows take argmax.
+
+    Every sampling row consumes one split of its own key (Gumbel-max), so a
+    seeded request draws the same numbers whether it runs alone or batched.
+    Returns the tokens (B,) and the advanced keys.
+    """
+    if all(p.greedy for p in params):
+        return mx.argmax(logprobs, axis=-1), keys
+    keys = list(keys)
+    vocab = logprobs.shape[-1]
+    noise = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            noise.append(mx.zeros((vocab,)))
+        else:
+            keys[i], sub = mx.random.split(keys[i])
+            noise.append(mx.random.gumbel(shape=(vocab,), key=sub))
+    return mx.argmax(logprobs + mx.stack(noise), axis=-1), keys

@@ -1,0 +1,148 @@
+"""A request's life inside the engine: its tokens, text, stop rules and outputs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+
+from .sampling import SamplingParams, make_key
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A tokenised request, as the HTTP layer hands it to an engine."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams = SamplingParams()
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request (possibly several tokens)."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text, even across token boundaries.
+
+    Text that could still become the start of a stop string is held back, so
+    a client never sees part of a stop string.
+    """
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return the text that is safe to emit and whether a stop string was hit."""
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:n]):
+                    hold = n
+                    break
+        self.held = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Engine-side state of one request; touched only by the engine thread."""
+
+    request: GenerationRequest
+    emit: Callable[[StepOutput], None]
+    detokenizer: object
+    eos_ids: frozenset[int]
+    max_total_tokens: int
+    key: mx.array = field(init=False)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.key = make_key(self.request.params.seed)
+        self.stops = StopMatcher(self.request.stop)
+        self.detokenizer.reset()
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_tokens
+
+    @property
+    def context_length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    def accept(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
+        """Append tokens in order, stopping at EOS, a stop string or a limit.
+
+        Tokens after the one that finishes the request are discarded, so a step
+        that produced several tokens never overshoots max_tokens or a stop.
+        """
+        text_parts: list[str] = []
+        taken: list[int] = []
+        hit_stop_string = False
+        for token in new_tokens:
+            taken.append(token)
+            self.tokens.append(token)
+            if token in self.eos_ids:
+                self.finish_reason = "stop"
+                break
+            self.detokenizer.add_token(token)
+            safe, hit_stop_string = self.stops.feed(self.detokenizer.last_segment)
+            text_parts.append(safe)
+            if hit_stop_string:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) >= self.request.max_tokens or self.context_length >= self.max_total_tokens:
+                self.finish_reason = "length"
+                break
+        if self.finish_reason is not None and not hit_stop_string:
+            self.detokenizer.finalize()
+            safe, hit_stop_string = self.stops.feed(self.detokenizer.last_segment)
+            text_parts.append(safe if hit_stop_string else safe + self.stops.flush())
+        return StepOutput(
+            text="".join(text_parts),
+            tokens=taken,
+            logprobs=logprobs[: len(taken)] if logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=len(self.tokens),
+        )

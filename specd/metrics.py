@@ -1,0 +1,57 @@
+"""Prometheus metrics, named after vLLM's with a ``specd_`` prefix.
+
+Dashboards written for vLLM translate 1:1 by swapping ``vllm:`` for
+``specd_``; every series carries the served model name as ``model_name``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class Metrics:
+    """All of a daemon's metric families, registered in one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.requests_running = Gauge(
+            "specd_num_requests_running", "Requests in the running batch.", m, registry=r)
+        self.requests_waiting = Gauge(
+            "specd_num_requests_waiting", "Requests waiting to be scheduled.", m, registry=r)
+        self.request_success = Counter(
+            "specd_request_success", "Finished requests, by finish reason.",
+            m + ["finished_reason"], registry=r)
+        self.request_failure = Counter(
+            "specd_request_failure", "Requests that ended with an engine error or were rejected.",
+            m + ["reason"], registry=r)
+        self.prompt_tokens = Counter(
+            "specd_prompt_tokens", "Prefilled prompt tokens.", m, registry=r)
+        self.generation_tokens = Counter(
+            "specd_generation_tokens", "Generated tokens.", m, registry=r)
+        self.time_to_first_token = Histogram(
+            "specd_time_to_first_token_seconds", "Time to first token.", m,
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "specd_inter_token_latency_seconds", "Time between output tokens.", m,
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(
+            "specd_e2e_request_latency_seconds", "End-to-end request latency.", m,
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(
+            "specd_request_queue_time_seconds", "Time a request waited before prefill.", m,
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(
+            "specd_request_prompt_tokens", "Prompt length per request.", m,
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            "specd_request_generation_tokens", "Generated tokens per request.", m,
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.model_ready = Gauge(
+            "specd_model_ready", "1 when the model is loaded and serving.", m, registry=r)

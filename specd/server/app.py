@@ -1,0 +1,84 @@
+"""The aiohttp application: OpenAI routes, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..control.registry import ModelRegistry
+from . import openai
+from .errors import APIError
+
+log = structlog.get_logger(__name__)
+routes = web.RouteTableDef()
+
+
+@web.middleware
+async def request_context(request: web.Request, handler) -> web.StreamResponse:
+    """Give every request an id (logged, echoed back) and turn every failure
+    into an OpenAI-shaped JSON error instead of a stack trace."""
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        try:
+            response = await handler(request)
+        except APIError as err:
+            response = err.response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = APIError(exc.status, exc.reason, "invalid_request_error").response()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unhandled error", path=request.path)
+            response = APIError(500, "internal server error", "server_error").response()
+        if not response.prepared:
+            response.headers["X-Request-Id"] = request_id
+        return response
+    finally:
+        structlog.contextvars.unbind_contextvars("request_id")
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    registry: ModelRegistry = request.app["registry"]
+    problems = registry.not_ready()
+    if problems or not request.app["started"].is_set():
+        return web.json_response({"status": "not ready", "models": problems}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app["registry"].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_app(registry: ModelRegistry, drain_grace: float = 30.0) -> web.Application:
+    """App factory.  Models are loaded after the server starts listening, so
+    ``/healthz`` and ``/readyz`` answer while weights load."""
+    app = web.Application(middlewares=[request_context], client_max_size=16 * 1024 * 1024)
+    app["registry"] = registry
+    app["started"] = asyncio.Event()
+    app.add_routes(routes)
+    app.add_routes(openai.routes)
+
+    async def models(app: web.Application):
+        loading = asyncio.create_task(registry.load_all())
+        loading.add_done_callback(lambda _: app["started"].set())
+        yield
+        loading.cancel()
+        await registry.shutdown(drain_grace)
+
+    app.cleanup_ctx.append(models)
+    return app

@@ -1,0 +1,37 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+class APIError(Exception):
+    """An error a handler raises to answer the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model '{name}' does not exist", "invalid_request_error", "model",
+                    "model_not_found")
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(429, message, "rate_limit_error", None, "queue_full")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", None, "model_not_ready")

@@ -1,0 +1,337 @@
+"""OpenAI-compatible routes: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from ..control.registry import ModelNotFound, ModelNotReady, ModelRegistry
+from ..engine.engine import Engine, EngineOverloaded, EngineUnavailable
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import GenerationRequest, StepOutput, TokenLogprob
+from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
+
+routes = web.RouteTableDef()
+MAX_TOP_LOGPROBS = 20
+UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    params: SamplingParams
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{key}' must be a number", key)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{key}' must be between {lo} and {hi}, got {value}", key)
+    return float(value)
+
+
+def _integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{key}' must be an integer", key)
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise bad_request(f"'{key}' must be {bound}, got {value}", key)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
+        return tuple(stop)
+    raise bad_request("'stop' must be a string or a list of at most 16 strings", "stop")
+
+
+def parse_common(body: Any, chat: bool) -> ParsedRequest:
+    """Validate the fields chat and text completions share."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    if body.get("n", 1) != 1:
+        raise bad_request("only n=1 is supported", "n")
+    for key in UNSUPPORTED_NONZERO:
+        if _number(body, key, -2.0, 2.0, 0.0) != 0.0:
+            raise bad_request(f"'{key}' is not supported", key)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    max_tokens = _integer(body, "max_completion_tokens", 1) if chat else None
+    max_tokens = max_tokens or _integer(body, "max_tokens", 1)
+    if chat:
+        logprobs = body.get("logprobs") or False
+        if not isinstance(logprobs, bool):
+            raise bad_request("'logprobs' must be a boolean", "logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        if top and not logprobs:
+            raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    else:
+        top = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        logprobs, top = top is not None, top or 0
+    top_k = _integer(body, "top_k", -1)
+    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
+    params = SamplingParams(
+        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 1.0,
+        top_k=max(0, top_k or 0),
+        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+        seed=None if seed is None else seed % (2**63),
+        logprobs=logprobs,
+        top_logprobs=top,
+    )
+    return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params)
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request("only text content parts are supported", f"messages[{index}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request("message content must be a string or a list of text parts", f"messages[{index}].content")
+
+
+def chat_prompt(engine: Engine, body: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise bad_request("each message needs a role of system, user, assistant, developer or tool",
+                              f"messages[{i}].role")
+        clean.append({"role": m["role"], "content": _message_text(m.get("content", ""), i)})
+    tokenizer = engine.tokenizer
+    if not tokenizer.has_chat_template:
+        raise bad_request(f"model '{engine.name}' has no chat template; use /v1/completions", "messages")
+    return list(tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True))
+
+
+def completion_prompt(engine: Engine, body: dict) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return engine.tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = engine.model.args.vocab_size if hasattr(engine.model, "args") else None
+        if vocab is not None and not all(0 <= t < vocab for t in prompt):
+            raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)
+    raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
+
+
+def _engine(request: web.Request, name: str) -> Engine:
+    registry: ModelRegistry = request.app["registry"]
+    try:
+        return registry.engine(name)
+    except ModelNotFound:
+        raise model_not_found(name) from None
+    except ModelNotReady as err:
+        raise unavailable(str(err)) from None
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise bad_request(f"request body is not valid JSON: {err}") from None
+
+
+def _token_text(engine: Engine, token: int) -> tuple[str, list[int]]:
+    """A token's text and UTF-8 bytes, as OpenAI's logprobs report them."""
+    text = engine.tokenizer.decode([token])
+    return text, list(text.encode())
+
+
+class Completion:
+    """Runs one request against an engine and renders it in OpenAI's shape."""
+
+    def __init__(self, engine: Engine, parsed: ParsedRequest, prompt: list[int], chat: bool):
+        self.engine, self.parsed, self.chat = engine, parsed, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        limit = engine.max_context - len(prompt)
+        max_tokens = min(parsed.max_tokens or limit, max(limit, 1))
+        self.request = GenerationRequest(self.id, prompt, parsed.params, max_tokens, parsed.stop)
+        try:
+            engine.check_prompt(self.request)
+        except ValueError as err:
+            raise bad_request(str(err), "messages" if chat else "prompt") from None
+        self.text_offset = 0
+
+    async def outputs(self) -> AsyncIterator[StepOutput]:
+        try:
+            async for out in self.engine.generate(self.request):
+                if out.error:
+                    raise APIError(500, out.error, "server_error", None, "engine_error")
+                yield out
+        except EngineOverloaded as err:
+            raise overloaded(str(err)) from None
+        except EngineUnavailable as err:
+            raise unavailable(str(err)) from None
+
+    def logprobs(self, items: list[TokenLogprob] | None) -> dict | None:
+        if items is None:
+            return None
+        if self.chat:
+            content = []
+            for lp in items:
+                text, raw = _token_text(self.engine, lp.token)
+                top = []
+                for tid, val in lp.top:
+                    t_text, t_raw = _token_text(self.engine, tid)
+                    top.append({"token": t_text, "logprob": val, "bytes": t_raw})
+                content.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+            return {"content": content}
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in items:
+            text, _ = _token_text(self.engine, lp.token)
+            tokens.append(text)
+            values.append(lp.logprob)
+            tops.append({_token_text(self.engine, t)[0]: v for t, v in lp.top} if lp.top else None)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def usage(out: StepOutput) -> dict:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+    def envelope(self, choices: list, usage: dict | None = None, chunk: bool = False) -> dict:
+        obj = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.engine.name,
+                "choices": choices}
+        if usage is not None or not chunk:
+            body["usage"] = usage
+        return body
+
+    async def respond(self) -> dict:
+        text, logprobs, last = [], [], None
+        async for out in self.outputs():
+            text.append(out.text)
+            if out.logprobs is not None:
+                logprobs.extend(out.logprobs)
+            last = out
+        lp = self.logprobs(logprobs) if self.parsed.params.logprobs else None
+        joined = "".join(text)
+        choice = {"index": 0, "logprobs": lp, "finish_reason": last.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": joined}
+        else:
+            choice["text"] = joined
+        return self.envelope([choice], self.usage(last))
+
+    def chunk(self, out: StepOutput | None, first: bool) -> dict:
+        choice: dict = {"index": 0, "logprobs": self.logprobs(out.logprobs) if out else None,
+                        "finish_reason": out.finish_reason if out else None}
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if first else {}
+            if out is not None and out.text:
+                delta["content"] = out.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = out.text if out else ""
+        return self.envelope([choice], chunk=True)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        outputs = self.outputs()
+        first = await anext(outputs)  # admission errors surface as a plain HTTP error
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(obj: dict) -> None:
+            await response.write(f"data: {json.dumps(obj)}\n\n".encode())
+
+        last = first
+        try:
+            if self.chat:
+                await send(self.chunk(None, first=True))
+            await send(self.chunk(first, first=False))
+            async for out in outputs:
+                await send(self.chunk(out, first=False))
+                last = out
+            if self.parsed.include_usage:
+                await send(self.envelope([], self.usage(last), chunk=True))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except APIError as err:
+            await send(err.body())
+            await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass  # the client left; closing ``outputs`` frees its batch slot
+        finally:
+            await outputs.aclose()
+        return response
+
+
+async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
+    body = await _read_json(request)
+    parsed = parse_common(body, chat)
+    engine = _engine(request, parsed.model)
+    prompt = chat_prompt(engine, body) if chat else completion_prompt(engine, body)
+    completion = Completion(engine, parsed, prompt, chat)
+    if parsed.stream:
+        return await completion.stream(request)
+    return web.json_response(await completion.respond())
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    registry: ModelRegistry = request.app["registry"]
+    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "specd",
+             "status": m.phase.value} for m in registry.models.values()]
+    return web.json_response({"object": "list", "data": data})
+
+
+@routes.get("/v1/models/{name}")
+async def get_model(request: web.Request) -> web.Response:
+    registry: ModelRegistry = request.app["registry"]
+    m = registry.models.get(request.match_info["name"])
+    if m is None:
+        raise model_not_found(request.match_info["name"])
+    return web.json_response({"id": m.name, "object": "model", "created": m.created, "owned_by": "specd",
+                              "status": m.phase.value})

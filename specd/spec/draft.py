@@ -1,0 +1,121 @@
+"""Draft-model proposals: a small model drafts k tokens for every speculating row.
+
+The draft keeps its own batched KV cache whose rows follow the sequences that
+speculate with it.  A row is prefilled lazily, on its sequence's first
+speculation round.  Between rounds each row holds ``pending`` tokens the draft
+has not seen yet (the target's correction or bonus token, plus the last draft
+token when all k were accepted); the first draft step feeds them right-padded
+and rolls the padding back, so every row's draft cache holds exactly its
+accepted context, like the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..engine.batch import make_batch_cache, rollback
+from ..engine.sampling import SamplingParams, sample_rows, transform_logprobs
+from ..engine.sequence import Sequence
+
+
+@dataclass
+class DraftProposal:
+    drafts: mx.array  # (B, K) tokens
+    probs: mx.array  # (B, K, V) q after each row's sampling transforms
+    keys: list[mx.array]  # advanced RNG keys of the rows
+
+
+class DraftModelProposer:
+    method = "draft"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.rows: list[Sequence] = []
+        self.cache: list = []
+        self.pending: list[list[int]] = []
+        self._drafted = 0
+
+    def _forward(self, tokens: list[list[int]]) -> mx.array:
+        """Feed each row its tokens (right-padded); return each row's last logits."""
+        width = max(len(t) for t in tokens)
+        inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
+        logits = self.model(inputs, cache=self.cache)
+        last = mx.array([len(t) - 1 for t in tokens])
+        rollback(self.cache, [width - len(t) for t in tokens])
+        return logits[mx.arange(len(tokens)), last]
+
+    def _admit(self, seqs: list[Sequence], last_tokens: list[int]) -> None:
+        """Prefill the draft cache for sequences it has not seen yet."""
+        context = [s.prompt + s.tokens[:-1] for s in seqs]
+        width = max(len(c) for c in context)
+        padding = [width - len(c) for c in context]
+        cache = make_batch_cache(self.model, padding)
+        self.model(mx.array([[0] * p + c for p, c in zip(padding, context)]), cache=cache)
+        mx.eval([c.state for c in cache])
+        if self.rows:
+            for mine, theirs in zip(self.cache, cache):
+                mine.extend(theirs)
+        else:
+            self.cache = cache
+        self.rows += seqs
+        self.pending += [[t] for t in last_tokens]
+
+    def _sync_rows(self, seqs: list[Sequence], last_tokens: list[int]) -> None:
+        """Make the cache rows exactly ``seqs``, in order: drop sequences that
+        left or stopped drafting, prefill newcomers."""
+        row_of = {id(s): i for i, s in enumerate(self.rows)}
+        if [id(s) for s in self.rows] != [id(s) for s in seqs if id(s) in row_of]:
+            keep = [row_of[id(s)] for s in seqs if id(s) in row_of]
+            self.rows = [self.rows[i] for i in keep]
+            self.pending = [self.pending[i] for i in keep]
+            if keep:
+                idx = mx.array(keep)
+                for layer in self.cache:
+                    layer.filter(idx)
+            else:
+                self.cache = []
+        new = [(s, t) for s, t in zip(seqs, last_tokens) if id(s) not in row_of]
+        if new:
+            self._admit([s for s, _ in new], [t for _, t in new])
+        if [id(s) for s in self.rows] != [id(s) for s in seqs]:  # newcomers were appended
+            row_of = {id(s): i for i, s in enumerate(self.rows)}
+            order = [row_of[id(s)] for s in seqs]
+            idx = mx.array(order)
+            for layer in self.cache:
+                layer.filter(idx)
+            self.rows = list(seqs)
+            self.pending = [self.pending[i] for i in order]
+
+    def propose(self, seqs: list[Sequence], last_tokens: list[int], k: int,
+                params: list[SamplingParams], keys: list[mx.array]) -> DraftProposal:
+        """Draft ``k`` tokens for each of ``seqs``; rows are then exactly ``seqs``."""
+        self._sync_rows(seqs, last_tokens)
+        keys = list(keys)
+        drafts, probs = [], []
+        logits = self._forward(self.pending)
+        for step in range(k):
+            logprobs = transform_logprobs(logits, params)
+            token, keys = sample_rows(logprobs, params, keys)
+            drafts.append(token)
+            probs.append(mx.exp(logprobs))
+            if step < k - 1:
+                logits = self.model(token[:, None], cache=self.cache)[:, -1]
+        self._drafted = k
+        return DraftProposal(mx.stack(drafts, axis=1), mx.stack(probs, axis=1), keys)
+
+    def commit(self, accepted: list[int], drafts: list[list[int]], next_tokens: list[int]) -> None:
+        """Roll each row back to its accepted context and queue what it must see next.
+
+        After k draft steps a row's cache holds pending + d_1..d_{k-1}.  Keeping
+        a accepted drafts means dropping k-1-a of them; when all k were accepted
+        d_k was never fed, so it goes into pending ahead of the target's token.
+        """
+        k = self._drafted
+        rejected = []
+        for i, (a, d, t) in enumerate(zip(accepted, drafts, next_tokens)):
+            rejected.append(max(k - 1 - a, 0))
+            self.pending[i] = [d[k - 1], t] if a == k else [t]
+        rollback(self.cache, rejected)

@@ -1,0 +1,122 @@
+"""Shared fixtures: forged test models and real daemons on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import urllib.request
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def forged(tmp_path_factory) -> Path:
+    """The deterministic random test pair (``OUT/target``, ``OUT/draft``)."""
+    from specd.forge import forge
+
+    out = tmp_path_factory.mktemp("forge")
+    forge(out, preset="test", seed=0, log=lambda *a, **k: None)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_manifest(name: str, source: str | Path, **spec) -> str:
+    extra = "".join(f"\n  {k}: {v}" for k, v in spec.items())
+    return textwrap.dedent(f"""\
+        apiVersion: specd.dev/v1alpha1
+        kind: Model
+        metadata:
+          name: {name}
+        spec:
+          source: {source}""") + extra + "\n"
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, *extra: str) -> Daemon:
+    """Start ``specd daemon`` as its own process on a free loopback port."""
+    mdir = tmp / "manifests"
+    mdir.mkdir(parents=True, exist_ok=True)
+    for fname, text in manifests.items():
+        (mdir / fname).write_text(text)
+    port = free_port()
+    log_path = tmp / f"daemon-{port}.log"
+    cmd = [sys.executable, "-m", "specd.cli", "daemon", "--manifests", str(mdir),
+           "--state-dir", str(tmp / "state"), "--host", "127.0.0.1", "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    daemon = Daemon(proc, port, log_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{daemon.log()}")
+        try:
+            status, _ = daemon.get("/readyz" if wait_ready else "/healthz")
+            if status == 200:
+                return daemon
+        except OSError:
+            pass
+        time.sleep(0.05)
+    daemon.stop(signal.SIGKILL)
+    raise RuntimeError(f"daemon not ready:\n{daemon.log()}")
+
+
+@pytest.fixture(scope="session")
+def daemon(forged, tmp_path_factory):
+    """One daemon serving the forged target as ``tiny`` for the API tests."""
+    d = start_daemon(tmp_path_factory.mktemp("daemon"),
+                     {"models.yaml": model_manifest("tiny", forged / "target", maxBatchSize=16)})
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="session")
+def client(daemon):
+    from openai import OpenAI
+
+    return OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(forged):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(forged / "target")

@@ -1,0 +1,109 @@
+"""Daemon lifecycle: readiness, failure isolation, manifest rejection, SIGTERM drain."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from openai import OpenAI
+
+from conftest import ROOT, model_manifest, start_daemon
+
+
+def chat(url: str, model: str, **kw):
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "def f():"}],
+                                          temperature=0, **kw)
+
+
+def test_readiness_is_503_while_loading_then_200(forged, tmp_path):
+    """The model's config.json is a FIFO: loading blocks on it until the test
+    writes the real config, so the daemon is observably up but not ready."""
+    slow = tmp_path / "slow"
+    shutil.copytree(forged / "target", slow)
+    config = (slow / "config.json").read_bytes()
+    (slow / "config.json").unlink()
+    os.mkfifo(slow / "config.json")
+    daemon = start_daemon(tmp_path, {"m.yaml": model_manifest("slow", slow)}, False)
+    try:
+        status, body = daemon.get("/readyz")
+        assert status == 503 and b"Loading" in body
+        assert daemon.get("/healthz")[0] == 200
+
+        def feed():  # every reader of config.json gets the real content, once
+            while True:
+                with open(slow / "config.json", "wb") as f:
+                    f.write(config)
+                time.sleep(0.2)  # let that reader reach EOF before the next open
+
+        threading.Thread(target=feed, daemon=True).start()
+        deadline = time.monotonic() + 60
+        while daemon.get("/readyz")[0] != 200:
+            assert time.monotonic() < deadline, daemon.log()
+            time.sleep(0.05)
+        assert chat(daemon.url, "slow", max_tokens=4).usage.completion_tokens == 4
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_failed_model_is_isolated(forged, tmp_path):
+    manifests = {"good.yaml": model_manifest("good", forged / "target"),
+                 "bad.yaml": model_manifest("broken", tmp_path / "does-not-exist")}
+    daemon = start_daemon(tmp_path, manifests, False)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = daemon.get("/readyz")
+            if b"Failed" in body:
+                break
+            assert time.monotonic() < deadline, daemon.log()
+            time.sleep(0.05)
+        assert status == 503
+        assert b"broken" in body and b"does not exist" in body
+        assert chat(daemon.url, "good", max_tokens=5).choices[0].finish_reason == "length"
+        from openai import APIStatusError
+        with pytest.raises(APIStatusError) as err:
+            chat(daemon.url, "broken", max_tokens=5)
+        assert err.value.status_code == 503
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("manifest,path", [
+    ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: ./x, maxBatchSize: -1}\n",
+     "spec.maxBatchSize"),
+    ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: ./x, colour: red}\n",
+     "spec.colour"),
+    ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: Bad_Name!}\nspec: {source: ./x}\n",
+     "metadata.name"),
+    ("apiVersion: v9\nkind: Model\nmetadata: {name: m}\nspec: {source: ./x}\n", "apiVersion"),
+    ("apiVersion: specd.dev/v1alpha1\nkind: Gizmo\nmetadata: {name: m}\nspec: {}\n", "kind"),
+    ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: 3}\n", "spec.source"),
+    ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {}\n", "spec.source"),
+    ("kind: Model\n  bad: [yaml\n", ""),
+])
+def test_invalid_manifest_is_rejected_with_path(tmp_path, manifest, path):
+    (tmp_path / "bad.yaml").write_text(manifest)
+    proc = subprocess.run([sys.executable, "-m", "specd.cli", "daemon", "--manifests", str(tmp_path),
+                           "--port", "1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "bad.yaml" in proc.stderr and path in proc.stderr, proc.stderr
+
+
+def test_sigterm_drains_in_flight_requests(forged, tmp_path):
+    daemon = start_daemon(tmp_path, {"m.yaml": model_manifest("m", forged / "target")})
+    client = OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.completions.create(model="m", prompt="import os\n", max_tokens=400, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    first = next(stream)
+    daemon.proc.send_signal(signal.SIGTERM)
+    chunks = [first, *stream]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 400
+    assert daemon.proc.wait(30) == 0

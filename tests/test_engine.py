@@ -1,0 +1,105 @@
+"""The continuous-batching engine, in process, on the forged test target."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+from mlx_lm import load
+
+from specd.engine.engine import Engine, EngineConfig, EngineOverloaded
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import GenerationRequest
+
+GREEDY = SamplingParams(temperature=0)
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def target(forged):
+    return load(str(forged / "target"))
+
+
+async def run(engine: Engine, prompt: list[int], max_tokens: int = 32, params=GREEDY, delay: float = 0.0):
+    if delay:
+        await asyncio.sleep(delay)
+    tokens, text, finish = [], [], None
+    request = GenerationRequest(f"r{next(_ids)}", prompt, params, max_tokens)
+    async for out in engine.generate(request):
+        tokens += out.tokens
+        text.append(out.text)
+        finish = out.finish_reason
+    return tokens, "".join(text), finish
+
+
+def with_engine(target, fn, **config):
+    async def main():
+        engine = Engine("t", *target, EngineConfig(**config))
+        engine.start()
+        try:
+            return await fn(engine)
+        finally:
+            await engine.shutdown(1)
+    return asyncio.run(main())
+
+
+def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    text = open(__file__).read()
+    ids = tokenizer.encode(text)
+    return [ids[i * 7: i * 7 + length + i * 5] for i in range(n)]
+
+
+def test_chunked_prefill_and_joining_mid_flight_match_solo(target):
+    ps = prompts(target[1], 6, 40)
+
+    async def solo(engine):
+        return [await run(engine, p, 48) for p in ps]
+
+    async def staggered(engine):
+        return await asyncio.gather(*(run(engine, p, 48, delay=0.01 * i) for i, p in enumerate(ps)))
+
+    reference = with_engine(target, solo)
+    mixed = with_engine(target, staggered, prefill_step_tokens=16, max_batch_size=4)
+    assert [r[0] for r in mixed] == [r[0] for r in reference]
+    assert all(r[2] == "length" for r in reference)
+
+
+def test_streamed_text_is_the_decoded_tokens(target):
+    tokenizer = target[1]
+
+    async def go(engine):
+        return await asyncio.gather(*(run(engine, p, 64, SamplingParams(temperature=1.0, seed=i))
+                                      for i, p in enumerate(prompts(tokenizer, 4, 10))))
+
+    for tokens, text, finish in with_engine(target, go):
+        body = [t for t in tokens if t not in tokenizer.eos_token_ids]
+        assert text == tokenizer.decode(body)
+        assert "\ufffd" not in text or "\ufffd" in tokenizer.decode(body)
+
+
+def test_context_limit_finishes_with_length(target):
+    prompt = prompts(target[1], 1, 60)[0]
+
+    async def go(engine):
+        return await run(engine, prompt, 1000)
+
+    tokens, _, finish = with_engine(target, go, max_context=len(prompt) + 5)
+    assert finish == "length" and len(tokens) == 5
+
+
+def test_waiting_queue_is_bounded(target):
+    prompt = prompts(target[1], 1, 8)[0]
+
+    async def go(engine):
+        first = engine.generate(GenerationRequest("first", prompt, GREEDY, 300))
+        await anext(first)  # it now holds the only batch slot
+        queued = [asyncio.ensure_future(run(engine, prompt, 4)) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(EngineOverloaded):
+            engine.submit(GenerationRequest("extra", prompt, GREEDY, 4), lambda out: None)
+        rest = [out async for out in first]
+        return rest[-1].finish_reason, await asyncio.gather(*queued)
+
+    finish, queued = with_engine(target, go, max_batch_size=1, max_waiting=2)
+    assert finish == "length" and [r[2] for r in queued] == ["length", "length"]

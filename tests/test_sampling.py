@@ -1,0 +1,90 @@
+"""Per-row sampling transforms and the stop-string matcher."""
+
+from __future__ import annotations
+
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from specd.engine.sampling import SamplingParams, make_key, sample_rows, transform_logprobs
+from specd.engine.sequence import StopMatcher
+
+LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=np.float32))
+
+
+def probs(params: SamplingParams) -> np.ndarray:
+    lp = transform_logprobs(mx.array(LOGITS[None]), [params])
+    return np.exp(np.array(lp[0]))
+
+
+@pytest.mark.parametrize("params,expected", [
+    (SamplingParams(), [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]),
+    (SamplingParams(top_k=2), [0.4 / 0.65, 0.25 / 0.65, 0, 0, 0, 0]),
+    (SamplingParams(top_p=0.7), [0.4 / 0.8, 0.25 / 0.8, 0.15 / 0.8, 0, 0, 0]),
+    (SamplingParams(top_p=0.65), [0.4 / 0.65, 0.25 / 0.65, 0, 0, 0, 0]),
+    (SamplingParams(min_p=0.3), [0.4 / 0.8, 0.25 / 0.8, 0.15 / 0.8, 0, 0, 0]),
+    (SamplingParams(top_p=0.01), [1, 0, 0, 0, 0, 0]),
+])
+def test_truncations_match_reference(params, expected):
+    np.testing.assert_allclose(probs(params), expected, atol=1e-6)
+
+
+def test_temperature_sharpens():
+    p = probs(SamplingParams(temperature=0.5))
+    ref = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]) ** 2
+    np.testing.assert_allclose(p, ref / ref.sum(), atol=1e-6)
+
+
+def test_rows_use_their_own_parameters():
+    rows = [SamplingParams(top_k=1), SamplingParams(), SamplingParams(temperature=2.0, top_p=0.5)]
+    lp = np.exp(np.array(transform_logprobs(mx.array(np.stack([LOGITS] * 3)), rows)))
+    np.testing.assert_allclose(lp[0], probs(rows[0]), atol=1e-6)
+    np.testing.assert_allclose(lp[1], probs(rows[1]), atol=1e-6)
+    np.testing.assert_allclose(lp[2], probs(rows[2]), atol=1e-6)
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    """Pearson chi-square over 6 bins (5 dof): 20.5 is the 0.999 quantile."""
+    params = [SamplingParams(temperature=1.0)]
+    keys = [make_key(7)]
+    lp = transform_logprobs(mx.array(LOGITS[None]), params)
+    n = 4000
+    counts = np.zeros(6)
+    for _ in range(n):
+        tok, keys = sample_rows(lp, params, keys)
+        counts[tok.item()] += 1
+    expected = n * np.exp(LOGITS)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (counts, expected)
+
+
+def test_greedy_rows_ignore_noise_and_keep_their_key():
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1, seed=1)]
+    keys = [make_key(1), make_key(1)]
+    lp = transform_logprobs(mx.array(np.stack([LOGITS[::-1], LOGITS])), params)
+    tokens, new_keys = sample_rows(lp, params, keys)
+    assert tokens.tolist()[0] == 5
+    assert np.array_equal(np.array(new_keys[0]), np.array(keys[0]))
+    assert not np.array_equal(np.array(new_keys[1]), np.array(keys[1]))
+
+
+def test_stop_matcher_spans_chunks_and_holds_back_prefixes():
+    m = StopMatcher(("STOP",))
+    assert m.feed("hello S") == ("hello ", False)
+    assert m.feed("TO") == ("", False)
+    assert m.feed("P and more") == ("", True)
+
+
+def test_stop_matcher_releases_false_alarm():
+    m = StopMatcher(("<end>",))
+    assert m.feed("a <en") == ("a ", False)
+    assert m.feed("try") == ("<entry", False)
+    assert m.flush() == ""
+    m.feed("x <e")
+    assert m.flush() == "<e"
+
+
+def test_stop_matcher_earliest_of_several():
+    m = StopMatcher(("cd", "b"))
+    assert m.feed("abcd") == ("a", True)
