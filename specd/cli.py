@@ -29,9 +29,12 @@ def _daemon(args: argparse.Namespace) -> int:
         except ManifestError as err:
             print(f"specd: invalid manifest: {err}", file=sys.stderr)
             return 2
-        for resource in resources:
-            if resource.kind == "Model":
+        try:
+            for resource in resources:
                 registry.declare(resource)
+        except ValueError as err:
+            print(f"specd: invalid manifests: {err}", file=sys.stderr)
+            return 2
     log.info("daemon starting", host=args.host, port=args.port, models=list(registry.models))
     app = create_app(registry, drain_grace=args.drain_grace)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,

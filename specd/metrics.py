@@ -53,5 +53,24 @@ class Metrics:
         self.request_generation_tokens = Histogram(
             "specd_request_generation_tokens", "Generated tokens per request.", m,
             buckets=TOKEN_BUCKETS, registry=r)
+        spec = m + ["method"]
+        self.spec_num_drafts = Counter(
+            "specd_spec_decode_num_drafts", "Speculation rounds with at least one proposal.", spec, registry=r)
+        self.spec_num_draft_tokens = Counter(
+            "specd_spec_decode_num_draft_tokens", "Proposed tokens.", spec, registry=r)
+        self.spec_num_accepted_tokens = Counter(
+            "specd_spec_decode_num_accepted_tokens", "Accepted proposed tokens.", spec, registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "specd_spec_decode_num_accepted_tokens_per_pos", "Accepted proposals by position in the draft.",
+            spec + ["position"], registry=r)
+        self.spec_propose_seconds = Histogram(
+            "specd_spec_decode_propose_seconds", "Time proposing per step.", spec,
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.spec_verify_seconds = Histogram(
+            "specd_spec_decode_verify_seconds", "Time in acceptance sampling per step (after the forward).",
+            m, buckets=LATENCY_BUCKETS, registry=r)
+        self.spec_rollback_seconds = Histogram(
+            "specd_spec_decode_rollback_seconds", "Time rolling KV caches back per step.", m,
+            buckets=LATENCY_BUCKETS, registry=r)
         self.model_ready = Gauge(
             "specd_model_ready", "1 when the model is loaded and serving.", m, registry=r)

@@ -32,7 +32,10 @@ Fairness choices, all recorded in the JSON:
   ``mlx_lm_spec``), else c=8 runs measure 1 s SYN retransmits, not serving;
   ``--mlx-lm-backlog 0`` keeps the stock server;
 * with ``--rounds N`` each server is started N times, alternating which one
-  goes first, and the runs of all rounds are pooled before taking medians.
+  goes first, and the runs of all rounds are pooled before taking medians;
+* the machine is shared: a run during which other processes used more than
+  ``--max-foreign-cores`` CPU cores (measured from /proc) is redone, up to
+  ``--retries`` times; the kept runs' background load is in the JSON.
 
 Usage (from the repository root)::
 
@@ -113,11 +116,26 @@ class RunResult:
     completion_tokens: int
     tok_s: float
     ttft_ms_median: float | None
+    # CPU cores other processes used meanwhile (None where /proc is missing),
+    # and how many attempts it took to get a run below the busy threshold.
+    foreign_cores: float | None = None
+    attempts: int = 1
     requests: list[RequestResult] = field(default_factory=list)
 
 
 # server name -> its sessions (one per round), as bench_server returns them
 Results = dict[str, list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure on each server, and when a run is too disturbed to keep."""
+
+    concurrencies: list[int]
+    runs: int
+    max_tokens: int
+    max_foreign_cores: float
+    retries: int
 
 
 @dataclass
@@ -256,6 +274,49 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 # --------------------------------------------------------------------------
+# Background load
+
+
+class ForeignLoad:
+    """CPU used by processes other than the server under test and this script.
+
+    The machine is shared, and another job's burst can halve a run's
+    throughput.  From /proc we get all CPU time spent and the server's and
+    our own, so the difference says how many cores someone else took during
+    the run; runs above ``--max-foreign-cores`` are redone.
+    """
+
+    TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __init__(self, server_pid: int):
+        self.server_pid = server_pid
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, int, int, int] | None:
+        try:
+            cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+            busy = sum(cpu) - cpu[3] - cpu[4]  # all but idle and iowait
+            return time.monotonic(), busy, _process_ticks(self.server_pid), _process_ticks("self")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def cores(self) -> float | None:
+        """Average cores used by others since construction."""
+        end = self._sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        (t0, busy0, srv0, me0), (t1, busy1, srv1, me1) = self.start, end
+        foreign = (busy1 - busy0) - (srv1 - srv0) - (me1 - me0)
+        return max(0.0, foreign / self.TICK / (t1 - t0))
+
+
+def _process_ticks(pid: int | str) -> int:
+    """utime + stime of a process, all threads (fields 14 and 15 of its stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+# --------------------------------------------------------------------------
 # Client
 
 
@@ -316,8 +377,9 @@ async def stream_completion(session: aiohttp.ClientSession, base: str, model_id:
 
 
 async def measure_run(session: aiohttp.ClientSession, base: str, model_id: str,
-                      concurrency: int, max_tokens: int) -> RunResult:
+                      concurrency: int, max_tokens: int, server_pid: int) -> RunResult:
     """Fire ``concurrency`` requests (distinct prompts) at once, await all."""
+    load = ForeignLoad(server_pid)
     started = time.perf_counter()
     requests = await asyncio.gather(*(
         stream_completion(session, base, model_id, i % len(PROMPTS), max_tokens)
@@ -331,12 +393,28 @@ async def measure_run(session: aiohttp.ClientSession, base: str, model_id: str,
         completion_tokens=tokens,
         tok_s=tokens / wall,
         ttft_ms_median=statistics.median(ttfts) * 1000 if ttfts else None,
+        foreign_cores=load.cores(),
         requests=list(requests),
     )
 
 
+async def measure_quiet_run(session: aiohttp.ClientSession, base: str, spec: ServerSpec,
+                            concurrency: int, plan: Plan, server_pid: int) -> RunResult:
+    """A run during which other processes stayed under the busy threshold,
+    or the last of ``plan.retries + 1`` attempts if they never did."""
+    for attempt in range(1, plan.retries + 2):
+        run = await measure_run(session, base, spec.model_id, concurrency, plan.max_tokens,
+                                server_pid)
+        run.attempts = attempt
+        if run.foreign_cores is None or run.foreign_cores <= plan.max_foreign_cores:
+            break
+        print(f"[{spec.name}] c={concurrency}: other processes used {run.foreign_cores:.2f} cores "
+              f"(> {plan.max_foreign_cores}), attempt {attempt}/{plan.retries + 1}", flush=True)
+    return run
+
+
 async def bench_server(spec: ServerSpec, port: int, env: dict[str, str], workdir: Path,
-                       concurrencies: list[int], runs: int, max_tokens: int) -> dict[str, Any]:
+                       plan: Plan) -> dict[str, Any]:
     """Start one server, warm it up, measure every concurrency, stop it.
 
     Returns one *session*: the server's start-up figures and its runs by
@@ -351,19 +429,20 @@ async def bench_server(spec: ServerSpec, port: int, env: dict[str, str], workdir
             print(f"[{spec.name}] starting on port {port} (log: {log_path})", flush=True)
             ready_s = await wait_ready(session, base, spec, proc, log_path)
             started = time.perf_counter()
-            warmup = await stream_completion(session, base, spec.model_id, 0, max_tokens)
+            warmup = await stream_completion(session, base, spec.model_id, 0, plan.max_tokens)
             warmup_s = time.perf_counter() - started
             print(f"[{spec.name}] ready in {ready_s:.1f}s, warm-up request {warmup_s:.2f}s "
                   f"({warmup.completion_tokens} tokens)", flush=True)
             by_c: dict[str, list[RunResult]] = {}
-            for c in concurrencies:
+            for c in plan.concurrencies:
                 by_c[str(c)] = []
-                for r in range(runs):
-                    run = await measure_run(session, base, spec.model_id, c, max_tokens)
+                for r in range(plan.runs):
+                    run = await measure_quiet_run(session, base, spec, c, plan, proc.pid)
                     by_c[str(c)].append(run)
-                    print(f"[{spec.name}] c={c} run {r + 1}/{runs}: {run.tok_s:7.1f} tok/s, "
+                    print(f"[{spec.name}] c={c} run {r + 1}/{plan.runs}: {run.tok_s:7.1f} tok/s, "
                           f"ttft {fmt_ms(run.ttft_ms_median)} ms, {run.completion_tokens} tokens "
-                          f"in {run.wall_s:.2f}s", flush=True)
+                          f"in {run.wall_s:.2f}s, others {fmt_cores(run.foreign_cores)} cores",
+                          flush=True)
     return {"argv": spec.argv, "log": log_tail(log_path), "ready_s": ready_s,
             "warmup_s": warmup_s, "warmup_completion_tokens": warmup.completion_tokens,
             "runs": by_c}
@@ -382,6 +461,10 @@ def fmt_ms(ms: float | None) -> str:
     return "n/a" if ms is None else f"{ms:.1f}"
 
 
+def fmt_cores(cores: float | None) -> str:
+    return "n/a" if cores is None else f"{cores:.2f}"
+
+
 def fmt_x(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
 
@@ -395,7 +478,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(results: Results, concurrencies: list[int]) -> dict[str, Any]:
+def summarize(results: Results, concurrencies: list[int],
+              max_foreign_cores: float) -> dict[str, Any]:
     """Medians over runs per server, ratios, and token-count agreement.
 
     The best run is kept too: background load only ever slows a run down, so
@@ -415,6 +499,9 @@ def summarize(results: Results, concurrencies: list[int]) -> dict[str, Any]:
                 "prompt_tokens": sorted({q.prompt_tokens for r in runs for q in r.requests},
                                         key=lambda v: -1 if v is None else v),
                 "usage_reported": all(q.usage_reported for r in runs for q in r.requests),
+                "foreign_cores_median": median_or_none([r.foreign_cores for r in runs]),
+                "busy_runs_kept": sum(r.foreign_cores is not None
+                                      and r.foreign_cores > max_foreign_cores for r in runs),
             }
         row["ratio_tok_s"] = ratio(row["specd"]["tok_s_median"], row["mlx_lm"]["tok_s_median"])
         row["ratio_tok_s_best"] = ratio(row["specd"]["tok_s_best"], row["mlx_lm"]["tok_s_best"])
@@ -473,6 +560,9 @@ def print_table(summary: dict[str, Any], goal: dict[str, Any]) -> None:
             print(f"  note: prompt token counts differ: specd {row['specd']['prompt_tokens']}"
                   f" vs mlx_lm {row['mlx_lm']['prompt_tokens']}")
         for server in ("specd", "mlx_lm"):
+            if row[server]["busy_runs_kept"]:
+                print(f"  note: {row[server]['busy_runs_kept']} {server} run(s) kept although other "
+                      "processes were busy (retries exhausted): treat this row with care")
             if not row[server]["usage_reported"]:
                 print(f"  note: {server} sent no usage; its tokens are counted as content chunks")
         print(f"  identical greedy text (first run): {row['same_text_first_run']:.0%}")
@@ -519,6 +609,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results path")
+    p.add_argument("--max-foreign-cores", type=float, default=0.5,
+                   help="redo a run if other processes used more CPU cores than this meanwhile")
+    p.add_argument("--retries", type=int, default=3,
+                   help="redos per run before keeping a disturbed one anyway")
     p.add_argument("--mlx-lm-prompt-cache", action="store_true",
                    help="keep mlx_lm.server's prompt cache on (off by default: specd has none)")
     p.add_argument("--mlx-lm-backlog", type=int, default=64,
@@ -527,6 +621,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.runs, args.rounds, args.max_tokens, *args.concurrency) < 1:
         p.error("--runs, --rounds, --max-tokens and --concurrency must be positive")
+    if args.retries < 0 or args.max_foreign_cores < 0:
+        p.error("--retries and --max-foreign-cores must not be negative")
     args.model = args.model.expanduser().resolve()
     if not (args.model / "config.json").is_file():
         p.error(f"{args.model} is not an mlx-lm model directory (no config.json)")
@@ -539,6 +635,7 @@ async def bench(args: argparse.Namespace, env: dict[str, str], workdir: Path) ->
     Rounds alternate which server goes first, so a slow drift in background
     load on a shared machine does not always fall on the same server.
     """
+    plan = Plan(args.concurrency, args.runs, args.max_tokens, args.max_foreign_cores, args.retries)
     results: Results = {"specd": [], "mlx_lm": []}
     for n in range(args.rounds):
         roundir = workdir / f"round{n}"
@@ -551,8 +648,7 @@ async def bench(args: argparse.Namespace, env: dict[str, str], workdir: Path) ->
         for build in builders:
             port = free_port()  # picked just before use, so the two never collide
             spec = build(port)
-            session = await bench_server(spec, port, env, roundir, args.concurrency,
-                                         args.runs, args.max_tokens)
+            session = await bench_server(spec, port, env, roundir, plan)
             results[spec.name].append({"round": n, **session})
     return results
 
@@ -579,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; servers stopped, nothing written", file=sys.stderr)
         return 130
-    summary = summarize(results, args.concurrency)
+    summary = summarize(results, args.concurrency, args.max_foreign_cores)
     goal = goal_check(summary)
     print_table(summary, goal)
     report = {
@@ -588,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(args.model),
         "forge": forge_info(args.model),
         "config": {"runs": args.runs, "rounds": args.rounds, "max_tokens": args.max_tokens,
+                   "max_foreign_cores": args.max_foreign_cores, "retries": args.retries,
                    "concurrency": args.concurrency, "prompts": list(PROMPTS),
                    "mlx_lm_prompt_cache": args.mlx_lm_prompt_cache,
                    "mlx_lm_listen_backlog": args.mlx_lm_backlog or 5,

@@ -98,7 +98,48 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     )
 
 
-SPEC_PARSERS: dict[str, Callable[[Any], Any]] = {"Model": _parse_model_spec}
+@dataclass(frozen=True)
+class DraftPairingSpec:
+    """How a Model speculates: n-gram lookup or a draft model, and how far."""
+
+    target_ref: str
+    method: str
+    source: str | None = None
+    num_speculative_tokens: int = 3
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec:
+    _fields(spec, path, {"targetRef", "method", "source", "numSpeculativeTokens", "ngram"},
+            {"targetRef", "method"})
+    target = _check_type(spec["targetRef"], str, f"{path}.targetRef")
+    method = _check_type(spec["method"], str, f"{path}.method")
+    if method not in ("ngram", "draft"):
+        raise ManifestError(f'must be "ngram" or "draft", got "{method}"', f"{path}.method")
+    source = spec.get("source")
+    if source is not None:
+        _check_type(source, str, f"{path}.source")
+    if method == "draft" and not source:
+        raise ManifestError("method draft needs the draft model's source", f"{path}.source")
+    k = _positive_int(spec, "numSpeculativeTokens", path, 3)
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise ManifestError(f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}", f"{path}.numSpeculativeTokens")
+    ngram = _fields(spec.get("ngram", {}), f"{path}.ngram", {"min", "max"})
+    n_min = _positive_int(ngram, "min", f"{path}.ngram", 1)
+    n_max = _positive_int(ngram, "max", f"{path}.ngram", max(4, n_min))
+    if n_max < n_min:
+        raise ManifestError(f"must be at least ngram.min ({n_min}), got {n_max}", f"{path}.ngram.max")
+    return DraftPairingSpec(target, method, source, k, n_min, n_max)
+
+
+SPEC_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "Model": _parse_model_spec,
+    "DraftPairing": _parse_draft_pairing_spec,
+}
 
 
 def _string_map(obj: Any, path: str) -> dict[str, str]:

@@ -26,6 +26,8 @@ import mlx.nn as nn
 import structlog
 
 from ..metrics import Metrics
+from ..spec.config import NO_SPECULATION, SpeculationConfig
+from ..spec.speculator import Speculator
 from .batch import RunningBatch, make_batch_cache
 from .sampling import SamplingParams, sample_rows, transform_logprobs
 from .sequence import GenerationRequest, Sequence, StepOutput, TokenLogprob
@@ -64,7 +66,8 @@ class Engine:
     work happens on the engine's own thread."""
 
     def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig = EngineConfig(),
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, speculation: SpeculationConfig = NO_SPECULATION,
+                 draft_model: nn.Module | None = None):
         self.name = name
         self.model = model
         self.tokenizer = tokenizer
@@ -73,6 +76,8 @@ class Engine:
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.max_context = _model_context(model, config.max_context)
         self._detokenizer = tokenizer.detokenizer
+        self.speculation = speculation
+        self.speculator = Speculator(name, _vocab_size(model), self.metrics, draft_model)
         self._cv = threading.Condition()
         self._inbox: deque[Sequence] = deque()
         self._cancelled: set[str] = set()
@@ -96,7 +101,11 @@ class Engine:
                 len(self._prefill.seqs) if self._prefill else 0)
 
     def check_prompt(self, request: GenerationRequest) -> None:
-        """Raise ValueError if the request can never fit the context window."""
+        """Raise ValueError if the request can never be served as asked."""
+        spec = request.speculation
+        if spec is not None and spec.method == "draft" and self.speculator.draft is None:
+            raise ValueError(f"model {self.name!r} has no draft model; declare a DraftPairing "
+                             "with method: draft, or ask for ngram")
         if not request.prompt_tokens:
             raise ValueError("prompt is empty")
         if len(request.prompt_tokens) >= self.max_context:
@@ -108,7 +117,8 @@ class Engine:
         """Queue a request; ``emit(StepOutput)`` is called from the engine thread."""
         self.check_prompt(request)
         seq = Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
-                       eos_ids=self.eos_ids, max_total_tokens=self.max_context)
+                       eos_ids=self.eos_ids, max_total_tokens=self.max_context,
+                       spec=request.speculation or self.speculation)
         with self._cv:
             if not self._accepting:
                 raise EngineUnavailable(f"model {self.name!r} is shutting down")
@@ -231,7 +241,8 @@ class Engine:
             return
         self._prefill = None
         self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
-        tokens = self._sample_and_emit(group.seqs, logits[:, -1, :])
+        tokens = self._sample(group.seqs, logits[:, -1, :])
+        self._emit(group.seqs, logits[:, -1:, :], [[t] for t in tokens])
         keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
         if not keep:
             return
@@ -242,27 +253,38 @@ class Engine:
         self._batch.extend([group.seqs[i] for i in keep], group.cache, [tokens[i] for i in keep])
 
     def _decode(self) -> None:
+        """One decode step: every row forwards its last token plus its proposals
+        (none when not speculating); the verifier keeps a prefix of each row's
+        proposals and the caches are rolled back to exactly that."""
         batch = self._batch
-        logits = self.model(mx.array(batch.last_tokens)[:, None], cache=batch.cache)
-        tokens = self._sample_and_emit(batch.seqs, logits[:, -1, :])
-        batch.last_tokens = tokens
+        proposal = self.speculator.propose(batch.seqs, batch.last_tokens, self.max_context)
+        width = proposal.width
+        inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
+        logits = self.model(inputs, cache=batch.cache)
+        if width == 0:
+            emitted = [[t] for t in self._sample(batch.seqs, logits[:, -1, :])]
+        else:
+            emitted = self.speculator.verify(batch.seqs, logits, proposal, batch.cache)
+        self._emit(batch.seqs, logits, emitted)
+        batch.last_tokens = [e[-1] for e in emitted]
         batch.keep([i for i, s in enumerate(batch.seqs) if s.finish_reason is None])
+        self.speculator.retain(batch.seqs)
 
-    def _sample_and_emit(self, seqs: list[Sequence], logits: mx.array) -> list[int]:
-        """Sample one token per row, hand each sequence its token, return them."""
+    def _sample(self, seqs: list[Sequence], logits: mx.array) -> list[int]:
+        """One token per row from (B, V) logits, with each row's settings and RNG."""
         params = [s.params for s in seqs]
-        logprobs = transform_logprobs(logits, params)
-        tokens, keys = sample_rows(logprobs, params, [s.key for s in seqs])
-        want_logprobs = [i for i, p in enumerate(params) if p.logprobs]
-        raw = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_logprobs else None
-        mx.eval(tokens, keys, raw if raw is not None else [])
-        token_list = tokens.tolist()
-        reported = _report_logprobs(raw, token_list, params, want_logprobs)
+        tokens, keys = sample_rows(transform_logprobs(logits, params), params, [s.key for s in seqs])
+        mx.eval(tokens, keys)
+        for seq, key in zip(seqs, keys):
+            seq.key = key
+        return tokens.tolist()
+
+    def _emit(self, seqs: list[Sequence], logits: mx.array, emitted: list[list[int]]) -> None:
+        """Hand each sequence its new tokens; ``logits[b, j]`` produced ``emitted[b][j]``."""
+        reported = _report_logprobs(logits, emitted, [s.params for s in seqs])
         now = time.monotonic()
         for i, seq in enumerate(seqs):
-            seq.key = keys[i]
-            self._deliver(seq, [token_list[i]], reported.get(i), now)
-        return token_list
+            self._deliver(seq, emitted[i], reported.get(i), now)
 
     def _deliver(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> None:
         out = seq.accept(tokens, logprobs)
@@ -292,6 +314,7 @@ class Engine:
         self._waiting.clear()
         self._prefill = None
         self._batch = RunningBatch()
+        self.speculator.retain([])
         for seq in seqs:
             self.metrics.request_failure.labels(self.name, "engine_error").inc()
             seq.emit(StepOutput(text="", tokens=[], logprobs=None, error=message,
@@ -299,20 +322,32 @@ class Engine:
         self._update_gauges()
 
 
-def _report_logprobs(raw: mx.array | None, tokens: list[int], params: list[SamplingParams],
-                     rows: list[int]) -> dict[int, list[TokenLogprob]]:
-    """Log-probabilities of the chosen tokens (and the top alternatives) under
+def _report_logprobs(logits: mx.array, emitted: list[list[int]],
+                     params: list[SamplingParams]) -> dict[int, list[TokenLogprob]]:
+    """Log-probabilities of the emitted tokens (and the top alternatives) under
     the model's own distribution, as OpenAI's ``logprobs`` reports them."""
+    rows = [i for i, p in enumerate(params) if p.logprobs]
+    if not rows:
+        return {}
+    raw = logits[mx.array(rows)].astype(mx.float32)
+    raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
     out: dict[int, list[TokenLogprob]] = {}
-    for i in rows:
-        row = raw[i]
+    for r, i in enumerate(rows):
         n = params[i].top_logprobs
-        top: tuple[tuple[int, float], ...] = ()
-        if n > 0:
-            ids = mx.argsort(-row)[:n]
-            top = tuple(zip(ids.tolist(), row[ids].tolist()))
-        out[i] = [TokenLogprob(tokens[i], row[tokens[i]].item(), top)]
+        items = []
+        for j, token in enumerate(emitted[i]):
+            row = raw[r, j]
+            top: tuple[tuple[int, float], ...] = ()
+            if n > 0:
+                ids = mx.argsort(-row)[:n]
+                top = tuple(zip(ids.tolist(), row[ids].tolist()))
+            items.append(TokenLogprob(token, row[token].item(), top))
+        out[i] = items
     return out
+
+
+def _vocab_size(model: nn.Module) -> int:
+    return model.args.vocab_size
 
 
 def _model_context(model: nn.Module, configured: int | None) -> int:

@@ -8,6 +8,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..spec.config import NO_SPECULATION, SpeculationConfig
 from .sampling import SamplingParams, make_key
 
 
@@ -20,6 +21,7 @@ class GenerationRequest:
     params: SamplingParams = SamplingParams()
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    speculation: SpeculationConfig | None = None  # None: the model's default
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,24 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class SpecStats:
+    """A request's speculation so far: rounds with proposals, drafted and accepted tokens."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "draft_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "mean_accepted_length": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
+        }
 
 
 @dataclass
@@ -40,6 +60,7 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    spec: SpecStats | None = None  # set on the final output of a speculating request
 
 
 class StopMatcher:
@@ -85,6 +106,7 @@ class Sequence:
     detokenizer: object
     eos_ids: frozenset[int]
     max_total_tokens: int
+    spec: SpeculationConfig = NO_SPECULATION
     key: mx.array = field(init=False)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -92,6 +114,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    ngram: object = None  # the n-gram proposer's index, made on first use
+    stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         self.key = make_key(self.request.params.seed)
@@ -145,4 +169,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.tokens),
+            spec=self.stats if self.finish_reason is not None and self.spec.enabled else None,
         )

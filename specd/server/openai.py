@@ -14,6 +14,8 @@ from ..control.registry import ModelNotFound, ModelNotReady, ModelRegistry
 from ..engine.engine import Engine, EngineOverloaded, EngineUnavailable
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import GenerationRequest, StepOutput, TokenLogprob
+from ..spec.config import METHODS, SpeculationConfig
+from ..api.manifest import MAX_SPECULATIVE_TOKENS
 from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
 
 routes = web.RouteTableDef()
@@ -29,6 +31,7 @@ class ParsedRequest:
     max_tokens: int | None
     stop: tuple[str, ...]
     params: SamplingParams
+    speculation: dict | None  # the request's own {"method", "num_speculative_tokens"}
 
 
 def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
@@ -106,7 +109,37 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
         logprobs=logprobs,
         top_logprobs=top,
     )
-    return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params)
+    return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
+                         _speculation(body))
+
+
+def _speculation(body: dict) -> dict | None:
+    """specd's extension: ``"speculation": {"method": ..., "num_speculative_tokens": k}``."""
+    spec = body.get("speculation")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise bad_request("'speculation' must be an object", "speculation")
+    unknown = set(spec) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise bad_request(f"unknown field '{sorted(unknown)[0]}'", f"speculation.{sorted(unknown)[0]}")
+    method = spec.get("method", "none")
+    if method not in METHODS:
+        raise bad_request(f"'speculation.method' must be one of {', '.join(METHODS)}", "speculation.method")
+    k = _integer(spec, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    return {"method": method, "num_speculative_tokens": k}
+
+
+def speculation_for(engine: Engine, asked: dict | None) -> SpeculationConfig | None:
+    """The request's speculation, filling what it left out from the model's pairing."""
+    if asked is None:
+        return None
+    default = engine.speculation
+    if asked["method"] == "draft" and engine.speculator.draft is None:
+        raise bad_request(f"model '{engine.name}' has no draft model (declare a DraftPairing with "
+                          "method: draft)", "speculation.method")
+    k = asked["num_speculative_tokens"] or default.num_speculative_tokens
+    return SpeculationConfig(asked["method"], k, default.ngram_min, default.ngram_max)
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -184,7 +217,8 @@ class Completion:
         self.created = int(time.time())
         limit = engine.max_context - len(prompt)
         max_tokens = min(parsed.max_tokens or limit, max(limit, 1))
-        self.request = GenerationRequest(self.id, prompt, parsed.params, max_tokens, parsed.stop)
+        self.request = GenerationRequest(self.id, prompt, parsed.params, max_tokens, parsed.stop,
+                                         speculation_for(engine, parsed.speculation))
         try:
             engine.check_prompt(self.request)
         except ValueError as err:
@@ -225,10 +259,13 @@ class Completion:
             self.text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    @staticmethod
-    def usage(out: StepOutput) -> dict:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens}
+    def usage(self, out: StepOutput) -> dict:
+        usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                 "total_tokens": out.prompt_tokens + out.completion_tokens}
+        if out.spec is not None:
+            method = (self.request.speculation or self.engine.speculation).method
+            usage["speculation"] = {"method": method, **out.spec.as_dict()}
+        return usage
 
     def envelope(self, choices: list, usage: dict | None = None, chunk: bool = False) -> dict:
         obj = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"

@@ -63,31 +63,33 @@ class DraftModelProposer:
         self.rows += seqs
         self.pending += [[t] for t in last_tokens]
 
+    def _select(self, rows: list[int]) -> None:
+        """Keep (and reorder to) the given cache rows."""
+        if rows == list(range(len(self.rows))):
+            return
+        self.rows = [self.rows[i] for i in rows]
+        self.pending = [self.pending[i] for i in rows]
+        if rows:
+            idx = mx.array(rows)
+            for layer in self.cache:
+                layer.filter(idx)
+        else:
+            self.cache = []
+
+    def retain(self, alive: set[int]) -> None:
+        """Drop the rows of sequences (by ``id``) that are no longer running."""
+        self._select([i for i, s in enumerate(self.rows) if id(s) in alive])
+
     def _sync_rows(self, seqs: list[Sequence], last_tokens: list[int]) -> None:
         """Make the cache rows exactly ``seqs``, in order: drop sequences that
         left or stopped drafting, prefill newcomers."""
-        row_of = {id(s): i for i, s in enumerate(self.rows)}
-        if [id(s) for s in self.rows] != [id(s) for s in seqs if id(s) in row_of]:
-            keep = [row_of[id(s)] for s in seqs if id(s) in row_of]
-            self.rows = [self.rows[i] for i in keep]
-            self.pending = [self.pending[i] for i in keep]
-            if keep:
-                idx = mx.array(keep)
-                for layer in self.cache:
-                    layer.filter(idx)
-            else:
-                self.cache = []
-        new = [(s, t) for s, t in zip(seqs, last_tokens) if id(s) not in row_of]
+        self.retain({id(s) for s in seqs})
+        known = {id(s) for s in self.rows}
+        new = [(s, t) for s, t in zip(seqs, last_tokens) if id(s) not in known]
         if new:
             self._admit([s for s, _ in new], [t for _, t in new])
-        if [id(s) for s in self.rows] != [id(s) for s in seqs]:  # newcomers were appended
-            row_of = {id(s): i for i, s in enumerate(self.rows)}
-            order = [row_of[id(s)] for s in seqs]
-            idx = mx.array(order)
-            for layer in self.cache:
-                layer.filter(idx)
-            self.rows = list(seqs)
-            self.pending = [self.pending[i] for i in order]
+        row_of = {id(s): i for i, s in enumerate(self.rows)}
+        self._select([row_of[id(s)] for s in seqs])
 
     def propose(self, seqs: list[Sequence], last_tokens: list[int], k: int,
                 params: list[SamplingParams], keys: list[mx.array]) -> DraftProposal:

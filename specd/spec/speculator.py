@@ -1,0 +1,150 @@
+"""One speculative round for the running batch: propose, verify, roll back.
+
+The engine forwards ``[last, d_1..d_k]`` for every row (right-padded to the
+longest proposal, rows without proposals included) and hands the logits
+here.  Proposers only propose; ``verify`` alone decides what is kept, so new
+proposers (EAGLE) slot in without touching the verifier.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..engine.batch import rollback
+from ..engine.sampling import transform_logprobs
+from ..engine.sequence import Sequence
+from ..metrics import Metrics
+from .draft import DraftModelProposer
+from .ngram import NgramIndex
+from .verify import point_mass, verify
+
+
+@dataclass
+class Proposal:
+    drafts: list[list[int]]  # per row, possibly empty
+    draft_probs: mx.array | None  # (len(draft_rows), K_draft, V) q of draft-model rows
+    draft_rows: list[int]
+
+    @property
+    def width(self) -> int:
+        return max((len(d) for d in self.drafts), default=0)
+
+
+class Speculator:
+    def __init__(self, model_name: str, vocab_size: int, metrics: Metrics,
+                 draft_model: nn.Module | None = None):
+        self.name = model_name
+        self.vocab = vocab_size
+        self.metrics = metrics
+        self.draft = DraftModelProposer(draft_model) if draft_model is not None else None
+
+    def budget(self, seq: Sequence, max_context: int) -> int:
+        """Proposals this round: the requested k, shrunk so the round can
+        neither pass the context window nor max_tokens (0 at the limit)."""
+        spec = seq.spec
+        if not spec.enabled:
+            return 0
+        room_context = max_context - seq.context_length - 1
+        room_tokens = seq.request.max_tokens - len(seq.tokens) - 1
+        return max(0, min(spec.num_speculative_tokens, room_context, room_tokens))
+
+    def propose(self, seqs: list[Sequence], last_tokens: list[int], max_context: int) -> Proposal:
+        ks = [self.budget(s, max_context) for s in seqs]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        started = time.perf_counter()
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            if k and s.spec.method == "ngram":
+                if s.ngram is None:
+                    s.ngram = NgramIndex(s.spec.ngram_min, s.spec.ngram_max)
+                    s.ngram.extend(s.prompt)
+                unseen = s.context_length - len(s.ngram.tokens)
+                s.ngram.extend(s.tokens[len(s.tokens) - unseen:])
+                drafts[i] = s.ngram.propose(k)
+        if any(drafts):
+            self.metrics.spec_propose_seconds.labels(self.name, "ngram").observe(time.perf_counter() - started)
+        rows = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and s.spec.method == "draft"]
+        probs = None
+        if self.draft is not None and (rows or self.draft.rows):
+            started = time.perf_counter()
+            if rows:
+                k = max(ks[i] for i in rows)
+                proposal = self.draft.propose([seqs[i] for i in rows], [last_tokens[i] for i in rows], k,
+                                              [seqs[i].params for i in rows], [seqs[i].key for i in rows])
+                mx.eval(proposal.drafts, proposal.probs, proposal.keys)
+                tokens = proposal.drafts.tolist()
+                for j, i in enumerate(rows):
+                    drafts[i] = tokens[j][: ks[i]]
+                    seqs[i].key = proposal.keys[j]
+                probs = proposal.probs
+            else:
+                self.draft.retain(set())  # nobody drafts this round; rows re-prefill lazily
+            self.metrics.spec_propose_seconds.labels(self.name, "draft").observe(time.perf_counter() - started)
+        return Proposal(drafts, probs, rows)
+
+    def verify(self, seqs: list[Sequence], logits: mx.array, proposal: Proposal,
+               cache: list) -> list[list[int]]:
+        """Keep each row's accepted proposals plus one target token; roll the
+        target (and draft) caches back to exactly that.  Returns the tokens."""
+        started = time.perf_counter()
+        width = proposal.width
+        params = [s.params for s in seqs]
+        target = transform_logprobs(logits, params)
+        padded = mx.array([d + [0] * (width - len(d)) for d in proposal.drafts])
+        q = point_mass(padded, self.vocab)
+        if proposal.draft_rows:
+            kd = proposal.draft_probs.shape[1]
+            dq = mx.pad(proposal.draft_probs, [(0, 0), (0, width - kd), (0, 0)]) if kd < width \
+                else proposal.draft_probs[:, :width]
+            q[mx.array(proposal.draft_rows)] = dq
+        uniforms, gumbel = self._randomness(seqs, width)
+        verdict = verify(target, padded, [len(d) for d in proposal.drafts], q,
+                         [p.greedy for p in params], uniforms, gumbel)
+        self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        rollback(cache, [width - a for a in verdict.accepted])
+        if proposal.draft_rows:
+            rows = proposal.draft_rows
+            self.draft.commit([verdict.accepted[i] for i in rows], [proposal.drafts[i] for i in rows],
+                              [verdict.next_tokens[i] for i in rows])
+        self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
+        out = []
+        for s, d, a, t in zip(seqs, proposal.drafts, verdict.accepted, verdict.next_tokens):
+            if d:
+                self._count(s, len(d), a)
+            out.append(d[:a] + [t])
+        return out
+
+    def _randomness(self, seqs: list[Sequence], width: int) -> tuple[mx.array, mx.array]:
+        """Acceptance uniforms and final-draw noise from each sampling row's own key."""
+        uniforms, gumbel = [], []
+        for s in seqs:
+            if s.params.greedy:
+                uniforms.append(mx.zeros((width,)))
+                gumbel.append(mx.zeros((self.vocab,)))
+                continue
+            s.key, sub = mx.random.split(s.key)
+            k_u, k_g = mx.random.split(sub)
+            uniforms.append(mx.random.uniform(shape=(width,), key=k_u))
+            gumbel.append(mx.random.gumbel(shape=(self.vocab,), key=k_g))
+        return mx.stack(uniforms), mx.stack(gumbel)
+
+    def _count(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        seq.stats.rounds += 1
+        seq.stats.drafted += drafted
+        seq.stats.accepted += accepted
+        m, labels = self.metrics, (self.name, seq.spec.method)
+        m.spec_num_drafts.labels(*labels).inc()
+        m.spec_num_draft_tokens.labels(*labels).inc(drafted)
+        m.spec_num_accepted_tokens.labels(*labels).inc(accepted)
+        for pos in range(accepted):
+            m.spec_accepted_per_pos.labels(*labels, str(pos)).inc()
+
+    def retain(self, seqs: list[Sequence]) -> None:
+        """Forget proposer state of sequences that left the batch."""
+        if self.draft is not None:
+            self.draft.retain({id(s) for s in seqs})

@@ -1,0 +1,204 @@
+"""Speculative decoding inside continuous batching, on the forged test pair.
+
+Greedy parity is the contract: whatever the proposer, batch mates, k or
+arrival times, greedy output is token-identical to the spec-off engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from specd.control.registry import check_draft_pair
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import GenerationRequest
+from specd.spec.config import SpeculationConfig
+
+GREEDY = SamplingParams(temperature=0)
+NGRAM = SpeculationConfig("ngram", 4, 1, 4)
+DRAFT = SpeculationConfig("draft", 3)
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def pair(forged):
+    target, tokenizer = load(str(forged / "target"))
+    draft, _ = load(str(forged / "draft"))
+    return target, tokenizer, draft
+
+
+@pytest.fixture(scope="module")
+def prompts(pair) -> list[list[int]]:
+    """Code prompts, several of them repetitive so n-gram lookup finds matches."""
+    tokenizer = pair[1]
+    text = Path(__file__).read_text()
+    ids = tokenizer.encode(text)
+    out = [ids[i * 97: i * 97 + 20 + 9 * i] for i in range(12)]
+    out += [ids[40:70] * 3, ids[500:520] * 4]
+    return out
+
+
+async def generate(engine, prompt, spec=None, params=GREEDY, max_tokens=160, delay=0.0, stop=()):
+    if delay:
+        await asyncio.sleep(delay)
+    request = GenerationRequest(f"r{next(_ids)}", prompt, params, max_tokens, tuple(stop), spec)
+    tokens, text, last = [], [], None
+    async for out in engine.generate(request):
+        tokens += out.tokens
+        text.append(out.text)
+        last = out
+    return tokens, "".join(text), last
+
+
+def serve(pair, fn, draft_model="draft", tokenizer=None, **config):
+    target, tok, draft = pair
+    draft_model = {"draft": draft, "target": target, None: None}[draft_model]
+
+    async def main():
+        engine = Engine("t", target, tokenizer or tok, EngineConfig(**config), draft_model=draft_model)
+        engine.start()
+        try:
+            return await fn(engine)
+        finally:
+            await engine.shutdown(1)
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def reference(pair, prompts):
+    """Spec-off greedy output of every prompt, each decoded alone."""
+    async def go(engine):
+        return [(await generate(engine, p))[0] for p in prompts]
+    return serve(pair, go, draft_model=None)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT, SpeculationConfig("draft", 6), SpeculationConfig("ngram", 1)],
+                         ids=["ngram4", "draft3", "draft6", "ngram1"])
+def test_greedy_parity_alone(pair, prompts, reference, spec):
+    async def go(engine):
+        return [await generate(engine, p, spec) for p in prompts]
+    results = serve(pair, go)
+    assert [r[0] for r in results] == reference
+    assert sum(r[2].spec.accepted for r in results) > 0
+
+
+def test_greedy_parity_in_mixed_batches_joining_mid_flight(pair, prompts, reference):
+    """Spec and non-spec requests, n-gram and draft, different k and
+    temperatures side by side, arriving while others decode."""
+    specs = [None, NGRAM, DRAFT, SpeculationConfig("draft", 5), SpeculationConfig("ngram", 2, 2, 3),
+             SpeculationConfig("none")]
+
+    async def go(engine):
+        greedy = [generate(engine, p, specs[i % len(specs)], delay=0.015 * i) for i, p in enumerate(prompts)]
+        sampled = [generate(engine, p, DRAFT, SamplingParams(temperature=0.8, top_p=0.9, seed=i), 60, 0.01 * i)
+                   for i, p in enumerate(prompts[:4])]
+        results = await asyncio.gather(*greedy, *sampled)
+        return results[: len(prompts)]
+
+    results = serve(pair, go, max_batch_size=8, prefill_step_tokens=64)
+    assert [r[0] for r in results] == reference
+
+
+def test_eos_inside_an_accepted_run(pair, prompts, reference):
+    """The draft is the target itself, so every proposal is accepted; making a
+    token that greedy decoding reaches an EOS puts the EOS mid-run."""
+    tokens = reference[3]
+    eos = tokens[5]
+    cut = tokens.index(eos) + 1
+    tokenizer = copy.copy(pair[1])
+    tokenizer.eos_token_ids = {eos}
+
+    async def go(engine):
+        return await generate(engine, prompts[3], SpeculationConfig("draft", 4))
+    out, _, last = serve(pair, go, draft_model="target", tokenizer=tokenizer)
+    assert out == tokens[:cut]
+    assert last.finish_reason == "stop" and last.spec.accepted > 0
+
+
+def test_max_tokens_and_stop_strings_mid_round(pair, prompts, reference):
+    tokenizer = pair[1]
+    full = tokenizer.decode(reference[5])
+    stop = full[37:41]
+    expected_text = full[: full.index(stop)]
+
+    async def go(engine):
+        spec = SpeculationConfig("draft", 6)
+        short = [await generate(engine, prompts[5], spec, max_tokens=n) for n in (1, 2, 5, 9)]
+        stopped = await generate(engine, prompts[5], spec, stop=[stop])
+        return short, stopped
+    short, stopped = serve(pair, go, draft_model="target")
+    for (tokens, _, last), n in zip(short, (1, 2, 5, 9)):
+        assert tokens == reference[5][:n] and last.finish_reason == "length"
+    assert stopped[1] == expected_text and stopped[2].finish_reason == "stop"
+
+
+def test_context_limit_shrinks_then_stops_speculation(pair, prompts, reference):
+    prompt = prompts[6]
+    limit = len(prompt) + 11
+
+    async def go(engine):
+        return await generate(engine, prompt, SpeculationConfig("draft", 4))
+    tokens, _, last = serve(pair, go, draft_model="target", max_context=limit)
+    assert tokens == reference[6][:11] and last.finish_reason == "length"
+    # 10 tokens after the first fit k = 4, 4, then 0: the last round decodes plainly
+    assert last.spec.drafted <= 10
+
+
+def test_seeded_sampling_is_batch_invariant_with_speculation(pair, prompts):
+    params = SamplingParams(temperature=1.0, top_k=50, seed=99)
+
+    async def go(engine):
+        alone = await generate(engine, prompts[1], DRAFT, params, 48)
+        batched = await asyncio.gather(generate(engine, prompts[1], DRAFT, params, 48),
+                                       *(generate(engine, p, NGRAM, max_tokens=48) for p in prompts[2:6]))
+        return alone[0], batched[0][0]
+    alone, batched = serve(pair, go)
+    assert alone == batched
+
+
+@pytest.mark.parametrize("spec", [DRAFT, NGRAM], ids=["draft", "ngram"])
+def test_sampled_tokens_follow_the_target_end_to_end(pair, prompts, spec):
+    """Two-sample chi-square on the 2nd..4th generated tokens (the first comes
+    from prefill, later ones from verification): spec-on vs spec-off."""
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(300)]
+    prompt = prompts[12]
+
+    async def sample(engine, speculation):
+        outs = await asyncio.gather(*(generate(engine, prompt, speculation, p, 4) for p in params))
+        return [tok for t, _, _ in outs for tok in t[1:]]
+
+    off = serve(pair, lambda e: sample(e, None), max_batch_size=64, max_waiting=1000)
+    on = serve(pair, lambda e: sample(e, spec), max_batch_size=64, max_waiting=1000)
+    tokens = sorted(set(off) | set(on))
+    a = np.array([off.count(t) for t in tokens], dtype=float)
+    b = np.array([on.count(t) for t in tokens], dtype=float)
+    common = (a + b) >= 10  # pool rare tokens into one bin
+    a = np.append(a[common], a[~common].sum())
+    b = np.append(b[common], b[~common].sum())
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    expected_a = (a + b) * a.sum() / (a.sum() + b.sum())
+    expected_b = (a + b) * b.sum() / (a.sum() + b.sum())
+    stat = ((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum()
+    dof = len(a) - 1
+    # Wilson-Hilferty 0.999 quantile of chi-square(dof)
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+    assert stat < limit, (stat, limit, dof)
+
+
+def test_mismatched_draft_vocabulary_is_refused(pair, forged):
+    from specd.forge.llama import LlamaShape, build
+
+    target, tokenizer, _ = pair
+    other = build(LlamaShape(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                             intermediate_size=64, vocab_size=target.args.vocab_size + 7))
+    with pytest.raises(ValueError, match="vocabulary"):
+        check_draft_pair(target, tokenizer, other, tokenizer, "bad")
