@@ -101,9 +101,22 @@ def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, 
 
 @pytest.fixture(scope="session")
 def daemon(forged, tmp_path_factory):
-    """One daemon serving the forged target as ``tiny`` for the API tests."""
+    """One daemon for the API tests: the forged target as ``tiny`` (no
+    speculation by default) and as ``tiny-spec`` (paired with the forged draft)."""
+    pairing = textwrap.dedent(f"""\
+        apiVersion: specd.dev/v1alpha1
+        kind: DraftPairing
+        metadata:
+          name: tiny-spec-draft
+        spec:
+          targetRef: tiny-spec
+          method: draft
+          source: {forged / "draft"}
+          numSpeculativeTokens: 3
+        """)
     d = start_daemon(tmp_path_factory.mktemp("daemon"),
-                     {"models.yaml": model_manifest("tiny", forged / "target", maxBatchSize=16)})
+                     {"models.yaml": model_manifest("tiny", forged / "target", maxBatchSize=16)
+                      + "---\n" + model_manifest("tiny-spec", forged / "target") + "---\n" + pairing})
     yield d
     d.stop()
 

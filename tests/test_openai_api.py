@@ -44,7 +44,7 @@ def metric(samples, name: str, **labels) -> float:
 
 def test_models_list(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert sorted(m.id for m in models.data) == ["tiny", "tiny-spec"]
     assert client.models.retrieve("tiny").id == "tiny"
 
 
@@ -202,3 +202,40 @@ def test_metrics_parse_and_move_with_traffic(client, daemon):
                  "specd_request_queue_time_seconds", "specd_inter_token_latency_seconds"):
         assert metric(after, hist + "_count") > metric(before, hist + "_count"), hist
     assert ("specd_num_requests_waiting", (("model_name", "tiny"),)) in after
+
+
+def test_speculation_per_request_and_by_pairing(client, daemon):
+    before = scrape(daemon)
+    plain = greedy(client, PROMPTS[6], max_tokens=64)
+    assert getattr(plain.usage, "speculation", None) is None
+    ngram = greedy(client, PROMPTS[6], max_tokens=64,
+                   extra_body={"speculation": {"method": "ngram", "num_speculative_tokens": 4}})
+    paired = client.completions.create(model="tiny-spec", prompt=PROMPTS[6], max_tokens=64, temperature=0)
+    assert ngram.choices[0].text == plain.choices[0].text == paired.choices[0].text
+    assert ngram.usage.speculation["method"] == "ngram"
+    stats = paired.usage.speculation
+    assert stats["method"] == "draft" and stats["draft_tokens"] > 0
+    assert stats["acceptance_rate"] == round(stats["accepted_tokens"] / stats["draft_tokens"], 4)
+    off = client.completions.create(model="tiny-spec", prompt=PROMPTS[6], max_tokens=64, temperature=0,
+                                    extra_body={"speculation": {"method": "none"}})
+    assert getattr(off.usage, "speculation", None) is None
+    after = scrape(daemon)
+    labels = {"model_name": "tiny-spec", "method": "draft"}
+    name = "specd_spec_decode_num_draft_tokens_total"
+    assert after.get((name, tuple(sorted(labels.items()))), 0) - \
+        before.get((name, tuple(sorted(labels.items()))), 0) == stats["draft_tokens"]
+    assert any(n == "specd_spec_decode_num_accepted_tokens_per_pos_total" for n, _ in after)
+    assert any(n == "specd_spec_decode_verify_seconds_count" for n, _ in after)
+
+
+@pytest.mark.parametrize("spec,param", [
+    ({"method": "eagle-9"}, "speculation.method"),
+    ({"method": "draft"}, "speculation.method"),  # tiny has no draft model
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculation.num_speculative_tokens"),
+    ({"method": "ngram", "k": 3}, "speculation.k"),
+])
+def test_bad_speculation_requests(daemon, spec, param):
+    body = {"model": "tiny", "prompt": "x", "speculation": spec}
+    code, payload = post(daemon, "/v1/completions", json.dumps(body).encode())
+    assert code == 400
+    assert json.loads(payload)["error"]["param"] == param

@@ -4,8 +4,9 @@ Rows of the cache are left-padded (mlx-lm's ``BatchKVCache`` convention): the
 newest token of every sequence sits at the same column, the mask hides each
 row's padding, and RoPE positions come from each row's own offset.  That is
 what lets sequences of different lengths decode together, join between steps
-(``extend``) and leave (``filter``), and what makes per-sequence rollback
-exact: a row's rejected tail is rolled to the front and becomes padding.
+(``extend``) and leave (``filter``).  Per-sequence rollback after speculation
+is exact: a row's rejected tail is hidden from attention and positions, and
+later squeezed out into left padding (``SpeculativeKVCache``).
 """
 
 from __future__ import annotations
@@ -17,29 +18,108 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from .sequence import Sequence
 
 
-def make_batch_cache(model: nn.Module, left_padding: list[int]) -> list[BatchKVCache]:
-    """One ``BatchKVCache`` per layer; refuses models whose caches cannot batch."""
+class SpeculativeKVCache(BatchKVCache):
+    """``BatchKVCache`` with exact per-row rollback that copies nothing.
+
+    Rolling every row's rejected tail into left padding rewrites the whole
+    cache each step (measured: 20-45% of a small model's step).  Instead the
+    write index is rewound by the smallest rejection (free), and the rest of
+    each row's rejected tail becomes a *hole*: still stored, never attended
+    to (the mask hides it) and skipped by RoPE positions (``offset``).  When
+    holes pile up they are squeezed out in one gather that turns them into
+    left padding, which is the roll done once instead of every step.
+
+    ``valid`` (B, _idx) marks the columns a row may attend to beyond its left
+    padding; it is None while there are no holes.
+    """
+
+    COMPACT_FRACTION = 0.25
+
+    def __init__(self, left_padding: list[int]):
+        super().__init__(left_padding)
+        self.valid: mx.array | None = None
+
+    def update_and_fetch(self, keys, values):
+        if self.valid is not None:
+            self.valid = mx.concatenate(
+                [self.valid, mx.ones((self.valid.shape[0], keys.shape[2]), dtype=mx.bool_)], axis=1)
+        return super().update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        mask = super().make_mask(N, return_array=return_array, **kwargs)
+        if self.valid is None:
+            return mask
+        seen = mx.concatenate([self.valid, mx.ones((self.valid.shape[0], N), dtype=mx.bool_)], axis=1)
+        return mask & seen[:, None, None, :]
+
+    def trim(self, n):
+        n = super().trim(n)
+        if self.valid is not None:
+            self.valid = self.valid[:, : self._idx]
+        return n
+
+    def rollback(self, rejected: list[int]) -> None:
+        """Forget the last ``rejected[b]`` tokens of each row b."""
+        shared = min(rejected)
+        extra = mx.array([r - shared for r in rejected])
+        if max(rejected) > shared:
+            cols = mx.arange(self._idx)[None, :]
+            hole = (cols >= self._idx - shared - extra[:, None]) & (cols < self._idx - shared)
+            valid = self.valid if self.valid is not None else mx.ones(hole.shape, dtype=mx.bool_)
+            self.valid = valid & ~hole
+            self.offset = self.offset - extra
+        self.trim(shared)
+        if self.valid is not None and self._holes() > self.COMPACT_FRACTION * self._idx:
+            self.compact()
+
+    def _holes(self) -> int:
+        cols = mx.arange(self._idx)[None, :]
+        return int(((~self.valid) & (cols >= self.left_padding[:, None])).sum(axis=1).max().item())
+
+    def compact(self) -> None:
+        """Squeeze the holes out: each row's live tokens move right, in order,
+        and everything before them becomes left padding."""
+        if self.valid is None:
+            return
+        n = self._idx
+        cols = mx.arange(n)[None, :]
+        live = self.valid & (cols >= self.left_padding[:, None])
+        order = mx.argsort(live.astype(mx.int32) * n + cols, axis=1)  # dead columns first, then live in order
+        index = order[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys[..., :n, :], index, axis=2)
+        self.values = mx.take_along_axis(self.values[..., :n, :], index, axis=2)
+        self.left_padding = n - live.sum(axis=1)
+        self.valid = None
+
+    def filter(self, batch_indices):
+        if self.valid is not None:
+            self.compact()
+        super().filter(batch_indices)
+
+    def extend(self, other):
+        self.compact()
+        if isinstance(other, SpeculativeKVCache):
+            other.compact()
+        super().extend(other)
+
+
+def make_batch_cache(model: nn.Module, left_padding: list[int]) -> list[SpeculativeKVCache]:
+    """One batched KV cache per layer; refuses models whose caches cannot batch."""
     layers = make_prompt_cache(model)
     kinds = {type(c) for c in layers}
     if kinds != {KVCache}:
         names = ", ".join(sorted(k.__name__ for k in kinds))
         raise ValueError(f"continuous batching needs plain KV caches; this model uses {names}")
-    return [BatchKVCache(list(left_padding)) for _ in layers]
+    return [SpeculativeKVCache(list(left_padding)) for _ in layers]
 
 
-def rollback(cache: list[BatchKVCache], rejected: list[int]) -> None:
-    """Drop the last ``rejected[b]`` cached tokens of row b, for every layer.
-
-    The rows are rolled right so the dropped tail becomes left padding (what
-    ``BatchKVCache.prepare(right_padding=...)``/``finalize()`` do for prompts):
-    each row then holds exactly its accepted tokens and no row is truncated
-    because of another.
-    """
-    if not any(rejected):
-        return
-    for layer in cache:
-        layer.prepare(right_padding=rejected)
-        layer.finalize()
+def rollback(cache: list[SpeculativeKVCache], rejected: list[int]) -> None:
+    """Drop the last ``rejected[b]`` cached tokens of row b, in every layer, so
+    each row holds exactly its accepted tokens and no row is cut short because
+    of another."""
+    if any(rejected):
+        for layer in cache:
+            layer.rollback(rejected)
 
 
 class RunningBatch:

@@ -10,12 +10,12 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from ..api.manifest import MAX_SPECULATIVE_TOKENS
 from ..control.registry import ModelNotFound, ModelNotReady, ModelRegistry
 from ..engine.engine import Engine, EngineOverloaded, EngineUnavailable
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import GenerationRequest, StepOutput, TokenLogprob
 from ..spec.config import METHODS, SpeculationConfig
-from ..api.manifest import MAX_SPECULATIVE_TOKENS
 from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
 
 routes = web.RouteTableDef()
@@ -45,15 +45,15 @@ def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float
     return float(value)
 
 
-def _integer(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
-    value = body.get(key)
+def _integer(body: dict, key: str, lo: int, hi: int | None = None, prefix: str = "") -> int | None:
+    value, param = body.get(key), prefix + key
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{key}' must be an integer", key)
+        raise bad_request(f"'{param}' must be an integer", param)
     if value < lo or (hi is not None and value > hi):
         bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise bad_request(f"'{key}' must be {bound}, got {value}", key)
+        raise bad_request(f"'{param}' must be {bound}, got {value}", param)
     return value
 
 
@@ -126,7 +126,7 @@ def _speculation(body: dict) -> dict | None:
     method = spec.get("method", "none")
     if method not in METHODS:
         raise bad_request(f"'speculation.method' must be one of {', '.join(METHODS)}", "speculation.method")
-    k = _integer(spec, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    k = _integer(spec, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, "speculation.")
     return {"method": method, "num_speculative_tokens": k}
 
 

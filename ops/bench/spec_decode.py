@@ -1,0 +1,269 @@
+"""Speculative decoding benchmark: plain vs n-gram vs draft, in process, side by side.
+
+Runs the specd engine itself (no HTTP) on a forged pair and measures, per
+configuration, output tokens/s (median of several runs), the acceptance rate
+alpha, and next to the measured speedup the ideal one from the cost model
+
+    ideal = (1 - alpha^(k+1)) / ((1 - alpha) * (k*c + v))
+
+where c = draft step cost / target step cost and v = cost of verifying k+1
+tokens / cost of one target step, both measured here on the same models.
+When a proposer skips some steps (n-gram finds no match) or proposes fewer
+than k tokens, the same model is applied per step: with a fraction f of steps
+speculating with k' proposals on average, ideal = (f * E[tokens | alpha, k'] +
+(1 - f)) / (f * (k' * c + v(k')) + (1 - f)).  Efficiency = measured / ideal.
+
+    python ops/bench/spec_decode.py --pair models/demo [--target-dir target-inflated]
+
+Run with OpenBLAS preloaded (``source ops/env.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
+
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import GenerationRequest
+from specd.spec.config import SpeculationConfig
+
+CODE_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(items)):\n",
+    "def read_config(path):\n    with open(path) as f:\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+]
+
+REWRITE_SOURCE = '''def parse_header(line):
+    """Split a header line into its name and value."""
+    name, _, value = line.partition(":")
+    name = name.strip().lower()
+    value = value.strip()
+    if not name:
+        raise ValueError("empty header name")
+    return name, value
+
+
+def parse_headers(lines):
+    headers = {}
+    for line in lines:
+        if not line.strip():
+            break
+        name, value = parse_header(line)
+        headers[name] = value
+    return headers
+'''
+
+
+def rewrite_prompts() -> list[str]:
+    """Edit-style prompts: the model is asked to write a given text again,
+    so most of the answer already appears in the prompt (prompt lookup's case)."""
+    first = REWRITE_SOURCE.split("\n", 1)[0]
+    return [
+        f"# Original version:\n{REWRITE_SOURCE}\n\n# Same code, reformatted:\n{first}\n",
+        f"{REWRITE_SOURCE}\n\n# A copy of the functions above:\n{first}\n",
+    ]
+
+
+_ids = itertools.count()
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def step_cost(model, context: int, width: int, reps: int = 30) -> float:
+    """Median seconds of one single-sequence forward of ``width`` tokens after ``context`` cached ones."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, context), dtype=mx.int32) + 5, cache=cache))
+    inputs = mx.zeros((1, width), dtype=mx.int32) + 7
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        mx.eval(model(inputs, cache=cache))
+        times.append(time.perf_counter() - start)
+        for c in cache:
+            c.trim(width)
+    return median(times)
+
+
+def cost_model(target, draft, ks: list[int], context: int = 96) -> dict[str, Any]:
+    """c and v(k) measured on these models at batch 1."""
+    t1 = step_cost(target, context, 1)
+    d1 = step_cost(draft, context, 1) if draft is not None else None
+    v = {k: step_cost(target, context, k + 1) / t1 for k in ks}
+    return {"target_step_s": t1, "draft_step_s": d1, "c": (d1 / t1) if d1 else None, "v": v}
+
+
+def ideal_speedup(alpha: float, k: float, c: float, v: float, f: float = 1.0) -> float:
+    """Expected tokens per unit of target-step time, relative to plain decoding."""
+    tokens = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return (f * tokens + (1 - f)) / (f * (k * c + v) + (1 - f))
+
+
+async def run_requests(engine: Engine, prompts: list[list[int]], spec: SpeculationConfig | None,
+                       max_tokens: int) -> dict[str, float]:
+    """All prompts at once; aggregate output tokens/s and speculation totals."""
+    async def one(prompt):
+        request = GenerationRequest(f"b{next(_ids)}", prompt, SamplingParams(temperature=0), max_tokens,
+                                    speculation=spec or SpeculationConfig("none"))
+        tokens, last = 0, None
+        async for out in engine.generate(request):
+            tokens += len(out.tokens)
+            last = out
+        return tokens, last.spec
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - start
+    drafted = sum(s.drafted for _, s in results if s)
+    accepted = sum(s.accepted for _, s in results if s)
+    rounds = sum(s.rounds for _, s in results if s)
+    tokens = sum(t for t, _ in results)
+    # decode steps after each request's first (prefill) token: rounds plus plain steps
+    steps = sum(t - 1 - (s.accepted if s else 0) for t, s in results)
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "drafted": drafted,
+            "accepted": accepted, "rounds": rounds, "steps": steps}
+
+
+async def measure(engine: Engine, prompts: list[list[int]], spec, max_tokens: int, runs: int,
+                  concurrency: int) -> dict[str, Any]:
+    """Median over ``runs`` of serving ``prompts`` in groups of ``concurrency``."""
+    per_run = []
+    for _ in range(runs):
+        totals = {"tokens": 0, "wall_s": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "steps": 0}
+        for i in range(0, len(prompts), concurrency):
+            r = await run_requests(engine, prompts[i:i + concurrency], spec, max_tokens)
+            for key in totals:
+                totals[key] += r[key]
+        totals["tok_s"] = totals["tokens"] / totals["wall_s"]
+        per_run.append(totals)
+    first = per_run[0]  # greedy: every run drafts and accepts the same tokens
+    rounds = first["rounds"]
+    return {"tok_s": median([r["tok_s"] for r in per_run]), "runs": per_run,
+            "alpha": first["accepted"] / first["drafted"] if first["drafted"] else None,
+            "mean_accepted": first["accepted"] / rounds if rounds else None,
+            "mean_proposed": first["drafted"] / rounds if rounds else None,
+            "spec_fraction": rounds / first["steps"] if first["steps"] else 0.0,
+            "tokens": first["tokens"]}
+
+
+def row(name: str, m: dict, plain_tok_s: float, k: int | None, c: float | None, v: dict) -> dict:
+    speedup = m["tok_s"] / plain_tok_s
+    out = {"config": name, "tok_s": m["tok_s"], "speedup": speedup, "alpha": m["alpha"],
+           "mean_accepted": m["mean_accepted"], "spec_fraction": m["spec_fraction"], "k": k}
+    if k and m["alpha"] is not None and c is not None:
+        kbar = m["mean_proposed"]
+        vk = v[max(1, min(len(v), round(kbar)))]
+        ideal = ideal_speedup(m["alpha"], kbar, c, vk, m["spec_fraction"])
+        out.update(c=c, v=vk, mean_proposed=kbar, ideal=ideal, efficiency=speedup / ideal)
+    return out
+
+
+def print_rows(title: str, rows: list[dict]) -> None:
+    print(f"\n== {title}")
+    print(f"{'config':<18}{'tok/s':>9}{'speedup':>9}{'alpha':>8}{'acc/rnd':>9}{'spec%':>7}{'c':>7}{'v':>7}"
+          f"{'ideal':>8}{'eff':>7}")
+
+    def f(x, fmt):
+        return format(x, fmt) if isinstance(x, (int, float)) else "-"
+    for r in rows:
+        print(f"{r['config']:<18}{r['tok_s']:>9.1f}{f(r['speedup'], '.2f'):>8}x{f(r['alpha'], '.3f'):>8}"
+              f"{f(r['mean_accepted'], '.2f'):>9}{f(100 * r['spec_fraction'], '.0f'):>7}"
+              f"{f(r.get('c'), '.3f'):>7}{f(r.get('v'), '.2f'):>7}"
+              f"{f(r.get('ideal'), '.2f'):>8}{f(r.get('efficiency'), '.2f'):>7}")
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    pair = Path(args.pair)
+    target, tokenizer = load(str(pair / args.target_dir))
+    draft, _ = load(str(pair / "draft"))
+    ks = list(range(1, args.max_k + 1))
+    costs = cost_model(target, draft, list(range(1, max(args.max_k, args.conc_k) + 1)))
+    c_draft = costs["c"]
+    print(f"target step {costs['target_step_s'] * 1e3:.2f} ms, draft step {costs['draft_step_s'] * 1e3:.2f} ms, "
+          f"c = {c_draft:.3f}; v(k) = " + ", ".join(f"{k}:{v:.2f}" for k, v in costs["v"].items()))
+    engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=16), draft_model=draft)
+    engine.start()
+    code = [tokenizer.encode(p) for p in CODE_PROMPTS]
+    rewrite = [tokenizer.encode(p) for p in rewrite_prompts()]
+    result: dict[str, Any] = {"costs": costs}
+    try:
+        await run_requests(engine, code[:2], SpeculationConfig("draft", 2), 16)  # warm-up
+        # 1. single stream, code continuation: plain vs n-gram vs draft, k = 1..max_k
+        plain = await measure(engine, code, None, args.max_tokens, args.runs, 1)
+        rows = [row("plain", plain, plain["tok_s"], None, None, costs["v"])]
+        for method, k in itertools.product(("ngram", "draft"), ks):
+            m = await measure(engine, code, SpeculationConfig(method, k), args.max_tokens, args.runs, 1)
+            rows.append(row(f"{method} k={k}", m, plain["tok_s"], k, c_draft if method == "draft" else 0.0,
+                            costs["v"]))
+        print_rows("single stream, greedy, code continuation", rows)
+        result["code_single_stream"] = rows
+        # 2. single stream, repetitive rewrite task: plain vs n-gram
+        plain_rw = await measure(engine, rewrite, None, args.max_tokens, args.runs, 1)
+        rows = [row("plain", plain_rw, plain_rw["tok_s"], None, None, costs["v"])]
+        for k in ks:
+            m = await measure(engine, rewrite, SpeculationConfig("ngram", k), args.max_tokens, args.runs, 1)
+            rows.append(row(f"ngram k={k}", m, plain_rw["tok_s"], k, 0.0, costs["v"]))
+        print_rows("single stream, greedy, rewrite task", rows)
+        result["rewrite_single_stream"] = rows
+        # 3. concurrency 1, 4, 8: spec on vs off
+        prompts = (code + rewrite) * 2
+        rows = []
+        for conc in args.concurrency:
+            base = await measure(engine, prompts[:max(conc, 8)], None, args.max_tokens, args.runs, conc)
+            rows.append(row(f"c={conc} off", base, base["tok_s"], None, None, costs["v"]))
+            for method, k in (("ngram", args.conc_k), ("draft", args.conc_k)):
+                m = await measure(engine, prompts[:max(conc, 8)], SpeculationConfig(method, k), args.max_tokens,
+                                  args.runs, conc)
+                rows.append(row(f"c={conc} {method} k={k}", m, base["tok_s"], k,
+                                c_draft if method == "draft" else 0.0, costs["v"]))
+        print_rows("concurrency sweep (speedup vs spec-off at the same concurrency)", rows)
+        result["concurrency"] = rows
+    finally:
+        await engine.shutdown(1)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="models/demo")
+    parser.add_argument("--target-dir", default="target", help="target model directory inside --pair")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-k", type=int, default=6)
+    parser.add_argument("--conc-k", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--out", default="ops/bench/results/spec_decode.json")
+    args = parser.parse_args()
+    forge_json = Path(args.pair) / "forge.json"
+    info = {"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
+            "forge": json.loads(forge_json.read_text()) if forge_json.exists() else None}
+    if not info["openblas_preloaded"] and platform.system() == "Linux":
+        print("warning: OpenBLAS is not preloaded; run `source ops/env.sh` first")
+    result = asyncio.run(bench(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**info, **result}, indent=2, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
