@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import structlog
@@ -23,6 +24,8 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
     into an OpenAI-shaped JSON error instead of a stack trace."""
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.monotonic()
+    response = None
     try:
         try:
             response = await handler(request)
@@ -41,6 +44,10 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
             response.headers["X-Request-Id"] = request_id
         return response
     finally:
+        if request.path.startswith("/v1/"):
+            log.info("request", method=request.method, path=request.path,
+                     status=response.status if response is not None else 499,
+                     seconds=round(time.monotonic() - started, 4))
         structlog.contextvars.unbind_contextvars("request_id")
 
 
