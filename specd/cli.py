@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -17,30 +18,44 @@ def _daemon(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from .api.manifest import ManifestError, load_manifest_dir
+    from .control.reconciler import Reconciler
     from .control.registry import ModelRegistry
+    from .control.store import Store
+    from .control.watcher import ManifestDirectory
     from .metrics import Metrics
     from .server.app import create_app
 
-    args.state_dir.mkdir(parents=True, exist_ok=True)
-    registry = ModelRegistry(Metrics())
+    manifests = None
     if args.manifests is not None:
         try:
-            resources = load_manifest_dir(args.manifests)
+            load_manifest_dir(args.manifests)  # refuse to start on an invalid file
         except ManifestError as err:
             print(f"specd: invalid manifest: {err}", file=sys.stderr)
             return 2
-        try:
-            for resource in resources:
-                registry.declare(resource)
-        except ValueError as err:
-            print(f"specd: invalid manifests: {err}", file=sys.stderr)
+    token = None
+    if args.admin_token_file is not None:
+        token = args.admin_token_file.read_text().strip()
+        if not token:
+            print(f"specd: {args.admin_token_file} is empty", file=sys.stderr)
             return 2
-    log.info("daemon starting", host=args.host, port=args.port, models=list(registry.models))
-    app = create_app(registry, drain_grace=args.drain_grace)
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(args.state_dir / "specd.db")
+    if args.manifests is not None:
+        manifests = ManifestDirectory(args.manifests, store)
+        manifests.sync_all()
+    reconciler = Reconciler(store, ModelRegistry(Metrics()), drain_grace=args.drain_grace)
+    log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
+             objects=len(store.list()))
+    app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
     log.info("daemon stopped")
-    return 0
+    # Everything is drained and stopped.  Skip the interpreter's teardown: MLX
+    # 0.32 aborts in its static destructors ("terminate called without an
+    # active exception", exit 134) once a worker thread has built a model.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _forge(args: argparse.Namespace) -> int:
@@ -61,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--manifests", type=Path, default=None, help="directory of YAML manifests")
     daemon.add_argument("--drain-grace", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
+    daemon.add_argument("--admin-token-file", type=Path, default=None,
+                        help="bearer token for the admin API (without it, loopback clients only)")
     daemon.set_defaults(func=_daemon)
+
+    from . import client
+
+    client.add_commands(sub)
 
     forge_cmd = sub.add_parser("forge", help="build a deterministic target/draft model pair")
     from . import forge

@@ -72,5 +72,19 @@ class Metrics:
         self.spec_rollback_seconds = Histogram(
             "specd_spec_decode_rollback_seconds", "Time rolling KV caches back per step.", m,
             buckets=LATENCY_BUCKETS, registry=r)
+        self.spec_off_steps = Counter(
+            "specd_spec_decode_off_steps", "Request-steps the controller kept from speculating, by reason.",
+            m + ["reason"], registry=r)
+        self.spec_acceptance_ema = Gauge(
+            "specd_spec_decode_acceptance_ema", "The controller's moving average of the acceptance rate.",
+            m, registry=r)
+        self.spec_policy_enabled = Gauge(
+            "specd_spec_policy_enabled", "1 when the model's SpecPolicy lets it speculate.",
+            m + ["policy"], registry=r)
+        self.spec_policy_max_tokens = Gauge(
+            "specd_spec_policy_max_speculative_tokens", "The SpecPolicy's cap on k.", m + ["policy"], registry=r)
+        self.spec_policy_generation = Gauge(
+            "specd_spec_policy_observed_generation", "Generation of the SpecPolicy the model runs.",
+            m + ["policy"], registry=r)
         self.model_ready = Gauge(
             "specd_model_ready", "1 when the model is loaded and serving.", m, registry=r)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -109,7 +110,7 @@ def test_sigterm_drains_in_flight_requests(forged, tmp_path):
     assert daemon.proc.wait(30) == 0
 
 
-def test_mismatched_draft_pairing_fails_its_model_only(forged, tmp_path):
+def test_mismatched_draft_pairing_fails_the_pairing_not_the_model(forged, tmp_path):
     from specd.forge.llama import LlamaShape, build, hf_config, save
 
     shape = LlamaShape(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -117,15 +118,17 @@ def test_mismatched_draft_pairing_fails_its_model_only(forged, tmp_path):
     save(build(shape), hf_config(shape, [0, 2], 0), forged / "target", tmp_path / "odd-draft")
     pairing = ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: odd}\n"
                f"spec: {{targetRef: paired, method: draft, source: {tmp_path / 'odd-draft'}}}\n")
-    manifests = {"a.yaml": model_manifest("plain", forged / "target"),
-                 "b.yaml": model_manifest("paired", forged / "target") + "---\n" + pairing}
-    daemon = start_daemon(tmp_path, manifests, False)
+    manifests = {"a.yaml": model_manifest("paired", forged / "target") + "---\n" + pairing}
+    daemon = start_daemon(tmp_path, manifests)
     try:
+        def pairing_condition():
+            obj = json.loads(daemon.get("/apis/specd.dev/v1alpha1/draftpairings/odd")[1])
+            return (obj.get("status", {}).get("conditions") or [None])[0]
         deadline = time.monotonic() + 60
-        while b"Failed" not in (body := daemon.get("/readyz")[1]):
+        while (cond := pairing_condition()) is None or cond["reason"] != "DraftLoadFailed":
             assert time.monotonic() < deadline, daemon.log()
             time.sleep(0.05)
-        assert b"paired" in body and b"vocabulary" in body
-        assert chat(daemon.url, "plain", max_tokens=3).usage.completion_tokens == 3
+        assert cond["status"] == "False" and "vocabulary" in cond["message"]
+        assert chat(daemon.url, "paired", max_tokens=3).usage.completion_tokens == 3
     finally:
         daemon.stop()

@@ -176,11 +176,13 @@ def child_env() -> tuple[dict[str, str], str]:
     return env, "added"
 
 
-def specd_spec(model: Path, workdir: Path, port: int) -> ServerSpec:
-    """specd serving ``model`` from a one-file manifest directory."""
+def specd_spec(model: Path, workdir: Path, port: int, draft: Path | None = None,
+               num_draft: int = 3) -> ServerSpec:
+    """specd serving ``model`` from a one-file manifest directory (with a
+    draft-model DraftPairing when ``draft`` is given)."""
     manifests = workdir / "manifests"
     manifests.mkdir()
-    (manifests / "bench.yaml").write_text(
+    text = (
         "apiVersion: specd.dev/v1alpha1\n"
         "kind: Model\n"
         "metadata:\n"
@@ -189,12 +191,18 @@ def specd_spec(model: Path, workdir: Path, port: int) -> ServerSpec:
         f"  source: {model}\n"
         "  maxBatchSize: 16\n"
     )
+    if draft is not None:
+        text += ("---\napiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata:\n  name: bench-draft\n"
+                 f"spec:\n  targetRef: {SPECD_MODEL_ID}\n  method: draft\n  source: {draft}\n"
+                 f"  numSpeculativeTokens: {num_draft}\n")
+    (manifests / "bench.yaml").write_text(text)
     argv = [sys.executable, "-m", "specd.cli", "daemon", "--manifests", str(manifests),
             "--state-dir", str(workdir / "state"), "--host", "127.0.0.1", "--port", str(port)]
     return ServerSpec("specd", argv, "/readyz", SPECD_MODEL_ID)
 
 
-def mlx_lm_spec(model: Path, port: int, prompt_cache: bool, backlog: int) -> ServerSpec:
+def mlx_lm_spec(model: Path, port: int, prompt_cache: bool, backlog: int, draft: Path | None = None,
+                num_draft: int = 3) -> ServerSpec:
     """mlx_lm.server with batching on and (by default) its prompt cache off.
 
     mlx_lm.server is a ``ThreadingHTTPServer`` speaking HTTP/1.0, so every
@@ -207,6 +215,8 @@ def mlx_lm_spec(model: Path, port: int, prompt_cache: bool, backlog: int) -> Ser
     """
     args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port),
             *MLX_LM_BATCH_FLAGS]
+    if draft is not None:  # mlx_lm.server then decodes one request at a time
+        args += ["--draft-model", str(draft), "--num-draft-tokens", str(num_draft)]
     if backlog > 0:
         bootstrap = ("import socketserver, sys; "
                      f"socketserver.TCPServer.request_queue_size = {backlog}; "
@@ -613,6 +623,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="redo a run if other processes used more CPU cores than this meanwhile")
     p.add_argument("--retries", type=int, default=3,
                    help="redos per run before keeping a disturbed one anyway")
+    p.add_argument("--draft-model", type=Path, default=None,
+                   help="speculate with this draft model on both servers (specd: a DraftPairing; "
+                        "mlx_lm.server: --draft-model)")
+    p.add_argument("--num-draft-tokens", type=int, default=3)
     p.add_argument("--mlx-lm-prompt-cache", action="store_true",
                    help="keep mlx_lm.server's prompt cache on (off by default: specd has none)")
     p.add_argument("--mlx-lm-backlog", type=int, default=64,
@@ -624,6 +638,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.retries < 0 or args.max_foreign_cores < 0:
         p.error("--retries and --max-foreign-cores must not be negative")
     args.model = args.model.expanduser().resolve()
+    if args.draft_model is not None:
+        args.draft_model = args.draft_model.expanduser().resolve()
     if not (args.model / "config.json").is_file():
         p.error(f"{args.model} is not an mlx-lm model directory (no config.json)")
     return args
@@ -640,9 +656,10 @@ async def bench(args: argparse.Namespace, env: dict[str, str], workdir: Path) ->
     for n in range(args.rounds):
         roundir = workdir / f"round{n}"
         roundir.mkdir()
-        builders = [partial(specd_spec, args.model, roundir),
+        draft = dict(draft=args.draft_model, num_draft=args.num_draft_tokens)
+        builders = [partial(specd_spec, args.model, roundir, **draft),
                     partial(mlx_lm_spec, args.model, prompt_cache=args.mlx_lm_prompt_cache,
-                            backlog=args.mlx_lm_backlog)]
+                            backlog=args.mlx_lm_backlog, **draft)]
         if n % 2:
             builders.reverse()
         for build in builders:
@@ -662,7 +679,8 @@ def to_jsonable(results: Results) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env, preload = child_env()
-    print(f"model: {args.model}")
+    print(f"model: {args.model}" + (f", draft: {args.draft_model} (k={args.num_draft_tokens})"
+                                    if args.draft_model else ""))
     print(f"LD_PRELOAD OpenBLAS for servers: {preload} (LD_PRELOAD={env.get('LD_PRELOAD', '')!r})")
     if preload == "missing":
         print(f"warning: {OPENBLAS} not found; MLX fp32 matmuls will be slow", file=sys.stderr)
@@ -687,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
                    "max_foreign_cores": args.max_foreign_cores, "retries": args.retries,
                    "concurrency": args.concurrency, "prompts": list(PROMPTS),
                    "mlx_lm_prompt_cache": args.mlx_lm_prompt_cache,
+                   "draft_model": str(args.draft_model) if args.draft_model else None,
+                   "num_draft_tokens": args.num_draft_tokens if args.draft_model else None,
                    "mlx_lm_listen_backlog": args.mlx_lm_backlog or 5,
                    "specd_max_batch_size": 16, "mlx_lm_batch_flags": list(MLX_LM_BATCH_FLAGS),
                    "tok_s_definition": "sum of usage.completion_tokens / wall time of the run",

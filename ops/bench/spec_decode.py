@@ -11,7 +11,15 @@ tokens / cost of one target step, both measured here on the same models.
 When a proposer skips some steps (n-gram finds no match) or proposes fewer
 than k tokens, the same model is applied per step: with a fraction f of steps
 speculating with k' proposals on average, ideal = (f * E[tokens | alpha, k'] +
-(1 - f)) / (f * (k' * c + v(k')) + (1 - f)).  Efficiency = measured / ideal.
+(1 - f)) / (f * (k' * c + v(k')) + (1 - f)).
+
+That formula assumes every proposal is accepted independently with
+probability alpha.  Real acceptance is correlated (a run of predictable text
+is accepted whole), so it can under-predict the tokens a round yields.  The
+benchmark therefore also prints ``ideal@L``: the same cost model with the
+*measured* mean accepted length L per round in place of E[tokens | alpha, k].
+Efficiency = measured speedup / ideal@L: what the engine delivers of what
+its acceptance and costs allow.
 
     python ops/bench/spec_decode.py --pair models/demo [--target-dir target-inflated]
 
@@ -33,8 +41,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
+from specd.engine.batch import make_batch_cache
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import GenerationRequest
@@ -87,11 +95,12 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def step_cost(model, context: int, width: int, reps: int = 30) -> float:
-    """Median seconds of one single-sequence forward of ``width`` tokens after ``context`` cached ones."""
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.zeros((1, context), dtype=mx.int32) + 5, cache=cache))
-    inputs = mx.zeros((1, width), dtype=mx.int32) + 7
+def step_cost(model, context: int, width: int, batch: int = 1, reps: int = 30) -> float:
+    """Median seconds of one forward of ``width`` tokens per row, for ``batch``
+    rows with ``context`` tokens already cached (the engine's batched cache)."""
+    cache = make_batch_cache(model, [0] * batch)
+    mx.eval(model(mx.zeros((batch, context), dtype=mx.int32) + 5, cache=cache))
+    inputs = mx.zeros((batch, width), dtype=mx.int32) + 7
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -102,18 +111,22 @@ def step_cost(model, context: int, width: int, reps: int = 30) -> float:
     return median(times)
 
 
-def cost_model(target, draft, ks: list[int], context: int = 96) -> dict[str, Any]:
-    """c and v(k) measured on these models at batch 1."""
-    t1 = step_cost(target, context, 1)
-    d1 = step_cost(draft, context, 1) if draft is not None else None
-    v = {k: step_cost(target, context, k + 1) / t1 for k in ks}
-    return {"target_step_s": t1, "draft_step_s": d1, "c": (d1 / t1) if d1 else None, "v": v}
+def cost_model(target, draft, ks: list[int], batch: int = 1, context: int = 96) -> dict[str, Any]:
+    """c and v(k) measured on these models with ``batch`` sequences decoding together."""
+    t1 = step_cost(target, context, 1, batch)
+    d1 = step_cost(draft, context, 1, batch)
+    v = {k: step_cost(target, context, k + 1, batch) / t1 for k in ks}
+    return {"batch": batch, "target_step_s": t1, "draft_step_s": d1, "c": d1 / t1, "v": v}
 
 
-def ideal_speedup(alpha: float, k: float, c: float, v: float, f: float = 1.0) -> float:
-    """Expected tokens per unit of target-step time, relative to plain decoding."""
-    tokens = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return (f * tokens + (1 - f)) / (f * (k * c + v) + (1 - f))
+def iid_tokens(alpha: float, k: float) -> float:
+    """Expected tokens per round when each proposal is accepted with probability alpha."""
+    return (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def ideal_speedup(tokens_per_round: float, k: float, c: float, v: float, f: float = 1.0) -> float:
+    """Tokens per unit of target-step time, relative to plain decoding."""
+    return (f * tokens_per_round + (1 - f)) / (f * (k * c + v) + (1 - f))
 
 
 async def run_requests(engine: Engine, prompts: list[list[int]], spec: SpeculationConfig | None,
@@ -169,16 +182,18 @@ def row(name: str, m: dict, plain_tok_s: float, k: int | None, c: float | None, 
            "mean_accepted": m["mean_accepted"], "spec_fraction": m["spec_fraction"], "k": k}
     if k and m["alpha"] is not None and c is not None:
         kbar = m["mean_proposed"]
-        vk = v[max(1, min(len(v), round(kbar)))]
-        ideal = ideal_speedup(m["alpha"], kbar, c, vk, m["spec_fraction"])
-        out.update(c=c, v=vk, mean_proposed=kbar, ideal=ideal, efficiency=speedup / ideal)
+        vk = v[min(v, key=lambda kk: abs(kk - kbar))]
+        f = m["spec_fraction"]
+        ideal = ideal_speedup(iid_tokens(m["alpha"], kbar), kbar, c, vk, f)
+        ideal_l = ideal_speedup(m["mean_accepted"] + 1, kbar, c, vk, f)
+        out.update(c=c, v=vk, mean_proposed=kbar, ideal=ideal, ideal_at_L=ideal_l, efficiency=speedup / ideal_l)
     return out
 
 
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n== {title}")
     print(f"{'config':<18}{'tok/s':>9}{'speedup':>9}{'alpha':>8}{'acc/rnd':>9}{'spec%':>7}{'c':>7}{'v':>7}"
-          f"{'ideal':>8}{'eff':>7}")
+          f"{'ideal':>8}{'ideal@L':>9}{'eff':>7}")
 
     def f(x, fmt):
         return format(x, fmt) if isinstance(x, (int, float)) else "-"
@@ -186,7 +201,7 @@ def print_rows(title: str, rows: list[dict]) -> None:
         print(f"{r['config']:<18}{r['tok_s']:>9.1f}{f(r['speedup'], '.2f'):>8}x{f(r['alpha'], '.3f'):>8}"
               f"{f(r['mean_accepted'], '.2f'):>9}{f(100 * r['spec_fraction'], '.0f'):>7}"
               f"{f(r.get('c'), '.3f'):>7}{f(r.get('v'), '.2f'):>7}"
-              f"{f(r.get('ideal'), '.2f'):>8}{f(r.get('efficiency'), '.2f'):>7}")
+              f"{f(r.get('ideal'), '.2f'):>8}{f(r.get('ideal_at_L'), '.2f'):>9}{f(r.get('efficiency'), '.2f'):>7}")
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,7 +209,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     target, tokenizer = load(str(pair / args.target_dir))
     draft, _ = load(str(pair / "draft"))
     ks = list(range(1, args.max_k + 1))
-    costs = cost_model(target, draft, list(range(1, max(args.max_k, args.conc_k) + 1)))
+    costs = cost_model(target, draft, ks)
     c_draft = costs["c"]
     print(f"target step {costs['target_step_s'] * 1e3:.2f} ms, draft step {costs['draft_step_s'] * 1e3:.2f} ms, "
           f"c = {c_draft:.3f}; v(k) = " + ", ".join(f"{k}:{v:.2f}" for k, v in costs["v"].items()))
@@ -222,17 +237,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row(f"ngram k={k}", m, plain_rw["tok_s"], k, 0.0, costs["v"]))
         print_rows("single stream, greedy, rewrite task", rows)
         result["rewrite_single_stream"] = rows
-        # 3. concurrency 1, 4, 8: spec on vs off
+        # 3. concurrency 1, 4, 8: spec on vs off; c and v measured at that batch size
         prompts = (code + rewrite) * 2
         rows = []
+        result["costs_by_batch"] = {}
         for conc in args.concurrency:
+            bc = cost_model(target, draft, [args.conc_k], batch=conc)
+            result["costs_by_batch"][conc] = bc
+            print(f"batch {conc}: target step {bc['target_step_s'] * 1e3:.2f} ms, c = {bc['c']:.3f}, "
+                  f"v({args.conc_k}) = {bc['v'][args.conc_k]:.2f}")
             base = await measure(engine, prompts[:max(conc, 8)], None, args.max_tokens, args.runs, conc)
-            rows.append(row(f"c={conc} off", base, base["tok_s"], None, None, costs["v"]))
+            rows.append(row(f"c={conc} off", base, base["tok_s"], None, None, bc["v"]))
             for method, k in (("ngram", args.conc_k), ("draft", args.conc_k)):
                 m = await measure(engine, prompts[:max(conc, 8)], SpeculationConfig(method, k), args.max_tokens,
                                   args.runs, conc)
                 rows.append(row(f"c={conc} {method} k={k}", m, base["tok_s"], k,
-                                c_draft if method == "draft" else 0.0, costs["v"]))
+                                bc["c"] if method == "draft" else 0.0, bc["v"]))
         print_rows("concurrency sweep (speedup vs spec-off at the same concurrency)", rows)
         result["concurrency"] = rows
     finally:

@@ -32,6 +32,8 @@ class ModelSpec:
     """What a served model should be: where its weights are and its limits."""
 
     source: str
+    revision: str | None = None
+    topology_ref: str | None = None
     max_batch_size: int = 16
     max_waiting: int = 64
     max_context: int | None = None
@@ -43,10 +45,12 @@ class Resource:
     api_version: str
     kind: str
     name: str
-    spec: Any
+    spec: Any  # the parsed spec dataclass
+    raw_spec: dict = field(default_factory=dict)  # the spec as written (what the store keeps)
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     origin: str | None = None  # the file it came from, for messages and relative paths
+    resource_version: str | None = None  # the version the client read, for optimistic concurrency
 
 
 def _check_type(value: Any, kind: type | tuple, path: str) -> Any:
@@ -82,15 +86,25 @@ def _positive_int(obj: dict, key: str, path: str, default: int | None) -> int | 
     return value
 
 
+def _optional_str(obj: dict, key: str, path: str) -> str | None:
+    if key not in obj:
+        return None
+    value = _check_type(obj[key], str, f"{path}.{key}")
+    if not value.strip():
+        raise ManifestError("must not be empty", f"{path}.{key}")
+    return value
+
+
 def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
-    keys = {"source", "maxBatchSize", "maxWaiting", "maxContext", "prefillStepTokens"}
+    keys = {"source", "revision", "topologyRef", "maxBatchSize", "maxWaiting", "maxContext",
+            "prefillStepTokens"}
     _fields(spec, path, keys, {"source"})
-    source = _check_type(spec["source"], str, f"{path}.source")
-    if not source.strip():
-        raise ManifestError("must not be empty", f"{path}.source")
+    source = _optional_str(spec, "source", path)
     defaults = ModelSpec(source=source)
     return ModelSpec(
         source=source,
+        revision=_optional_str(spec, "revision", path),
+        topology_ref=_optional_str(spec, "topologyRef", path),
         max_batch_size=_positive_int(spec, "maxBatchSize", path, defaults.max_batch_size),
         max_waiting=_positive_int(spec, "maxWaiting", path, defaults.max_waiting),
         max_context=_positive_int(spec, "maxContext", path, None),
@@ -136,9 +150,108 @@ def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec
     return DraftPairingSpec(target, method, source, k, n_min, n_max)
 
 
+def _number(obj: dict, key: str, path: str, lo: float, hi: float, default: float | None) -> float | None:
+    if key not in obj:
+        return default
+    value = _check_type(obj[key], (int, float), f"{path}.{key}")
+    if not lo <= value <= hi:
+        raise ManifestError(f"must be between {lo} and {hi}, got {value}", f"{path}.{key}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SpecPolicySpec:
+    """Speculation policy for the Models its selector matches, hot-swapped between steps."""
+
+    match_labels: dict[str, str]
+    enabled: bool = True
+    mode: str = "static"
+    max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS
+    disable_by_batch_size: int | None = None
+    acceptance_rate_threshold: float = 0.0
+    ema_alpha: float = 0.1
+
+    def selects(self, labels: dict[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.match_labels.items())
+
+
+SPEC_POLICY_MODES = ("static",)
+
+
+def _parse_spec_policy_spec(spec: Any, path: str = "spec") -> SpecPolicySpec:
+    _fields(spec, path, {"selector", "enabled", "mode", "maxSpeculativeTokens", "disableByBatchSize",
+                         "acceptanceRateThreshold", "emaAlpha"}, {"selector"})
+    selector = _fields(spec["selector"], f"{path}.selector", {"matchLabels"})
+    enabled = spec.get("enabled", True)
+    _check_type(enabled, bool, f"{path}.enabled")
+    mode = spec.get("mode", "static")
+    if mode not in SPEC_POLICY_MODES:
+        raise ManifestError(f"must be one of {', '.join(SPEC_POLICY_MODES)}, got {mode!r}", f"{path}.mode")
+    max_k = _positive_int(spec, "maxSpeculativeTokens", path, MAX_SPECULATIVE_TOKENS)
+    if max_k > MAX_SPECULATIVE_TOKENS:
+        raise ManifestError(f"must be at most {MAX_SPECULATIVE_TOKENS}, got {max_k}",
+                            f"{path}.maxSpeculativeTokens")
+    alpha = _number(spec, "emaAlpha", path, 0.0, 1.0, 0.1)
+    if alpha == 0.0:
+        raise ManifestError("must be greater than 0", f"{path}.emaAlpha")
+    return SpecPolicySpec(
+        match_labels=_string_map(selector.get("matchLabels", {}), f"{path}.selector.matchLabels"),
+        enabled=enabled, mode=mode, max_speculative_tokens=max_k,
+        disable_by_batch_size=_positive_int(spec, "disableByBatchSize", path, None),
+        acceptance_rate_threshold=_number(spec, "acceptanceRateThreshold", path, 0.0, 1.0, 0.0),
+        ema_alpha=alpha)
+
+
+@dataclass(frozen=True)
+class TopologyHost:
+    name: str
+    address: str
+    rdma_devices: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TopologySpec:
+    """Hosts a tensor-parallel Model is placed on (placement arrives with TP support)."""
+
+    backend: str
+    hosts: tuple[TopologyHost, ...]
+    tensor_parallel_size: int
+    launcher: str = "agent"
+
+
+def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
+    _fields(spec, path, {"backend", "hosts", "tensorParallelSize", "launcher"}, {"backend", "hosts"})
+    backend = _check_type(spec["backend"], str, f"{path}.backend")
+    if backend not in ("jaccl", "ring"):
+        raise ManifestError(f'must be "jaccl" or "ring", got "{backend}"', f"{path}.backend")
+    launcher = spec.get("launcher", "agent")
+    if launcher not in ("agent", "ssh"):
+        raise ManifestError(f'must be "agent" or "ssh", got "{launcher}"', f"{path}.launcher")
+    hosts_raw = _check_type(spec["hosts"], list, f"{path}.hosts")
+    if not hosts_raw:
+        raise ManifestError("at least one host is required", f"{path}.hosts")
+    hosts, names = [], set()
+    for i, h in enumerate(hosts_raw):
+        hp = f"{path}.hosts[{i}]"
+        _fields(h, hp, {"name", "address", "rdmaDevices"}, {"name", "address"})
+        name = _check_type(h["name"], str, f"{hp}.name")
+        if name in names:
+            raise ManifestError(f'duplicate host "{name}"', f"{hp}.name")
+        names.add(name)
+        hosts.append(TopologyHost(name, _check_type(h["address"], str, f"{hp}.address"),
+                                  _string_map(h.get("rdmaDevices", {}), f"{hp}.rdmaDevices")))
+    size = _positive_int(spec, "tensorParallelSize", path, len(hosts))
+    if size > len(hosts):
+        raise ManifestError(f"must be at most the number of hosts ({len(hosts)}), got {size}",
+                            f"{path}.tensorParallelSize")
+    return TopologySpec(backend, tuple(hosts), size, launcher)
+
+
 SPEC_PARSERS: dict[str, Callable[[Any], Any]] = {
     "Model": _parse_model_spec,
     "DraftPairing": _parse_draft_pairing_spec,
+    "SpecPolicy": _parse_spec_policy_spec,
+    "Topology": _parse_topology_spec,
 }
 
 
@@ -147,6 +260,19 @@ def _string_map(obj: Any, path: str) -> dict[str, str]:
     for k, v in obj.items():
         _check_type(v, str, f"{path}.{k}")
     return dict(obj)
+
+
+# Set by the server; accepted back (``get -o yaml | apply``), never taken from clients.
+SERVER_METADATA = ("uid", "generation", "resourceVersion", "creationTimestamp")
+KINDS_WITH_SOURCE = ("Model", "DraftPairing")
+
+
+def _resolve_sources(kind: str, spec: Any, origin: str | None) -> Any:
+    """Make a relative local ``source`` absolute, relative to the manifest's file,
+    so the stored object means the same wherever the daemon runs."""
+    if kind in KINDS_WITH_SOURCE and isinstance(spec, dict) and isinstance(spec.get("source"), str):
+        return {**spec, "source": resolve_source(spec["source"], origin)}
+    return spec
 
 
 def parse_resource(doc: Any, origin: str | None = None) -> Resource:
@@ -160,17 +286,21 @@ def parse_resource(doc: Any, origin: str | None = None) -> Resource:
         kind = doc["kind"]
         if kind not in SPEC_PARSERS:
             raise ManifestError(f'unknown kind "{kind}" (known: {", ".join(sorted(SPEC_PARSERS))})', "kind")
-        meta = _fields(doc["metadata"], "metadata", {"name", "labels", "annotations"}, {"name"})
+        meta = _fields(doc["metadata"], "metadata", {"name", "labels", "annotations", *SERVER_METADATA},
+                       {"name"})
         name = _check_type(meta["name"], str, "metadata.name")
         if not NAME_RE.match(name):
             raise ManifestError(
                 f'invalid name "{name}": lower-case letters, digits, ".", "-" and "_", '
                 "starting and ending with a letter or digit", "metadata.name")
+        raw_spec = _resolve_sources(kind, doc["spec"], origin)
+        version = meta.get("resourceVersion")
         return Resource(
-            api_version=API_VERSION, kind=kind, name=name, spec=SPEC_PARSERS[kind](doc["spec"]),
+            api_version=API_VERSION, kind=kind, name=name, spec=SPEC_PARSERS[kind](raw_spec),
+            raw_spec=raw_spec,
             labels=_string_map(meta.get("labels", {}), "metadata.labels"),
             annotations=_string_map(meta.get("annotations", {}), "metadata.annotations"),
-            origin=origin)
+            origin=origin, resource_version=None if version is None else str(version))
     except ManifestError as err:
         raise ManifestError(err.reason, err.path, origin) from None
 

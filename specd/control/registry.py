@@ -1,19 +1,21 @@
-"""The daemon's served models: declared, loading, ready or failed.
+"""What is actually running: one entry per Model, with its engine and what it was built from.
 
-Each declared Model is loaded off the event loop; a model that fails to load
-is marked Failed with its reason while the others keep serving.
+The reconciler changes entries; the HTTP layer only reads them (``engine``,
+``not_ready``).  Swapping an entry's engine is one assignment, so a request
+either gets the old engine or the new one, never neither.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import structlog
+from mlx.utils import tree_flatten
 
-from ..api.manifest import DraftPairingSpec, ModelSpec, Resource, resolve_source
+from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec
 from ..engine.engine import Engine, EngineConfig
 from ..engine.loader import load_model
 from ..metrics import Metrics
@@ -29,16 +31,42 @@ class Phase(str, Enum):
     FAILED = "Failed"
 
 
+@dataclass(frozen=True)
+class Pairing:
+    """A DraftPairing as applied to a model (name and generation identify it)."""
+
+    name: str
+    generation: int
+    spec: DraftPairingSpec
+
+    def speculation(self) -> SpeculationConfig:
+        s = self.spec
+        return SpeculationConfig(s.method, s.num_speculative_tokens, s.ngram_min, s.ngram_max)
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    generation: int
+    spec: SpecPolicySpec
+
+
 @dataclass
 class ServedModel:
     name: str
+    generation: int  # the Model generation of ``spec``
     spec: ModelSpec
-    source: str
     phase: Phase = Phase.PENDING
     reason: str = ""
     engine: Engine | None = None
     load_seconds: float | None = None
-    created: int = 0
+    weight_bytes: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    pairing: Pairing | None = None  # applied to the engine
+    pairing_error: str = ""
+    policy: Policy | None = None  # applied to the engine
+    task: asyncio.Task | None = None  # a load (or reload) in flight
+    loading_generation: int | None = None
 
 
 class ModelNotFound(KeyError):
@@ -49,80 +77,51 @@ class ModelNotReady(Exception):
     pass
 
 
+def load_draft(pairing: Pairing | None, target, tokenizer):
+    """The draft model a pairing needs (None for n-gram), checked against the target."""
+    if pairing is None or pairing.spec.method != "draft":
+        return None
+    draft, draft_tokenizer = load_model(pairing.spec.source)
+    check_draft_pair(target, tokenizer, draft, draft_tokenizer, pairing.name)
+    return draft
+
+
+@dataclass
+class Built:
+    engine: Engine
+    weight_bytes: int
+    pairing_error: str = ""  # the pairing could not be attached; the model serves without it
+
+
+def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None) -> Built:
+    """Load weights (and the pairing's draft) and build an engine ready to start.
+
+    A draft that fails to load or does not match fails the pairing, not the model.
+    """
+    model, tokenizer = load_model(spec.source)
+    config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
+                          prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    try:
+        draft = load_draft(pairing, model, tokenizer)
+    except Exception as exc:
+        engine = Engine(name, model, tokenizer, config, metrics)
+        return Built(engine, weights, f"{type(exc).__name__}: {exc}")
+    speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
+    return Built(Engine(name, model, tokenizer, config, metrics, speculation, draft), weights)
+
+
 class ModelRegistry:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
-        self.pairings: dict[str, Resource] = {}  # by target model name
-
-    def declare(self, resource: Resource) -> None:
-        if resource.kind == "DraftPairing":
-            self.pair(resource)
-        else:
-            self.declare_model(resource)
-
-    def pair(self, resource: Resource) -> None:
-        target = resource.spec.target_ref
-        other = self.pairings.get(target)
-        if other is not None and other.name != resource.name:
-            raise ValueError(f'Model "{target}" already has DraftPairing "{other.name}"; '
-                             f'"{resource.name}" would be a second one')
-        self.pairings[target] = resource
-
-    def declare_model(self, resource: Resource) -> ServedModel:
-        spec: ModelSpec = resource.spec
-        served = ServedModel(resource.name, spec, resolve_source(spec.source, resource.origin),
-                             created=int(time.time()))
-        self.models[resource.name] = served
-        self.metrics.model_ready.labels(resource.name).set(0)
-        return served
-
-    async def load(self, served: ServedModel) -> None:
-        """Load one model and start its engine; failures stay with that model."""
-        served.phase = Phase.LOADING
-        started = time.monotonic()
-        log.info("model loading", model=served.name, source=served.source)
-        try:
-            model, tokenizer = await asyncio.to_thread(load_model, served.source)
-            speculation, draft = await asyncio.to_thread(self._load_pairing, served.name, model, tokenizer)
-            spec = served.spec
-            config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
-                                  prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context)
-            engine = Engine(served.name, model, tokenizer, config, self.metrics, speculation, draft)
-        except Exception as exc:
-            served.phase, served.reason = Phase.FAILED, f"{type(exc).__name__}: {exc}"
-            log.error("model failed to load", model=served.name, reason=served.reason)
-            return
-        engine.start()
-        served.engine, served.phase = engine, Phase.READY
-        served.load_seconds = time.monotonic() - started
-        self.metrics.model_ready.labels(served.name).set(1)
-        log.info("model ready", model=served.name, seconds=round(served.load_seconds, 2))
-
-    def _load_pairing(self, name: str, model, tokenizer) -> tuple[SpeculationConfig, object]:
-        """The model's speculation default and draft model, from its DraftPairing."""
-        pairing = self.pairings.get(name)
-        if pairing is None:
-            return NO_SPECULATION, None
-        spec: DraftPairingSpec = pairing.spec
-        config = SpeculationConfig(spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-        if spec.method != "draft":
-            return config, None
-        draft, draft_tokenizer = load_model(resolve_source(spec.source, pairing.origin))
-        check_draft_pair(model, tokenizer, draft, draft_tokenizer, pairing.name)
-        return config, draft
-
-    async def load_all(self) -> None:
-        for served in list(self.models.values()):
-            if served.phase is Phase.PENDING:
-                await self.load(served)
 
     def engine(self, name: str) -> Engine:
         """The engine serving ``name``; raises ModelNotFound or ModelNotReady."""
         served = self.models.get(name)
         if served is None:
             raise ModelNotFound(name)
-        if served.phase is not Phase.READY:
+        if served.engine is None:
             detail = f": {served.reason}" if served.reason else ""
             raise ModelNotReady(f"model {name!r} is {served.phase.value}{detail}")
         return served.engine
@@ -130,9 +129,12 @@ class ModelRegistry:
     def not_ready(self) -> dict[str, str]:
         """Reasons, by model, why the daemon is not ready (empty when it is)."""
         return {n: (f"{m.phase.value}: {m.reason}" if m.reason else m.phase.value)
-                for n, m in self.models.items() if m.phase is not Phase.READY}
+                for n, m in self.models.items() if m.engine is None}
 
     async def shutdown(self, grace: float) -> None:
+        for served in self.models.values():
+            if served.task is not None:
+                served.task.cancel()
         engines = [m.engine for m in self.models.values() if m.engine is not None]
         await asyncio.gather(*(e.shutdown(grace) for e in engines))
 

@@ -3,8 +3,8 @@
 Every acknowledged write is committed with ``synchronous=FULL`` before the
 API answers, so a ``kill -9`` at any moment loses nothing acknowledged and
 never leaves half an apply behind (a multi-object apply is one transaction).
-Optimistic concurrency follows Kubernetes: every write bumps a global
-``resourceVersion``; an update that names a stale one is refused.
+Optimistic concurrency follows Kubernetes: every change of desired state
+bumps a global ``resourceVersion``; an update that names a stale one is refused.
 """
 
 from __future__ import annotations
@@ -191,30 +191,21 @@ class Store:
         with self._lock:
             obj = self.get(kind, name)
             if not dry_run:
-                with self._db:
-                    self._db.execute("DELETE FROM objects WHERE kind=? AND name=?", (kind, name))
+                self._db.execute("DELETE FROM objects WHERE kind=? AND name=?", (kind, name))
         if not dry_run:
             self._notify([(kind, name)])
         return obj
 
     def set_status(self, kind: str, name: str, status: dict[str, Any]) -> None:
-        """Write an object's observed status (not a spec change: generation stays)."""
+        """Write an object's observed status.  Not a change of desired state:
+        neither the generation nor the resourceVersion moves, so a manifest
+        read with ``get -o yaml`` applies back cleanly while status churns."""
         with self._lock:
-            row = self._db.execute("SELECT status FROM objects WHERE kind=? AND name=?", (kind, name)).fetchone()
-            if row is None or json.loads(row[0]) == status:
-                return
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                version = self._next_version(self._db.cursor())
-                self._db.execute("UPDATE objects SET status=?, resource_version=? WHERE kind=? AND name=?",
-                                 (json.dumps(status), version, kind, name))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            self._db.execute("UPDATE objects SET status=? WHERE kind=? AND name=? AND status != ?",
+                             (json.dumps(status), kind, name, json.dumps(status)))
 
     def record_event(self, kind: str, name: str, type_: str, reason: str, message: str) -> None:
-        with self._lock, self._db:
+        with self._lock:
             self._db.execute("INSERT INTO events (kind, name, type, reason, message, time) VALUES (?,?,?,?,?,?)",
                              (kind, name, type_, reason, message, now_iso()))
             self._db.execute(

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,8 +76,8 @@ class Engine:
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.max_context = _model_context(model, config.max_context)
         self._detokenizer = tokenizer.detokenizer
-        self.speculation = speculation
-        self.speculator = Speculator(name, _vocab_size(model), self.metrics, draft_model)
+        self.speculator = Speculator(name, _vocab_size(model), self.metrics, speculation, draft_model)
+        self._updates: list[Callable[[], None]] = []
         self._cv = threading.Condition()
         self._inbox: deque[Sequence] = deque()
         self._cancelled: set[str] = set()
@@ -117,8 +117,7 @@ class Engine:
         """Queue a request; ``emit(StepOutput)`` is called from the engine thread."""
         self.check_prompt(request)
         seq = Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
-                       eos_ids=self.eos_ids, max_total_tokens=self.max_context,
-                       spec=request.speculation or self.speculation)
+                       eos_ids=self.eos_ids, max_total_tokens=self.max_context)
         with self._cv:
             if not self._accepting:
                 raise EngineUnavailable(f"model {self.name!r} is shutting down")
@@ -128,6 +127,24 @@ class Engine:
                     f"model {self.name!r} has {self.config.max_waiting} requests waiting; retry later")
             self._inbox.append(seq)
             self._cv.notify()
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        """The model's default speculation (its DraftPairing's)."""
+        return self.speculator.default
+
+    def between_steps(self, update: Callable[[], None]) -> None:
+        """Run ``update`` on the engine thread before its next step: how
+        speculation settings and policies change without a request noticing."""
+        with self._cv:
+            self._updates.append(update)
+            self._cv.notify()
+
+    def configure_speculation(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
+        self.between_steps(lambda: self.speculator.configure(default, draft_model))
+
+    def set_policy(self, controller) -> None:
+        self.between_steps(lambda: setattr(self.speculator, "controller", controller))
 
     def cancel(self, request_id: str) -> None:
         """Free a request's batch slot at the next step boundary."""
@@ -168,13 +185,16 @@ class Engine:
         while True:
             with self._cv:
                 while not (self._inbox or self._cancelled or self._waiting or self._prefill
-                           or self._batch or self._stopped):
+                           or self._batch or self._stopped or self._updates):
                     self._cv.wait()
                 if self._stopped:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
                 cancelled, self._cancelled = self._cancelled, set()
+                updates, self._updates = self._updates, []
+            for update in updates:
+                update()
             try:
                 self._step(cancelled)
             except Exception as exc:  # an engine fault fails its requests, not the daemon

@@ -8,7 +8,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..spec.config import NO_SPECULATION, SpeculationConfig
+from ..spec.config import SpeculationConfig
 from .sampling import SamplingParams, make_key
 
 
@@ -38,9 +38,11 @@ class SpecStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    method: str = "none"
 
     def as_dict(self) -> dict:
         return {
+            "method": self.method,
             "rounds": self.rounds,
             "draft_tokens": self.drafted,
             "accepted_tokens": self.accepted,
@@ -106,7 +108,6 @@ class Sequence:
     detokenizer: object
     eos_ids: frozenset[int]
     max_total_tokens: int
-    spec: SpeculationConfig = NO_SPECULATION
     key: mx.array = field(init=False)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -133,6 +134,10 @@ class Sequence:
     @property
     def context_length(self) -> int:
         return len(self.prompt) + len(self.tokens)
+
+    def _speculated(self) -> bool:
+        asked = self.request.speculation
+        return self.stats.rounds > 0 or (asked is not None and asked.enabled)
 
     def accept(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         """Append tokens in order, stopping at EOS, a stop string or a limit.
@@ -169,5 +174,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.tokens),
-            spec=self.stats if self.finish_reason is not None and self.spec.enabled else None,
+            spec=self.stats if self.finish_reason is not None and self._speculated() else None,
         )

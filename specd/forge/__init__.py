@@ -176,10 +176,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="rebuild even if OUT_DIR holds this recipe"
     )
+    parser.add_argument(
+        "--inflate", type=int, metavar="WIDTH", default=None,
+        help="also write OUT_DIR/target-inflated: the target with MLPs widened to WIDTH by "
+        "function-preserving zero-output units (a memory-bound target for speculation benchmarks)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the forge for parsed CLI ``args``; returns a process exit code."""
     info = forge(args.out_dir, preset=args.preset, seed=args.seed, force=args.force)
-    print(json.dumps({k: info[k] for k in ("target_path", "draft_path", "agreement_top1")}))
+    summary = {k: info[k] for k in ("target_path", "draft_path", "agreement_top1")}
+    if args.inflate:
+        from .inflate import inflate
+
+        out = Path(args.out_dir) / "target-inflated"
+        summary["inflated"] = {"path": str(out), **inflate(Path(info["target_path"]), out, args.inflate)}
+    print(json.dumps(summary))
     return 0

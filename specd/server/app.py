@@ -10,8 +10,10 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..control.reconciler import Reconciler
 from ..control.registry import ModelRegistry
-from . import openai
+from ..control.watcher import ManifestDirectory
+from . import admin, openai
 from .errors import APIError
 
 log = structlog.get_logger(__name__)
@@ -59,7 +61,9 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
     registry: ModelRegistry = request.app["registry"]
+    store = request.app["store"]
     problems = registry.not_ready()
+    problems.update({o.name: "Pending" for o in store.list("Model") if o.name not in registry.models})
     if problems or not request.app["started"].is_set():
         return web.json_response({"status": "not ready", "models": problems}, status=503)
     return web.json_response({"status": "ready"})
@@ -71,21 +75,32 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(registry: ModelRegistry, drain_grace: float = 30.0) -> web.Application:
-    """App factory.  Models are loaded after the server starts listening, so
+def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = None,
+               admin_token: str | None = None, drain_grace: float = 30.0) -> web.Application:
+    """App factory.  The reconciler starts after the server listens, so
     ``/healthz`` and ``/readyz`` answer while weights load."""
-    app = web.Application(middlewares=[request_context], client_max_size=16 * 1024 * 1024)
-    app["registry"] = registry
+    app = web.Application(middlewares=[request_context, admin.admin_guard], client_max_size=16 * 1024 * 1024)
+    app["registry"] = reconciler.registry
+    app["store"] = reconciler.store
+    app["admin_token"] = admin_token
     app["started"] = asyncio.Event()
     app.add_routes(routes)
     app.add_routes(openai.routes)
+    app.add_routes(admin.routes)
 
-    async def models(app: web.Application):
-        loading = asyncio.create_task(registry.load_all())
-        loading.add_done_callback(lambda _: app["started"].set())
+    async def control_plane(app: web.Application):
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(reconciler.run())]
+        if manifests is not None:
+            tasks.append(asyncio.create_task(manifests.watch(stop)))
+        app["started"].set()
         yield
-        loading.cancel()
-        await registry.shutdown(drain_grace)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await reconciler.registry.shutdown(drain_grace)
+        reconciler.store.close()
 
-    app.cleanup_ctx.append(models)
+    app.cleanup_ctx.append(control_plane)
     return app

@@ -263,8 +263,7 @@ class Completion:
         usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                  "total_tokens": out.prompt_tokens + out.completion_tokens}
         if out.spec is not None:
-            method = (self.request.speculation or self.engine.speculation).method
-            usage["speculation"] = {"method": method, **out.spec.as_dict()}
+            usage["speculation"] = out.spec.as_dict()
         return usage
 
     def envelope(self, choices: list, usage: dict | None = None, chunk: bool = False) -> dict:

@@ -18,6 +18,8 @@ from ..engine.batch import rollback
 from ..engine.sampling import transform_logprobs
 from ..engine.sequence import Sequence
 from ..metrics import Metrics
+from .config import NO_SPECULATION, SpeculationConfig
+from .controller import StaticController
 from .draft import DraftModelProposer
 from .ngram import NgramIndex
 from .verify import point_mass, verify
@@ -35,38 +37,66 @@ class Proposal:
 
 
 class Speculator:
+    """A model's speculation state: its default (from the DraftPairing), its
+    draft model and its controller (from the SpecPolicy), all replaceable
+    between steps without disturbing requests in flight."""
+
     def __init__(self, model_name: str, vocab_size: int, metrics: Metrics,
-                 draft_model: nn.Module | None = None):
+                 default: SpeculationConfig = NO_SPECULATION, draft_model: nn.Module | None = None):
         self.name = model_name
         self.vocab = vocab_size
         self.metrics = metrics
+        self.default = default
         self.draft = DraftModelProposer(draft_model) if draft_model is not None else None
+        self.controller = StaticController()
+        self.drafted_total = 0
+        self.accepted_total = 0
 
-    def budget(self, seq: Sequence, max_context: int) -> int:
-        """Proposals this round: the requested k, shrunk so the round can
-        neither pass the context window nor max_tokens (0 at the limit)."""
-        spec = seq.spec
-        if not spec.enabled:
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted over the engine's life (what DraftPairing status shows)."""
+        return self.accepted_total / self.drafted_total if self.drafted_total else None
+
+    def configure(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
+        """Attach, change or detach the pairing; a new draft model starts with no rows."""
+        self.default = default
+        if draft_model is None:
+            self.draft = None
+        elif self.draft is None or self.draft.model is not draft_model:
+            self.draft = DraftModelProposer(draft_model)
+
+    def spec_for(self, seq: Sequence) -> SpeculationConfig:
+        return seq.request.speculation or self.default
+
+    def budget(self, seq: Sequence, max_context: int, batch_size: int) -> int:
+        """Proposals this round: the requested k as the policy allows it, shrunk
+        so the round can pass neither the context window nor max_tokens."""
+        spec = self.spec_for(seq)
+        if not spec.enabled or (spec.method == "draft" and self.draft is None):
             return 0
+        k, reason = self.controller.limit(spec.num_speculative_tokens, batch_size)
+        if reason is not None:
+            self.metrics.spec_off_steps.labels(self.name, reason).inc()
         room_context = max_context - seq.context_length - 1
         room_tokens = seq.request.max_tokens - len(seq.tokens) - 1
-        return max(0, min(spec.num_speculative_tokens, room_context, room_tokens))
+        return max(0, min(k, room_context, room_tokens))
 
     def propose(self, seqs: list[Sequence], last_tokens: list[int], max_context: int) -> Proposal:
-        ks = [self.budget(s, max_context) for s in seqs]
+        ks = [self.budget(s, max_context, len(seqs)) for s in seqs]
+        specs = [self.spec_for(s) for s in seqs]
         drafts: list[list[int]] = [[] for _ in seqs]
         started = time.perf_counter()
         for i, (s, k) in enumerate(zip(seqs, ks)):
-            if k and s.spec.method == "ngram":
+            if k and specs[i].method == "ngram":
                 if s.ngram is None:
-                    s.ngram = NgramIndex(s.spec.ngram_min, s.spec.ngram_max)
+                    s.ngram = NgramIndex(specs[i].ngram_min, specs[i].ngram_max)
                     s.ngram.extend(s.prompt)
                 unseen = s.context_length - len(s.ngram.tokens)
                 s.ngram.extend(s.tokens[len(s.tokens) - unseen:])
                 drafts[i] = s.ngram.propose(k)
         if any(drafts):
             self.metrics.spec_propose_seconds.labels(self.name, "ngram").observe(time.perf_counter() - started)
-        rows = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and s.spec.method == "draft"]
+        rows = [i for i, k in enumerate(ks) if k and specs[i].method == "draft"]
         probs = None
         if self.draft is not None and (rows or self.draft.rows):
             started = time.perf_counter()
@@ -83,6 +113,9 @@ class Speculator:
             else:
                 self.draft.retain(set())  # nobody drafts this round; rows re-prefill lazily
             self.metrics.spec_propose_seconds.labels(self.name, "draft").observe(time.perf_counter() - started)
+        for s, spec, k in zip(seqs, specs, ks):
+            if k:
+                s.stats.method = spec.method
         return Proposal(drafts, probs, rows)
 
     def verify(self, seqs: list[Sequence], logits: mx.array, proposal: Proposal,
@@ -117,6 +150,12 @@ class Speculator:
             if d:
                 self._count(s, len(d), a)
             out.append(d[:a] + [t])
+        drafted, accepted = sum(len(d) for d in proposal.drafts), sum(verdict.accepted)
+        self.drafted_total += drafted
+        self.accepted_total += accepted
+        self.controller.observe(drafted, accepted)
+        if self.controller.ema is not None:
+            self.metrics.spec_acceptance_ema.labels(self.name).set(self.controller.ema)
         return out
 
     def _randomness(self, seqs: list[Sequence], width: int) -> tuple[mx.array, mx.array]:
@@ -137,7 +176,7 @@ class Speculator:
         seq.stats.rounds += 1
         seq.stats.drafted += drafted
         seq.stats.accepted += accepted
-        m, labels = self.metrics, (self.name, seq.spec.method)
+        m, labels = self.metrics, (self.name, seq.stats.method)
         m.spec_num_drafts.labels(*labels).inc()
         m.spec_num_draft_tokens.labels(*labels).inc(drafted)
         m.spec_num_accepted_tokens.labels(*labels).inc(accepted)

@@ -1,0 +1,304 @@
+"""The reconcile loop: desired state (the store) -> running engines -> status.
+
+Level-triggered and idempotent, in the manner of controller-runtime: any
+change (an apply, a finished load, a timer) just asks for another pass, and a
+pass compares everything desired with everything running and acts on the
+difference.  Running it twice changes nothing.  Slow work (loading weights)
+runs in tasks whose completion triggers the next pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+
+from ..api.manifest import (API_VERSION, SPEC_PARSERS, DraftPairingSpec, ModelSpec, SpecPolicySpec)
+from ..engine.engine import Engine
+from ..spec.config import NO_SPECULATION
+from ..spec.controller import StaticController
+from .registry import ModelRegistry, Pairing, Phase, Policy, ServedModel, build_engine, load_draft
+from .store import NotFound, Store, StoredObject, now_iso
+
+log = structlog.get_logger(__name__)
+RESYNC_SECONDS = 5.0
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int,
+              previous: dict[str, Any]) -> dict[str, Any]:
+    """A status condition; lastTransitionTime moves only when the status flips."""
+    status = "True" if ok else "False"
+    old = next((c for c in previous.get("conditions", []) if c.get("type") == type_), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == status else now_iso()
+    return {"type": type_, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+class Reconciler:
+    def __init__(self, store: Store, registry: ModelRegistry, drain_grace: float = 30.0):
+        self.store = store
+        self.registry = registry
+        self.metrics = registry.metrics
+        self.drain_grace = drain_grace
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._background: set[asyncio.Task] = set()
+        store.watch(lambda kind, name: self.trigger())
+
+    def trigger(self) -> None:
+        """Ask for a pass (callable from any thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake.set()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), RESYNC_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                self.reconcile()
+            except Exception:
+                log.exception("reconcile pass failed")
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda _: self._wake.set())
+        return task
+
+    # -- one pass --------------------------------------------------------
+
+    def reconcile(self) -> None:
+        objects = {kind: {o.name: o for o in self.store.list(kind)} for kind in SPEC_PARSERS}
+        models, pairings = objects["Model"], objects["DraftPairing"]
+        policies, topologies = objects["SpecPolicy"], objects["Topology"]
+        by_target = self._pairings_by_target(pairings)
+        for name in list(self.registry.models):
+            if name not in models:
+                self._remove(name)
+        for name, obj in models.items():
+            spec: ModelSpec = SPEC_PARSERS["Model"](obj.spec)
+            pairing = by_target.get(name)
+            self._reconcile_model(obj, spec, pairing, topologies)
+            served = self.registry.models.get(name)
+            if served is not None and served.engine is not None:
+                self._reconcile_pairing(served, pairing)
+                self._reconcile_policy(served, obj, policies)
+        self._write_status(models, pairings, policies, topologies, by_target)
+
+    def _pairings_by_target(self, pairings: dict[str, StoredObject]) -> dict[str, Pairing]:
+        """One pairing per target: the oldest wins, later ones report a conflict."""
+        chosen: dict[str, Pairing] = {}
+        for obj in sorted(pairings.values(), key=lambda o: (o.created, o.name)):
+            spec: DraftPairingSpec = SPEC_PARSERS["DraftPairing"](obj.spec)
+            chosen.setdefault(spec.target_ref, Pairing(obj.name, obj.generation, spec))
+        return chosen
+
+    def _reconcile_model(self, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None,
+                         topologies: dict[str, StoredObject]) -> None:
+        served = self.registry.models.get(obj.name)
+        if served is None:
+            served = ServedModel(obj.name, obj.generation, spec)
+            self.registry.models[obj.name] = served
+            self.metrics.model_ready.labels(obj.name).set(0)
+        if spec.topology_ref is not None:
+            served.spec, served.generation = spec, obj.generation
+            served.phase = Phase.PENDING
+            served.reason = (f'Topology "{spec.topology_ref}" not found' if spec.topology_ref not in topologies
+                             else "tensor-parallel placement on a Topology is not available yet")
+            return
+        up_to_date = served.generation == obj.generation and (served.engine is not None or served.phase is Phase.FAILED)
+        loading_it = served.loading_generation == obj.generation
+        if up_to_date or loading_it:
+            return
+        if served.task is not None:
+            served.task.cancel()
+        served.loading_generation = obj.generation
+        if served.engine is None:
+            served.phase, served.reason = Phase.LOADING, ""
+        served.task = self._spawn(self._load(served, obj.generation, spec, pairing))
+
+    async def _load(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None) -> None:
+        """Load a generation of a model; on success switch traffic to it and drain the old engine."""
+        started = time.monotonic()
+        log.info("model loading", model=served.name, source=spec.source, generation=generation)
+        self.store.record_event("Model", served.name, "Normal", "Loading", f"loading {spec.source}")
+        try:
+            built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("model failed to load", model=served.name, reason=reason)
+            self.store.record_event("Model", served.name, "Warning", "LoadFailed", reason)
+            served.loading_generation, served.generation = None, generation  # no retry until the spec changes
+            if served.engine is None:
+                served.phase, served.spec = Phase.FAILED, spec
+            served.reason = reason
+            return
+        built.engine.start()
+        old = served.engine
+        served.engine, served.spec, served.generation = built.engine, spec, generation
+        served.phase, served.reason, served.loading_generation = Phase.READY, "", None
+        served.load_seconds, served.weight_bytes = time.monotonic() - started, built.weight_bytes
+        served.pairing, served.pairing_error, served.policy = pairing, built.pairing_error, None
+        if built.pairing_error:
+            self.store.record_event("DraftPairing", pairing.name, "Warning", "DraftLoadFailed", built.pairing_error)
+        self.metrics.model_ready.labels(served.name).set(1)
+        log.info("model ready", model=served.name, generation=generation, seconds=round(served.load_seconds, 2))
+        self.store.record_event("Model", served.name, "Normal", "Ready",
+                                f"serving generation {generation} ({served.load_seconds:.2f}s to load)")
+        if old is not None:
+            self._spawn(self._drain(served.name, old))
+
+    async def _drain(self, name: str, engine: Engine) -> None:
+        await engine.shutdown(self.drain_grace)
+        log.info("engine drained", model=name)
+
+    def _remove(self, name: str) -> None:
+        """The Model was deleted: stop routing to it, let in-flight requests finish."""
+        served = self.registry.models.pop(name)
+        if served.task is not None:
+            served.task.cancel()
+        self.metrics.model_ready.labels(name).set(0)
+        if served.engine is not None:
+            self._spawn(self._drain(name, served.engine))
+        log.info("model removed", model=name)
+
+    def _reconcile_pairing(self, served: ServedModel, pairing: Pairing | None) -> None:
+        if served.pairing == pairing or served.task is not None and not served.task.done():
+            return
+        if pairing is None:
+            served.engine.configure_speculation(NO_SPECULATION, None)
+            served.pairing = None
+            return
+        current = served.pairing
+        same_draft = (current is not None and current.spec.method == pairing.spec.method == "draft"
+                      and current.spec.source == pairing.spec.source)
+        if pairing.spec.method != "draft" or same_draft:
+            draft = served.engine.speculator.draft.model if same_draft and served.engine.speculator.draft else None
+            served.engine.configure_speculation(pairing.speculation(), draft)
+            served.pairing, served.pairing_error = pairing, ""
+            return
+        served.task = self._spawn(self._attach_draft(served, pairing))
+
+    async def _attach_draft(self, served: ServedModel, pairing: Pairing) -> None:
+        engine = served.engine
+        try:
+            draft = await asyncio.to_thread(load_draft, pairing, engine.model, engine.tokenizer)
+        except Exception as exc:
+            served.pairing_error = f"{type(exc).__name__}: {exc}"
+            served.pairing = pairing  # do not retry until the pairing changes
+            self.store.record_event("DraftPairing", pairing.name, "Warning", "DraftLoadFailed", served.pairing_error)
+            engine.configure_speculation(NO_SPECULATION, None)
+            return
+        engine.configure_speculation(pairing.speculation(), draft)
+        served.pairing, served.pairing_error = pairing, ""
+        self.store.record_event("DraftPairing", pairing.name, "Normal", "Attached", f"drafting for {served.name}")
+
+    def _reconcile_policy(self, served: ServedModel, obj: StoredObject, policies: dict[str, StoredObject]) -> None:
+        policy = None
+        for p in sorted(policies.values(), key=lambda o: o.name):
+            spec: SpecPolicySpec = SPEC_PARSERS["SpecPolicy"](p.spec)
+            if spec.selects(obj.labels):
+                policy = Policy(p.name, p.generation, spec)
+                break
+        if served.policy == policy:
+            return
+        m = self.metrics
+        if served.policy is not None:
+            for gauge in (m.spec_policy_enabled, m.spec_policy_max_tokens, m.spec_policy_generation):
+                gauge.remove(served.name, served.policy.name)
+        served.engine.set_policy(StaticController(policy.spec if policy else None, policy.name if policy else None))
+        served.policy = policy
+        if policy is not None:
+            m.spec_policy_enabled.labels(served.name, policy.name).set(1 if policy.spec.enabled else 0)
+            m.spec_policy_max_tokens.labels(served.name, policy.name).set(policy.spec.max_speculative_tokens)
+            m.spec_policy_generation.labels(served.name, policy.name).set(policy.generation)
+            self.store.record_event("Model", served.name, "Normal", "PolicyApplied",
+                                    f"SpecPolicy {policy.name} generation {policy.generation}")
+
+    # -- status ----------------------------------------------------------
+
+    def _write_status(self, models, pairings, policies, topologies, by_target) -> None:
+        for name, obj in models.items():
+            self.store.set_status("Model", name, self._model_status(obj, self.registry.models.get(name)))
+        for name, obj in pairings.items():
+            self.store.set_status("DraftPairing", name, self._pairing_status(obj, by_target))
+        for name, obj in policies.items():
+            spec: SpecPolicySpec = SPEC_PARSERS["SpecPolicy"](obj.spec)
+            selected = sorted(n for n, m in models.items() if spec.selects(m.labels))
+            applied = sorted(n for n, s in self.registry.models.items() if s.policy and s.policy.name == name)
+            ok = applied == selected
+            self.store.set_status("SpecPolicy", name, {
+                "observedGeneration": obj.generation, "selectedModels": selected, "appliedModels": applied,
+                "conditions": [condition("Ready", ok, "Applied" if ok else "Pending",
+                                         f"applied to {len(applied)} of {len(selected)} selected models",
+                                         obj.generation, obj.status)]})
+        for name, obj in topologies.items():
+            self.store.set_status("Topology", name, {
+                "observedGeneration": obj.generation,
+                "conditions": [condition("Ready", True, "Validated", "hosts and backend are valid",
+                                         obj.generation, obj.status)]})
+
+    def _model_status(self, obj: StoredObject, served: ServedModel | None) -> dict[str, Any]:
+        if served is None:
+            return obj.status
+        ready = served.engine is not None
+        if ready and served.loading_generation is not None:
+            reason, message = "Reloading", f"serving generation {served.generation}, loading {served.loading_generation}"
+        elif ready:
+            reason, message = "Loaded", f"serving {served.spec.source}"
+        else:
+            reason = {Phase.FAILED: "LoadFailed", Phase.LOADING: "Loading"}.get(served.phase, "Pending")
+            message = served.reason or served.phase.value
+        status: dict[str, Any] = {
+            "observedGeneration": obj.generation, "phase": served.phase.value,
+            "conditions": [condition("Ready", ready, reason, message, obj.generation, obj.status)]}
+        if served.load_seconds is not None:
+            status.update(loadSeconds=round(served.load_seconds, 3), weightBytes=served.weight_bytes,
+                          servedGeneration=served.generation)
+        if served.pairing is not None:
+            status["draftPairing"] = served.pairing.name
+        if served.policy is not None:
+            status["specPolicy"] = {"name": served.policy.name, "generation": served.policy.generation,
+                                    "maxSpeculativeTokens": served.policy.spec.max_speculative_tokens,
+                                    "enabled": served.policy.spec.enabled}
+        return status
+
+    def _pairing_status(self, obj: StoredObject, by_target: dict[str, Pairing]) -> dict[str, Any]:
+        spec: DraftPairingSpec = SPEC_PARSERS["DraftPairing"](obj.spec)
+        served = self.registry.models.get(spec.target_ref)
+        chosen = by_target.get(spec.target_ref)
+        status: dict[str, Any] = {"observedGeneration": obj.generation}
+        if chosen is not None and chosen.name != obj.name:
+            ok, reason, message = False, "Conflict", f'Model "{spec.target_ref}" already has DraftPairing "{chosen.name}"'
+        elif served is None:
+            ok, reason, message = False, "TargetNotFound", f'Model "{spec.target_ref}" does not exist (yet)'
+        elif served.engine is None:
+            ok, reason, message = False, "TargetNotReady", f'Model "{spec.target_ref}" is {served.phase.value}'
+        elif served.pairing_error and served.pairing and served.pairing.name == obj.name:
+            ok, reason, message = False, "DraftLoadFailed", served.pairing_error
+        elif served.pairing is not None and served.pairing.name == obj.name and served.pairing.generation == obj.generation:
+            ok, reason, message = True, "Attached", f"{spec.method} speculation for {spec.target_ref}"
+            rate = served.engine.speculator.acceptance_rate
+            if rate is not None:
+                status["acceptanceRate"] = round(rate, 4)
+        else:
+            ok, reason, message = False, "Attaching", f"attaching to {spec.target_ref}"
+        status["conditions"] = [condition("Ready", ok, reason, message, obj.generation, obj.status)]
+        return status
+
+
+def object_manifest(obj: StoredObject) -> dict[str, Any]:
+    return obj.manifest(API_VERSION)
+
+
+__all__ = ["Reconciler", "object_manifest", "NotFound"]

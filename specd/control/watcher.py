@@ -1,0 +1,76 @@
+"""``--manifests DIR``: files own the objects they declare, and the store follows them.
+
+Each object applied from a file carries the annotation ``specd.dev/source-file``.
+Adding or editing a file applies its objects (all or none); objects the file
+no longer declares, or whose file is gone, are deleted.  A file that does not
+parse is reported (log and event) and its last good objects stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import structlog
+from watchfiles import awatch
+
+from ..api.manifest import ManifestError, parse_documents
+from .store import Conflict, Store
+
+log = structlog.get_logger(__name__)
+SOURCE_ANNOTATION = "specd.dev/source-file"
+MANIFEST_SUFFIXES = (".yaml", ".yml")
+
+
+def manifest_files(directory: Path) -> list[Path]:
+    return sorted(p.resolve() for p in directory.rglob("*") if p.suffix in MANIFEST_SUFFIXES and p.is_file())
+
+
+class ManifestDirectory:
+    def __init__(self, directory: Path, store: Store):
+        self.directory = directory.resolve()
+        self.store = store
+
+    def sync_file(self, path: Path) -> bool:
+        """Make the store hold exactly what ``path`` declares; False if the file is invalid."""
+        owner = str(path)
+        try:
+            resources = parse_documents(path.read_text(), owner) if path.exists() else []
+        except (ManifestError, OSError, UnicodeDecodeError) as err:
+            log.error("invalid manifest file; keeping its last good objects", file=owner, error=str(err))
+            self.store.record_event("File", owner, "Warning", "Invalid", str(err))
+            return False
+        items = [{"kind": r.kind, "name": r.name, "labels": r.labels,
+                  "annotations": {**r.annotations, SOURCE_ANNOTATION: owner}, "spec": r.raw_spec}
+                 for r in resources]
+        try:
+            self.store.apply(items)
+        except Conflict as err:
+            self.store.record_event("File", owner, "Warning", "Conflict", str(err))
+            return False
+        declared = {(r.kind, r.name) for r in resources}
+        for obj in self.store.list():
+            if obj.annotations.get(SOURCE_ANNOTATION) == owner and (obj.kind, obj.name) not in declared:
+                self.store.delete(obj.kind, obj.name)
+        if resources:
+            self.store.record_event("File", owner, "Normal", "Applied", f"{len(resources)} objects")
+        return True
+
+    def sync_all(self) -> None:
+        """At start: apply every file, and drop objects whose file has disappeared."""
+        files = manifest_files(self.directory)
+        for path in files:
+            self.sync_file(path)
+        known = {str(p) for p in files}
+        prefix = str(self.directory)
+        for obj in self.store.list():
+            owner = obj.annotations.get(SOURCE_ANNOTATION)
+            if owner and owner.startswith(prefix) and owner not in known:
+                self.store.delete(obj.kind, obj.name)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        async for changes in awatch(self.directory, stop_event=stop, debounce=200, step=50):
+            for path in sorted({Path(p).resolve() for _, p in changes}):
+                if path.suffix in MANIFEST_SUFFIXES:
+                    log.info("manifest file changed", file=str(path))
+                    await asyncio.to_thread(self.sync_file, path)

@@ -1,0 +1,173 @@
+"""The admin API, shaped like Kubernetes': ``/apis/specd.dev/v1alpha1/{plural}[/{name}]``.
+
+Errors come back as a Kubernetes ``Status`` (reason, message, code, and the
+offending field in ``details.causes``).  The admin API needs the bearer token
+from ``--admin-token-file``; without one it answers loopback clients only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import Any
+
+from aiohttp import web
+
+from ..api.manifest import API_VERSION, ManifestError, Resource, parse_resource
+from ..control.store import Conflict, NotFound, Store
+
+PREFIX = "/apis/specd.dev/v1alpha1"
+KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "SpecPolicy",
+         "topologies": "Topology"}
+PLURALS = {v: k for k, v in KINDS.items()}
+routes = web.RouteTableDef()
+
+
+class StatusError(Exception):
+    def __init__(self, code: int, reason: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.code, self.reason, self.message, self.field = code, reason, message, field
+
+    def response(self) -> web.Response:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                                "message": self.message, "reason": self.reason, "code": self.code}
+        if self.field:
+            body["details"] = {"causes": [{"field": self.field, "message": self.message}]}
+        return web.json_response(body, status=self.code)
+
+
+def _invalid(err: ManifestError) -> StatusError:
+    where = ":".join(p for p in (err.file, err.path) if p)
+    return StatusError(422, "Invalid", f"{where}: {err.reason}" if where else err.reason, err.path or None)
+
+
+@web.middleware
+async def admin_guard(request: web.Request, handler):
+    """Bearer token (when configured) or loopback only, and Status-shaped errors."""
+    if not request.path.startswith(PREFIX):
+        return await handler(request)
+    token: str | None = request.app["admin_token"]
+    try:
+        if token is not None:
+            sent = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                raise StatusError(401, "Unauthorized", "a valid bearer token is required")
+        elif not _loopback(request.remote):
+            raise StatusError(403, "Forbidden", "the admin API accepts loopback clients only "
+                              "(start the daemon with --admin-token-file to allow others)")
+        return await handler(request)
+    except StatusError as err:
+        return err.response()
+
+
+def _loopback(remote: str | None) -> bool:
+    try:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+def _kind(request: web.Request) -> str:
+    plural = request.match_info["plural"]
+    if plural not in KINDS:
+        raise StatusError(404, "NotFound", f'unknown resource type "{plural}" (known: {", ".join(KINDS)})')
+    return KINDS[plural]
+
+
+def _store(request: web.Request) -> Store:
+    return request.app["store"]
+
+
+def _dry_run(request: web.Request) -> bool:
+    value = request.query.get("dryRun")
+    if value not in (None, "All"):
+        raise StatusError(400, "BadRequest", 'dryRun must be "All"')
+    return value == "All"
+
+
+def _item(resource: Resource) -> dict[str, Any]:
+    return {"kind": resource.kind, "name": resource.name, "labels": resource.labels,
+            "annotations": resource.annotations, "spec": resource.raw_spec,
+            "resourceVersion": resource.resource_version}
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as err:
+        raise StatusError(400, "BadRequest", f"body is not valid JSON: {err}") from None
+
+
+def _apply(request: web.Request, docs: list[Any]) -> list[dict[str, Any]]:
+    """Validate every document, then store all of them in one transaction."""
+    resources = []
+    seen: set[tuple[str, str]] = set()
+    for i, doc in enumerate(docs):
+        try:
+            resource = parse_resource(doc)
+        except ManifestError as err:
+            path = f"items[{i}]" + (f".{err.path}" if err.path else "")
+            raise StatusError(422, "Invalid", f"{path}: {err.reason}", path) from None
+        if (resource.kind, resource.name) in seen:
+            raise StatusError(422, "Invalid", f'items[{i}]: duplicate {resource.kind} "{resource.name}"',
+                              f"items[{i}].metadata.name")
+        seen.add((resource.kind, resource.name))
+        resources.append(resource)
+    try:
+        results = _store(request).apply([_item(r) for r in resources], dry_run=_dry_run(request))
+    except Conflict as err:
+        raise StatusError(409, "Conflict", str(err)) from None
+    return [{"kind": o.kind, "name": o.name, "action": action, "object": o.manifest(API_VERSION)}
+            for o, action in results]
+
+
+@routes.post(PREFIX + "/apply")
+async def apply(request: web.Request) -> web.Response:
+    """specd's multi-object apply: ``{"items": [...]}``, all or nothing."""
+    body = await _json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("items"), list):
+        raise StatusError(400, "BadRequest", 'body must be {"items": [manifest, ...]}')
+    return web.json_response({"items": _apply(request, body["items"])})
+
+
+@routes.get(PREFIX + "/{plural}")
+async def list_objects(request: web.Request) -> web.Response:
+    kind = _kind(request)
+    items = [o.manifest(API_VERSION) for o in _store(request).list(kind)]
+    return web.json_response({"apiVersion": API_VERSION, "kind": f"{kind}List", "items": items})
+
+
+@routes.get(PREFIX + "/{plural}/{name}")
+async def get_object(request: web.Request) -> web.Response:
+    kind = _kind(request)
+    try:
+        return web.json_response(_store(request).get(kind, request.match_info["name"]).manifest(API_VERSION))
+    except NotFound as err:
+        raise StatusError(404, "NotFound", err.args[0]) from None
+
+
+@routes.get(PREFIX + "/{plural}/{name}/events")
+async def get_events(request: web.Request) -> web.Response:
+    kind = _kind(request)
+    return web.json_response({"items": _store(request).events(kind, request.match_info["name"])})
+
+
+@routes.put(PREFIX + "/{plural}/{name}")
+async def put_object(request: web.Request) -> web.Response:
+    kind, name = _kind(request), request.match_info["name"]
+    body = await _json(request)
+    if not isinstance(body, dict) or body.get("kind") != kind or \
+            not isinstance(body.get("metadata"), dict) or body["metadata"].get("name") != name:
+        raise StatusError(400, "BadRequest", f'body must be a {kind} named "{name}"')
+    result = _apply(request, [body])[0]
+    return web.json_response(result["object"], status=201 if result["action"] == "created" else 200)
+
+
+@routes.delete(PREFIX + "/{plural}/{name}")
+async def delete_object(request: web.Request) -> web.Response:
+    kind = _kind(request)
+    try:
+        obj = _store(request).delete(kind, request.match_info["name"], dry_run=_dry_run(request))
+    except NotFound as err:
+        raise StatusError(404, "NotFound", err.args[0]) from None
+    return web.json_response(obj.manifest(API_VERSION))

@@ -1,0 +1,338 @@
+"""The control plane against a real daemon: CLI round trips, admission, status, hot reload."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from openai import OpenAI
+
+from conftest import ROOT, model_manifest, start_daemon
+
+
+def specd(daemon, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "specd.cli", *args, "--server", daemon.url], input=stdin,
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"specd {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def get(daemon, kind: str, name: str) -> dict:
+    return json.loads(specd(daemon, "get", kind, name, "-o", "json").stdout)
+
+
+def ready(daemon, kind: str, name: str) -> bool:
+    proc = specd(daemon, "get", kind, name, "-o", "json", check=False)
+    if proc.returncode:
+        return False
+    conds = json.loads(proc.stdout).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+@pytest.fixture()
+def empty_daemon(tmp_path):
+    d = start_daemon(tmp_path, {})
+    yield d
+    d.stop()
+
+
+def objects_file(tmp_path: Path, forged: Path) -> Path:
+    f = tmp_path / "objects.yaml"
+    f.write_text(model_manifest("alpha", forged / "target") + "  maxBatchSize: 4\n" + """---
+apiVersion: specd.dev/v1alpha1
+kind: Model
+metadata:
+  name: beta
+  labels: {tier: fast}
+spec:
+  source: %s
+---
+apiVersion: specd.dev/v1alpha1
+kind: DraftPairing
+metadata: {name: beta-ngram}
+spec: {targetRef: beta, method: ngram, numSpeculativeTokens: 4}
+---
+apiVersion: specd.dev/v1alpha1
+kind: SpecPolicy
+metadata: {name: fast}
+spec:
+  selector: {matchLabels: {tier: fast}}
+  maxSpeculativeTokens: 2
+---
+apiVersion: specd.dev/v1alpha1
+kind: Topology
+metadata: {name: studio-pair}
+spec:
+  backend: ring
+  hosts: [{name: a, address: "10.0.0.1:5000"}, {name: b, address: "10.0.0.2:5000"}]
+""" % (forged / "target"))
+    return f
+
+
+def test_cli_round_trips(forged, tmp_path, empty_daemon):
+    d = empty_daemon
+    f = objects_file(tmp_path, forged)
+    assert "would" not in specd(d, "apply", "-f", str(f), "--dry-run=server").stdout
+    assert specd(d, "get", "models", check=False).stderr.startswith("No models")
+    out = specd(d, "apply", "-f", str(f)).stdout
+    assert "model.specd.dev/alpha created" in out and "topology.specd.dev/studio-pair created" in out
+    wait_for(lambda: ready(d, "mo", "alpha") and ready(d, "model", "beta"), what="models ready")
+    wait_for(lambda: ready(d, "dp", "beta-ngram") and ready(d, "sp", "fast"), what="pairing and policy ready")
+    table = specd(d, "get", "models").stdout
+    assert table.splitlines()[0].split()[:4] == ["NAME", "READY", "REASON", "SOURCE"]
+    assert "alpha" in table and "True" in table
+    assert "GENERATION" in specd(d, "get", "models", "-o", "wide").stdout
+    described = specd(d, "describe", "model", "beta").stdout
+    assert "Conditions:" in described and "Ready" in described and "PolicyApplied" in described
+    # get -o yaml | apply -f - is a no-op: the generation does not move
+    before = get(d, "models", "alpha")["metadata"]["generation"]
+    listing = specd(d, "get", "models", "-o", "yaml").stdout
+    assert "unchanged" in specd(d, "apply", "-f", "-", stdin=yaml.safe_dump(yaml.safe_load(listing)["items"][0])).stdout
+    assert get(d, "models", "alpha")["metadata"]["generation"] == before
+    assert specd(d, "diff", "-f", str(f)).returncode == 0
+    # a changed spec shows in diff, then bumps the generation and is reloaded
+    f.write_text(f.read_text().replace("maxBatchSize: 4", "maxBatchSize: 6"))
+    diff = specd(d, "diff", "-f", str(f), check=False)
+    assert diff.returncode == 1 and "+  maxBatchSize: 6" in diff.stdout
+    specd(d, "apply", "-f", str(f))
+    wait_for(lambda: get(d, "models", "alpha")["status"].get("servedGeneration") == before + 1, what="reload")
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    reply = client.completions.create(model="beta", prompt="import os\n", max_tokens=12, temperature=0)
+    assert reply.usage.completion_tokens == 12
+    specd(d, "delete", "model", "alpha")
+    assert "alpha" not in specd(d, "get", "models").stdout
+    proc = specd(d, "delete", "-f", str(f), check=False)  # alpha is gone already: reported, the rest deleted
+    assert proc.returncode == 1 and 'Model "alpha" not found' in proc.stderr
+    assert "model.specd.dev/beta deleted" in proc.stdout and "topology.specd.dev/studio-pair deleted" in proc.stdout
+    assert specd(d, "delete", "-f", str(f), "--ignore-not-found").returncode == 0
+
+
+def test_stale_update_is_refused(forged, tmp_path, empty_daemon):
+    d = empty_daemon
+    specd(d, "apply", "-f", "-", stdin=model_manifest("m", forged / "target"))
+    current = get(d, "models", "m")
+    stale = dict(current, metadata={**current["metadata"], "resourceVersion": "1"},
+                 spec={**current["spec"], "maxBatchSize": 3})
+    specd(d, "apply", "-f", "-", stdin=yaml.safe_dump(current))  # the current version is accepted
+    specd(d, "apply", "-f", "-", stdin=yaml.safe_dump(dict(current, spec={**current["spec"], "maxWaiting": 9})))
+    proc = specd(d, "apply", "-f", "-", stdin=yaml.safe_dump(stale), check=False)
+    assert proc.returncode == 1 and "409" in proc.stderr
+
+
+BAD = {
+    "bad yaml": ("kind: Model\n  x: [1\n", "invalid YAML"),
+    "unknown kind": ("apiVersion: specd.dev/v1alpha1\nkind: Gizmo\nmetadata: {name: g}\nspec: {}\n", "kind"),
+    "unknown apiVersion": ("apiVersion: v2\nkind: Model\nmetadata: {name: m}\nspec: {source: /x}\n", "apiVersion"),
+    "unknown field": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /x, gpus: 8}\n",
+                      "spec.gpus"),
+    "wrong type": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /x, maxBatchSize: big}\n",
+                   "spec.maxBatchSize"),
+    "negative k": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
+                   "spec: {targetRef: m, method: ngram, numSpeculativeTokens: -2}\n", "spec.numSpeculativeTokens"),
+    "bad name": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: Not OK}\nspec: {source: /x}\n",
+                 "metadata.name"),
+    "duplicate names": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /x}\n---\n"
+                        "apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /y}\n",
+                        "duplicate"),
+    "bad policy": ("apiVersion: specd.dev/v1alpha1\nkind: SpecPolicy\nmetadata: {name: p}\n"
+                   "spec: {selector: {}, emaAlpha: 3}\n", "spec.emaAlpha"),
+    "tp larger than hosts": ("apiVersion: specd.dev/v1alpha1\nkind: Topology\nmetadata: {name: t}\n"
+                             "spec: {backend: ring, hosts: [{name: a, address: x}], tensorParallelSize: 2}\n",
+                             "spec.tensorParallelSize"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_invalid_manifests_are_rejected_whole(empty_daemon, case):
+    d = empty_daemon
+    good = "apiVersion: specd.dev/v1alpha1\nkind: Topology\nmetadata: {name: fine}\n" \
+           "spec: {backend: ring, hosts: [{name: a, address: x}]}\n---\n"
+    text, where = BAD[case]
+    proc = specd(d, "apply", "-f", "-", stdin=good + text, check=False)
+    assert proc.returncode == 1 and where in proc.stderr, proc.stderr
+    # the valid document in the same apply was not stored either
+    assert specd(d, "get", "topologies", check=False).stderr.startswith("No topologies")
+    # and the server refuses it too when the CLI's own check is bypassed
+    docs = [d_ for d_ in yaml.safe_load_all(good + text)] if case != "bad yaml" else []
+    if docs:
+        import urllib.request
+        req = urllib.request.Request(d.url + "/apis/specd.dev/v1alpha1/apply", method="POST",
+                                     data=json.dumps({"items": docs}).encode())
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req)
+        assert err.value.code == 422
+    assert json.loads(d.get("/apis/specd.dev/v1alpha1/topologies")[1])["items"] == []
+
+
+def test_references_resolve_in_any_order_and_failures_are_isolated(forged, tmp_path, empty_daemon):
+    d = empty_daemon
+    pairing = ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: later-draft}\n"
+               f"spec: {{targetRef: later, method: draft, source: {forged / 'draft'}}}\n")
+    specd(d, "apply", "-f", "-", stdin=pairing)
+    status = get(d, "dp", "later-draft")
+    wait_for(lambda: get(d, "dp", "later-draft").get("status", {}).get("conditions", [{}])[0].get("reason")
+             == "TargetNotFound", what="TargetNotFound")
+    specd(d, "apply", "-f", "-", stdin=model_manifest("later", forged / "target") + "---\n"
+          + model_manifest("broken", tmp_path / "missing"))
+    wait_for(lambda: ready(d, "dp", "later-draft"), what="pairing attached after its target arrived")
+    broken = wait_for(lambda: (s := get(d, "model", "broken").get("status", {})).get("phase") == "Failed" and s,
+                      what="broken model failed")
+    assert "does not exist" in broken["conditions"][0]["message"]
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    reply = client.completions.create(model="later", prompt="def f(", max_tokens=8, temperature=0)
+    assert reply.usage.speculation["method"] == "draft"
+    assert status["metadata"]["generation"] == 1
+
+
+def test_watched_manifests_hot_reload_a_policy_during_a_stream(forged, tmp_path):
+    manifests = {"model.yaml": model_manifest("hot", forged / "target").replace(
+        "  name: hot\n", "  name: hot\n  labels: {app: hot}\n") + """---
+apiVersion: specd.dev/v1alpha1
+kind: DraftPairing
+metadata: {name: hot-draft}
+spec: {targetRef: hot, method: draft, source: %s, numSpeculativeTokens: 4}
+""" % (forged / "draft"), "policy.yaml": """apiVersion: specd.dev/v1alpha1
+kind: SpecPolicy
+metadata: {name: hot-policy}
+spec:
+  selector: {matchLabels: {app: hot}}
+  maxSpeculativeTokens: 4
+"""}
+    d = start_daemon(tmp_path, manifests)
+    try:
+        wait_for(lambda: ready(d, "sp", "hot-policy"), what="policy applied")
+        client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model="hot", prompt="class A:\n", max_tokens=1500, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        chunks = [next(stream)]
+        edited = time.monotonic()
+        (tmp_path / "manifests" / "policy.yaml").write_text(
+            manifests["policy.yaml"].replace("maxSpeculativeTokens: 4", "maxSpeculativeTokens: 1"))
+
+        def policy_visible() -> bool:
+            described = specd(d, "describe", "model", "hot").stdout
+            metrics = d.get("/metrics")[1].decode()
+            return ("maxSpeculativeTokens: 1" in described and
+                    'specd_spec_policy_max_speculative_tokens{model_name="hot",policy="hot-policy"} 1.0' in metrics)
+        wait_for(policy_visible, timeout=10, what="new policy in describe and /metrics")
+        visible_after = time.monotonic() - edited
+        gaps, last = [], time.monotonic()
+        for chunk in stream:
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            chunks.append(chunk)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 1500
+        assert visible_after < 2.0, visible_after
+        # an invalid edit is reported and the last good policy stays
+        (tmp_path / "manifests" / "policy.yaml").write_text("kind: [broken\n")
+        time.sleep(1.0)
+        assert get(d, "sp", "hot-policy")["spec"]["maxSpeculativeTokens"] == 1
+        # removing the file deletes what it owned
+        (tmp_path / "manifests" / "policy.yaml").unlink()
+        wait_for(lambda: specd(d, "get", "sp", "hot-policy", check=False).returncode == 1, what="policy deleted")
+    finally:
+        d.stop()
+
+
+def test_desired_state_survives_restart(forged, tmp_path):
+    d = start_daemon(tmp_path, {})
+    specd(d, "apply", "-f", "-", stdin=model_manifest("keep", forged / "target"))
+    wait_for(lambda: ready(d, "model", "keep"), what="ready")
+    uid = get(d, "model", "keep")["metadata"]["uid"]
+    assert d.stop() == 0
+    d = start_daemon(tmp_path, {})
+    try:
+        obj = get(d, "model", "keep")
+        assert obj["metadata"]["uid"] == uid
+        wait_for(lambda: ready(d, "model", "keep"), what="reloaded after restart")
+        assert d.get("/readyz")[0] == 200
+    finally:
+        d.stop()
+
+
+def test_admin_token(forged, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    d = start_daemon(tmp_path, {}, True, "--admin-token-file", str(token))
+    try:
+        proc = specd(d, "get", "models", check=False)
+        assert proc.returncode == 1 and "401" in proc.stderr
+        assert specd(d, "get", "models", "--token-file", str(token), check=False).returncode == 0
+        env_proc = subprocess.run([sys.executable, "-m", "specd.cli", "get", "models", "--server", d.url],
+                                  capture_output=True, text=True, cwd=ROOT, env={**os.environ, "SPECD_TOKEN": "s3cret"})
+        assert env_proc.returncode == 0
+        assert d.get("/healthz")[0] == 200  # the OpenAI side needs no admin token
+    finally:
+        d.stop()
+
+
+def test_kill_9_during_applies_loses_nothing_acknowledged(tmp_path):
+    """Many trials: a writer applies two-object batches as fast as it can; the
+    daemon is killed at a random moment; after restart every acknowledged
+    batch is whole and no batch is half there."""
+    import random
+    rng = random.Random(7)
+    for trial in range(6):
+        d = start_daemon(tmp_path, {})
+        acknowledged: list[int] = []
+        stop = threading.Event()
+
+        def writer():
+            import urllib.request
+            n = trial * 10000
+            while not stop.is_set():
+                items = [{"apiVersion": "specd.dev/v1alpha1", "kind": "Topology", "metadata": {"name": f"t{n}-{j}"},
+                          "spec": {"backend": "ring", "hosts": [{"name": "a", "address": f"h{n}:{j}"}]}}
+                         for j in range(2)]
+                req = urllib.request.Request(d.url + "/apis/specd.dev/v1alpha1/apply", method="POST",
+                                             data=json.dumps({"items": items}).encode())
+                try:
+                    urllib.request.urlopen(req, timeout=5).read()
+                except OSError:
+                    return
+                acknowledged.append(n)
+                n += 1
+
+        t = threading.Thread(target=writer)
+        t.start()
+        time.sleep(rng.uniform(0.2, 1.0))
+        d.proc.kill()
+        d.proc.wait()
+        stop.set()
+        t.join()
+        d = start_daemon(tmp_path, {})
+        try:
+            items = json.loads(d.get("/apis/specd.dev/v1alpha1/topologies")[1])["items"]
+        finally:
+            d.stop()
+        names = {o["metadata"]["name"] for o in items}
+        for n in acknowledged:
+            assert {f"t{n}-0", f"t{n}-1"} <= names, (trial, n)
+        batches = {}
+        for name in names:
+            batch, j = name[1:].split("-")
+            batches.setdefault(batch, set()).add(j)
+        assert all(v == {"0", "1"} for v in batches.values()), "a half-written apply is visible"
+        for o in items:
+            assert o["spec"]["hosts"][0]["address"].startswith("h")
+        assert acknowledged, "the writer never got an answer"
