@@ -13,10 +13,12 @@ for _ in $(seq 600); do
   kill -0 "$(cat state/daemon.pid)" 2>/dev/null || { cat state/daemon.log; exit 1; }
   sleep 0.5
 done
+# The demo models learned Python from the standard library's sources (not chat
+# transcripts), so ask for code: the reply continues it, speculating with n-gram lookup.
 echo "==> POST /v1/chat/completions"
 curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' -d '{
   "model": "demo",
-  "messages": [{"role": "user", "content": "Write a Python function that reverses a list."}],
-  "max_tokens": 96, "temperature": 0
+  "messages": [{"role": "user", "content": "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):"}],
+  "max_tokens": 64, "temperature": 0
 }' | python -m json.tool
 echo "==> specd is serving on http://127.0.0.1:$PORT (pid $(cat state/daemon.pid)); stop it with: kill \$(cat state/daemon.pid)"
