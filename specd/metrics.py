@@ -86,5 +86,11 @@ class Metrics:
         self.spec_policy_generation = Gauge(
             "specd_spec_policy_observed_generation", "Generation of the SpecPolicy the model runs.",
             m + ["policy"], registry=r)
+        self.spec_chosen_k = Histogram(
+            "specd_spec_decode_chosen_k", "Proposals per request chosen by the controller, per step.",
+            m, buckets=tuple(range(0, 17)), registry=r)
+        self.spec_step_seconds = Gauge(
+            "specd_spec_decode_step_seconds", "Last verify-forward time: measured, and as the cost model predicted it.",
+            m + ["kind"], registry=r)
         self.model_ready = Gauge(
             "specd_model_ready", "1 when the model is loaded and serving.", m, registry=r)

@@ -113,6 +113,8 @@ def step_cost(model, context: int, width: int, batch: int = 1, reps: int = 30) -
 
 def cost_model(target, draft, ks: list[int], batch: int = 1, context: int = 96) -> dict[str, Any]:
     """c and v(k) measured on these models with ``batch`` sequences decoding together."""
+    step_cost(target, context, 1, batch, reps=10)  # warm-up: first calls pay allocation and thread start-up
+    step_cost(draft, context, 1, batch, reps=10)
     t1 = step_cost(target, context, 1, batch)
     d1 = step_cost(draft, context, 1, batch)
     v = {k: step_cost(target, context, k + 1, batch) / t1 for k in ks}

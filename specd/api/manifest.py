@@ -165,26 +165,27 @@ class SpecPolicySpec:
 
     match_labels: dict[str, str]
     enabled: bool = True
-    mode: str = "static"
+    mode: str = "goodput"
     max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS
     disable_by_batch_size: int | None = None
     acceptance_rate_threshold: float = 0.0
     ema_alpha: float = 0.1
+    probe_interval: int = 16
 
     def selects(self, labels: dict[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in self.match_labels.items())
 
 
-SPEC_POLICY_MODES = ("static",)
+SPEC_POLICY_MODES = ("goodput", "static")
 
 
 def _parse_spec_policy_spec(spec: Any, path: str = "spec") -> SpecPolicySpec:
     _fields(spec, path, {"selector", "enabled", "mode", "maxSpeculativeTokens", "disableByBatchSize",
-                         "acceptanceRateThreshold", "emaAlpha"}, {"selector"})
+                         "acceptanceRateThreshold", "emaAlpha", "probeInterval"}, {"selector"})
     selector = _fields(spec["selector"], f"{path}.selector", {"matchLabels"})
     enabled = spec.get("enabled", True)
     _check_type(enabled, bool, f"{path}.enabled")
-    mode = spec.get("mode", "static")
+    mode = spec.get("mode", "goodput")
     if mode not in SPEC_POLICY_MODES:
         raise ManifestError(f"must be one of {', '.join(SPEC_POLICY_MODES)}, got {mode!r}", f"{path}.mode")
     max_k = _positive_int(spec, "maxSpeculativeTokens", path, MAX_SPECULATIVE_TOKENS)
@@ -199,7 +200,7 @@ def _parse_spec_policy_spec(spec: Any, path: str = "spec") -> SpecPolicySpec:
         enabled=enabled, mode=mode, max_speculative_tokens=max_k,
         disable_by_batch_size=_positive_int(spec, "disableByBatchSize", path, None),
         acceptance_rate_threshold=_number(spec, "acceptanceRateThreshold", path, 0.0, 1.0, 0.0),
-        ema_alpha=alpha)
+        ema_alpha=alpha, probe_interval=_positive_int(spec, "probeInterval", path, 16))
 
 
 @dataclass(frozen=True)

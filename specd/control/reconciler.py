@@ -18,7 +18,6 @@ import structlog
 from ..api.manifest import (API_VERSION, SPEC_PARSERS, DraftPairingSpec, ModelSpec, SpecPolicySpec)
 from ..engine.engine import Engine
 from ..spec.config import NO_SPECULATION
-from ..spec.controller import StaticController
 from .registry import ModelRegistry, Pairing, Phase, Policy, ServedModel, build_engine, load_draft
 from .store import NotFound, Store, StoredObject, now_iso
 
@@ -216,7 +215,7 @@ class Reconciler:
         if served.policy is not None:
             for gauge in (m.spec_policy_enabled, m.spec_policy_max_tokens, m.spec_policy_generation):
                 gauge.remove(served.name, served.policy.name)
-        served.engine.set_policy(StaticController(policy.spec if policy else None, policy.name if policy else None))
+        served.engine.set_policy(policy.spec if policy else None, policy.name if policy else None)
         served.policy = policy
         if policy is not None:
             m.spec_policy_enabled.labels(served.name, policy.name).set(1 if policy.spec.enabled else 0)
@@ -269,8 +268,17 @@ class Reconciler:
             status["draftPairing"] = served.pairing.name
         if served.policy is not None:
             status["specPolicy"] = {"name": served.policy.name, "generation": served.policy.generation,
+                                    "mode": served.policy.spec.mode,
                                     "maxSpeculativeTokens": served.policy.spec.max_speculative_tokens,
                                     "enabled": served.policy.spec.enabled}
+        if served.engine is not None:
+            speculator = served.engine.speculator
+            ema = speculator.controller.ema
+            status["speculation"] = {
+                "default": speculator.default.method,
+                "acceptanceEMA": None if ema is None else round(ema, 4),
+                "costModelSeconds": {k: round(v, 6) for k, v in speculator.costs.snapshot().items()},
+            }
         return status
 
     def _pairing_status(self, obj: StoredObject, by_target: dict[str, Pairing]) -> dict[str, Any]:

@@ -143,8 +143,9 @@ class Engine:
     def configure_speculation(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
         self.between_steps(lambda: self.speculator.configure(default, draft_model))
 
-    def set_policy(self, controller) -> None:
-        self.between_steps(lambda: setattr(self.speculator, "controller", controller))
+    def set_policy(self, policy, name: str | None) -> None:
+        """Swap in the SpecPolicy's controller (None: speculate as requests ask)."""
+        self.between_steps(lambda: self.speculator.set_policy(policy, name))
 
     def cancel(self, request_id: str) -> None:
         """Free a request's batch slot at the next step boundary."""
@@ -280,7 +281,14 @@ class Engine:
         proposal = self.speculator.propose(batch.seqs, batch.last_tokens, self.max_context)
         width = proposal.width
         inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
+        predicted = self.speculator.costs.target_seconds(len(batch), width + 1)
+        started = time.perf_counter()
         logits = self.model(inputs, cache=batch.cache)
+        mx.eval(logits)
+        elapsed = time.perf_counter() - started
+        self.speculator.costs.observe_target(len(batch), width + 1, elapsed)
+        self.metrics.spec_step_seconds.labels(self.name, "measured").set(elapsed)
+        self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
         if width == 0:
             emitted = [[t] for t in self._sample(batch.seqs, logits[:, -1, :])]
         else:

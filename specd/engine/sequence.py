@@ -116,6 +116,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     ngram: object = None  # the n-gram proposer's index, made on first use
+    estimate: object = None  # the speculation controller's acceptance estimate
     stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:

@@ -37,6 +37,7 @@ class DraftModelProposer:
         self.cache: list = []
         self.pending: list[list[int]] = []
         self._drafted = 0
+        self.admitted = 0  # rows prefilled by the last propose (their prefill is in its time)
 
     def _forward(self, tokens: list[list[int]]) -> mx.array:
         """Feed each row its tokens (right-padded); return each row's last logits."""
@@ -86,6 +87,7 @@ class DraftModelProposer:
         self.retain({id(s) for s in seqs})
         known = {id(s) for s in self.rows}
         new = [(s, t) for s, t in zip(seqs, last_tokens) if id(s) not in known]
+        self.admitted = len(new)
         if new:
             self._admit([s for s, _ in new], [t for _, t in new])
         row_of = {id(s): i for i, s in enumerate(self.rows)}

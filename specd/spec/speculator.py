@@ -19,7 +19,8 @@ from ..engine.sampling import transform_logprobs
 from ..engine.sequence import Sequence
 from ..metrics import Metrics
 from .config import NO_SPECULATION, SpeculationConfig
-from .controller import StaticController
+from .controller import Row, StaticController, make_controller
+from .costs import CostModel
 from .draft import DraftModelProposer
 from .ngram import NgramIndex
 from .verify import point_mass, verify
@@ -48,7 +49,8 @@ class Speculator:
         self.metrics = metrics
         self.default = default
         self.draft = DraftModelProposer(draft_model) if draft_model is not None else None
-        self.controller = StaticController()
+        self.costs = CostModel()
+        self.controller = StaticController(costs=self.costs)
         self.drafted_total = 0
         self.accepted_total = 0
 
@@ -65,25 +67,40 @@ class Speculator:
         elif self.draft is None or self.draft.model is not draft_model:
             self.draft = DraftModelProposer(draft_model)
 
+    def set_policy(self, policy, name: str | None) -> None:
+        """A new controller for the policy; the learned costs carry over."""
+        self.controller = make_controller(policy, name, self.costs)
+
     def spec_for(self, seq: Sequence) -> SpeculationConfig:
         return seq.request.speculation or self.default
 
-    def budget(self, seq: Sequence, max_context: int, batch_size: int) -> int:
-        """Proposals this round: the requested k as the policy allows it, shrunk
-        so the round can pass neither the context window nor max_tokens."""
+    def budget(self, seq: Sequence, max_context: int) -> int:
+        """The most a request may propose this round: its k, shrunk so the
+        round can pass neither the context window nor max_tokens."""
         spec = self.spec_for(seq)
         if not spec.enabled or (spec.method == "draft" and self.draft is None):
             return 0
-        k, reason = self.controller.limit(spec.num_speculative_tokens, batch_size)
-        if reason is not None:
-            self.metrics.spec_off_steps.labels(self.name, reason).inc()
         room_context = max_context - seq.context_length - 1
         room_tokens = seq.request.max_tokens - len(seq.tokens) - 1
-        return max(0, min(k, room_context, room_tokens))
+        return max(0, min(spec.num_speculative_tokens, room_context, room_tokens))
+
+    def _plan(self, seqs: list[Sequence], specs: list[SpeculationConfig], max_context: int) -> list[int]:
+        """Budgets, then the controller's choice of k for each row."""
+        rows = []
+        for s, spec in zip(seqs, specs):
+            if s.estimate is None:
+                s.estimate = self.controller.new_estimate()
+            rows.append(Row(self.budget(s, max_context), spec.method == "draft", s.estimate))
+        ks, reason = self.controller.plan(rows, len(seqs))
+        for k in ks:
+            self.metrics.spec_chosen_k.labels(self.name).observe(k)
+        if reason is not None:
+            self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
+        return ks
 
     def propose(self, seqs: list[Sequence], last_tokens: list[int], max_context: int) -> Proposal:
-        ks = [self.budget(s, max_context, len(seqs)) for s in seqs]
         specs = [self.spec_for(s) for s in seqs]
+        ks = self._plan(seqs, specs, max_context)
         drafts: list[list[int]] = [[] for _ in seqs]
         started = time.perf_counter()
         for i, (s, k) in enumerate(zip(seqs, ks)):
@@ -105,6 +122,8 @@ class Speculator:
                 proposal = self.draft.propose([seqs[i] for i in rows], [last_tokens[i] for i in rows], k,
                                               [seqs[i].params for i in rows], [seqs[i].key for i in rows])
                 mx.eval(proposal.drafts, proposal.probs, proposal.keys)
+                if self.draft.admitted == 0:  # a lazy prefill would distort the step cost
+                    self.costs.observe_draft(len(rows), k, time.perf_counter() - started)
                 tokens = proposal.drafts.tolist()
                 for j, i in enumerate(rows):
                     drafts[i] = tokens[j][: ks[i]]
@@ -150,10 +169,10 @@ class Speculator:
             if d:
                 self._count(s, len(d), a)
             out.append(d[:a] + [t])
-        drafted, accepted = sum(len(d) for d in proposal.drafts), sum(verdict.accepted)
-        self.drafted_total += drafted
-        self.accepted_total += accepted
-        self.controller.observe(drafted, accepted)
+        proposed = [len(d) for d in proposal.drafts]
+        self.drafted_total += sum(proposed)
+        self.accepted_total += sum(verdict.accepted)
+        self.controller.observe([s.estimate for s in seqs], proposed, verdict.accepted)
         if self.controller.ema is not None:
             self.metrics.spec_acceptance_ema.labels(self.name).set(self.controller.ema)
         return out

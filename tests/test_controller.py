@@ -1,0 +1,106 @@
+"""The speculation controllers' decision rules, on synthetic acceptance and costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd.api.manifest import SpecPolicySpec
+from specd.spec.controller import AcceptanceEstimate, GoodputController, Row, StaticController, expected_tokens
+from specd.spec.costs import CostModel, LinearFit
+
+
+def costs(fixed: float, per_token: float, draft_fixed: float = 0.0, draft_per_row: float = 0.0) -> CostModel:
+    """A cost model that has measured exactly these linear costs."""
+    model = CostModel()
+    for rows in (1, 2, 4, 8):
+        for width in (1, 2, 4, 7):
+            model.observe_target(rows, width, fixed + per_token * rows * width)
+        model.observe_draft(rows, 3, 3 * (draft_fixed + draft_per_row * rows))
+    return model
+
+
+def rows(alphas: list[float], budget: int = 8, draft: bool = False) -> list[Row]:
+    return [Row(budget, draft, AcceptanceEstimate(a * 1000, (1 - a) * 1000)) for a in alphas]
+
+
+def policy(**kw) -> SpecPolicySpec:
+    return SpecPolicySpec(match_labels={}, **kw)
+
+
+def test_linear_fit_recovers_the_costs():
+    fit = LinearFit(decay=0.0, ridge=0.0)
+    for x in range(1, 20):
+        fit.add(x, 0.004 + 0.0005 * x)
+    a, b = fit.params()
+    assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("cost", [costs(0.004, 0.0001), costs(0.001, 0.0005), costs(0.004, 0.0001, 0.0005, 0.0001)])
+def test_k_is_monotone_in_acceptance(cost):
+    chosen = []
+    for alpha in [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]:
+        controller = GoodputController(policy(), "p", cost)
+        ks, _ = controller.plan(rows([alpha] * 4, draft=cost.draft.seen), 4)
+        chosen.append(max(ks))
+    assert chosen == sorted(chosen), chosen
+    assert chosen[0] == 0 and chosen[-1] > 0
+
+
+def test_no_speculation_when_drafting_cannot_pay():
+    # compute-bound target: verifying k+1 tokens costs k+1 steps, so nothing can pay
+    controller = GoodputController(policy(), "p", costs(0.0, 0.001))
+    ks, reason = controller.plan(rows([0.6] * 8), 8)
+    assert ks == [0] * 8 and reason == "no_gain"
+    # dispatch-bound target: extra tokens are nearly free, so speculate
+    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
+    ks, reason = controller.plan(rows([0.6] * 8), 8)
+    assert min(ks) > 0 and reason is None
+
+
+def test_draft_rows_with_low_acceptance_are_left_out():
+    controller = GoodputController(policy(), "p", costs(0.010, 0.00001, 0.0, 0.001))
+    plan, _ = controller.plan(rows([0.9, 0.9], draft=True) + rows([0.02, 0.02], draft=True), 4)
+    assert plan[0] > 0 and plan[1] > 0 and plan[2:] == [0, 0]
+
+
+def test_policy_bounds_are_respected():
+    cheap = costs(0.010, 0.00001)
+    ks, _ = GoodputController(policy(max_speculative_tokens=2), "p", cheap).plan(rows([0.99] * 3), 3)
+    assert max(ks) == 2
+    ks, reason = GoodputController(policy(enabled=False), "p", cheap).plan(rows([0.99] * 3), 3)
+    assert ks == [0, 0, 0] and reason == "policy_disabled"
+    budgeted = [Row(1, False, AcceptanceEstimate(99, 1)), Row(0, False, AcceptanceEstimate(99, 1))]
+    ks, _ = GoodputController(policy(), "p", cheap).plan(budgeted, 2)
+    assert ks == [1, 0]
+
+
+def test_goodput_probes_after_turning_off():
+    controller = GoodputController(policy(probe_interval=5), "p", costs(0.0, 0.001))
+    plans = [max(controller.plan(rows([0.05] * 2), 2)[0]) for _ in range(10)]
+    assert plans == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+
+
+def test_static_mode_follows_the_seed_rules():
+    controller = StaticController(policy(mode="static", max_speculative_tokens=3, disable_by_batch_size=4,
+                                         acceptance_rate_threshold=0.3, probe_interval=4), "p")
+    assert controller.plan(rows([0.5] * 2, budget=5), 2) == ([3, 3], None)
+    assert controller.plan(rows([0.5] * 4, budget=5), 4) == ([0] * 4, "batch_size")
+    controller.observe([AcceptanceEstimate(1, 1)], [4], [0])  # EMA 0: below the threshold
+    offs = [controller.plan(rows([0.5], budget=5), 1)[1] for _ in range(4)]
+    assert offs == ["low_acceptance"] * 3 + [None]  # the 4th step probes
+
+
+def test_estimates_move_towards_what_is_observed():
+    controller = GoodputController(policy(ema_alpha=0.5), "p", costs(0.01, 0.0))
+    estimate = controller.new_estimate()
+    assert estimate.alpha == pytest.approx(0.5)
+    for _ in range(10):
+        controller.observe([estimate], [4], [4])
+    assert estimate.alpha > 0.9
+    assert controller.new_estimate().alpha > 0.9  # new requests start from the model's history
