@@ -19,6 +19,7 @@ from specd.control.registry import check_draft_pair
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import GenerationRequest
+from specd.api.manifest import SpecPolicySpec
 from specd.spec.config import SpeculationConfig
 
 GREEDY = SamplingParams(temperature=0)
@@ -202,3 +203,19 @@ def test_mismatched_draft_vocabulary_is_refused(pair, forged):
                              intermediate_size=64, vocab_size=target.args.vocab_size + 7))
     with pytest.raises(ValueError, match="vocabulary"):
         check_draft_pair(target, tokenizer, other, tokenizer, "bad")
+
+
+@pytest.mark.parametrize("policy", [
+    SpecPolicySpec(match_labels={}, mode="static", disable_by_batch_size=3, max_speculative_tokens=3),
+    SpecPolicySpec(match_labels={}, mode="goodput", max_speculative_tokens=4, probe_interval=3),
+], ids=["static-toggling", "goodput"])
+def test_greedy_parity_while_a_policy_toggles_speculation(pair, prompts, reference, policy):
+    """Rows stop and resume drafting as the batch grows and shrinks; the draft
+    cache catches up on what they emitted meanwhile, and output never changes."""
+    async def go(engine):
+        engine.set_policy(policy, "p")
+        specs = [DRAFT, SpeculationConfig("draft", 4), NGRAM]
+        return await asyncio.gather(*(generate(engine, p, specs[i % 3], delay=0.03 * i)
+                                      for i, p in enumerate(prompts)))
+    results = serve(pair, go, max_batch_size=6)
+    assert [r[0] for r in results] == reference

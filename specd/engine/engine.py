@@ -284,15 +284,16 @@ class Engine:
         predicted = self.speculator.costs.target_seconds(len(batch), width + 1)
         started = time.perf_counter()
         logits = self.model(inputs, cache=batch.cache)
-        mx.eval(logits)
-        elapsed = time.perf_counter() - started
-        self.speculator.costs.observe_target(len(batch), width + 1, elapsed)
-        self.metrics.spec_step_seconds.labels(self.name, "measured").set(elapsed)
-        self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
         if width == 0:
             emitted = [[t] for t in self._sample(batch.seqs, logits[:, -1, :])]
         else:
             emitted = self.speculator.verify(batch.seqs, logits, proposal, batch.cache)
+        # what a step of this shape costs, verification and rollback included (the controller's input)
+        elapsed = time.perf_counter() - started
+        self.speculator.costs.observe_target(len(batch), width + 1, elapsed)
+        self.metrics.spec_step_seconds.labels(self.name, "measured").set(elapsed)
+        self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
+        self.speculator.observe_emitted(batch.seqs, emitted)
         self._emit(batch.seqs, logits, emitted)
         batch.last_tokens = [e[-1] for e in emitted]
         batch.keep([i for i, s in enumerate(batch.seqs) if s.finish_reason is None])

@@ -18,6 +18,8 @@ import mlx.nn as nn
 
 from ..engine.batch import make_batch_cache, rollback
 from ..engine.sampling import SamplingParams, sample_rows, transform_logprobs
+
+GREEDY = SamplingParams(temperature=0)
 from ..engine.sequence import Sequence
 
 
@@ -37,6 +39,7 @@ class DraftModelProposer:
         self.cache: list = []
         self.pending: list[list[int]] = []
         self._drafted = 0
+        self._drafting: list[bool] = []  # rows that drafted in the current step
         self.admitted = 0  # rows prefilled by the last propose (their prefill is in its time)
 
     def _forward(self, tokens: list[list[int]]) -> mx.array:
@@ -68,6 +71,8 @@ class DraftModelProposer:
         """Keep (and reorder to) the given cache rows."""
         if rows == list(range(len(self.rows))):
             return
+        drafting = self._drafting if len(self._drafting) == len(self.rows) else [False] * len(self.rows)
+        self._drafting = [drafting[i] for i in rows]
         self.rows = [self.rows[i] for i in rows]
         self.pending = [self.pending[i] for i in rows]
         if rows:
@@ -93,22 +98,33 @@ class DraftModelProposer:
         row_of = {id(s): i for i, s in enumerate(self.rows)}
         self._select([row_of[id(s)] for s in seqs])
 
-    def propose(self, seqs: list[Sequence], last_tokens: list[int], k: int,
+    @property
+    def known(self) -> set[int]:
+        return {id(s) for s in self.rows}
+
+    def propose(self, seqs: list[Sequence], last_tokens: list[int], drafting: list[bool], k: int,
                 params: list[SamplingParams], keys: list[mx.array]) -> DraftProposal:
-        """Draft ``k`` tokens for each of ``seqs``; rows are then exactly ``seqs``."""
+        """Draft ``k`` tokens for the ``drafting`` rows of ``seqs``; rows are then exactly ``seqs``.
+
+        Rows not drafting this step still catch up on their pending tokens in
+        the first forward (so resuming later needs no new prefill); their draft
+        steps are discarded and do not consume their RNG.
+        """
         self._sync_rows(seqs, last_tokens)
-        keys = list(keys)
+        self._drafting = list(drafting)
+        params = [p if d else GREEDY for p, d in zip(params, drafting)]
+        new_keys = list(keys)
         drafts, probs = [], []
         logits = self._forward(self.pending)
         for step in range(k):
             logprobs = transform_logprobs(logits, params)
-            token, keys = sample_rows(logprobs, params, keys)
+            token, new_keys = sample_rows(logprobs, params, new_keys)
             drafts.append(token)
             probs.append(mx.exp(logprobs))
             if step < k - 1:
                 logits = self.model(token[:, None], cache=self.cache)[:, -1]
         self._drafted = k
-        return DraftProposal(mx.stack(drafts, axis=1), mx.stack(probs, axis=1), keys)
+        return DraftProposal(mx.stack(drafts, axis=1), mx.stack(probs, axis=1), new_keys)
 
     def commit(self, accepted: list[int], drafts: list[list[int]], next_tokens: list[int]) -> None:
         """Roll each row back to its accepted context and queue what it must see next.
@@ -116,10 +132,24 @@ class DraftModelProposer:
         After k draft steps a row's cache holds pending + d_1..d_{k-1}.  Keeping
         a accepted drafts means dropping k-1-a of them; when all k were accepted
         d_k was never fed, so it goes into pending ahead of the target's token.
+        Rows that did not draft keep only their caught-up context; what they
+        emit is queued by ``observe``.  Arguments are for the drafting rows, in order.
         """
         k = self._drafted
-        rejected = []
-        for i, (a, d, t) in enumerate(zip(accepted, drafts, next_tokens)):
-            rejected.append(max(k - 1 - a, 0))
-            self.pending[i] = [d[k - 1], t] if a == k else [t]
+        rejected = [k - 1] * len(self.rows)
+        results = iter(zip(accepted, drafts, next_tokens))
+        for i, drafting in enumerate(self._drafting):
+            if drafting:
+                a, d, t = next(results)
+                rejected[i] = max(k - 1 - a, 0)
+                self.pending[i] = [d[k - 1], t] if a == k else [t]
+            else:
+                self.pending[i] = []
         rollback(self.cache, rejected)
+
+    def observe(self, emitted: dict[int, list[int]]) -> None:
+        """Queue the tokens each non-drafting row emitted this step (by sequence ``id``)."""
+        for i, seq in enumerate(self.rows):
+            if not self._drafting[i] and id(seq) in emitted:
+                self.pending[i] += emitted[id(seq)]
+        self._drafting = [False] * len(self.rows)

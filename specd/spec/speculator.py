@@ -115,22 +115,26 @@ class Speculator:
             self.metrics.spec_propose_seconds.labels(self.name, "ngram").observe(time.perf_counter() - started)
         rows = [i for i, k in enumerate(ks) if k and specs[i].method == "draft"]
         probs = None
-        if self.draft is not None and (rows or self.draft.rows):
+        if rows:
             started = time.perf_counter()
-            if rows:
-                k = max(ks[i] for i in rows)
-                proposal = self.draft.propose([seqs[i] for i in rows], [last_tokens[i] for i in rows], k,
-                                              [seqs[i].params for i in rows], [seqs[i].key for i in rows])
-                mx.eval(proposal.drafts, proposal.probs, proposal.keys)
-                if self.draft.admitted == 0:  # a lazy prefill would distort the step cost
-                    self.costs.observe_draft(len(rows), k, time.perf_counter() - started)
-                tokens = proposal.drafts.tolist()
-                for j, i in enumerate(rows):
+            # every draft-model sequence already in the draft cache takes part, drafting or not
+            known = self.draft.known
+            members = [i for i, s in enumerate(seqs) if specs[i].method == "draft" and (ks[i] or id(s) in known)]
+            k = max(ks[i] for i in rows)
+            proposal = self.draft.propose([seqs[i] for i in members], [last_tokens[i] for i in members],
+                                          [ks[i] > 0 for i in members], k, [seqs[i].params for i in members],
+                                          [seqs[i].key for i in members])
+            mx.eval(proposal.drafts, proposal.probs, proposal.keys)
+            if self.draft.admitted == 0:  # a lazy prefill would distort the step cost
+                self.costs.observe_draft(len(members), k, time.perf_counter() - started)
+            tokens = proposal.drafts.tolist()
+            picked = []
+            for j, i in enumerate(members):
+                if ks[i]:
                     drafts[i] = tokens[j][: ks[i]]
                     seqs[i].key = proposal.keys[j]
-                probs = proposal.probs
-            else:
-                self.draft.retain(set())  # nobody drafts this round; rows re-prefill lazily
+                    picked.append(j)
+            probs = proposal.probs[mx.array(picked)]
             self.metrics.spec_propose_seconds.labels(self.name, "draft").observe(time.perf_counter() - started)
         for s, spec, k in zip(seqs, specs, ks):
             if k:
@@ -201,6 +205,12 @@ class Speculator:
         m.spec_num_accepted_tokens.labels(*labels).inc(accepted)
         for pos in range(accepted):
             m.spec_accepted_per_pos.labels(*labels, str(pos)).inc()
+
+    def observe_emitted(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
+        """Queue what non-drafting rows emitted, so the draft cache catches up
+        lazily instead of being prefilled again when they resume drafting."""
+        if self.draft is not None and self.draft.rows:
+            self.draft.observe({id(s): e for s, e in zip(seqs, emitted)})
 
     def retain(self, seqs: list[Sequence]) -> None:
         """Forget proposer state of sequences that left the batch."""
