@@ -6,7 +6,7 @@ import pytest
 
 from specd.api.manifest import SpecPolicySpec
 from specd.spec.controller import AcceptanceEstimate, GoodputController, Row, StaticController, expected_tokens
-from specd.spec.costs import CostModel, LinearFit
+from specd.spec.costs import CostModel
 
 
 def costs(fixed: float, per_token: float, draft_fixed: float = 0.0, draft_per_row: float = 0.0) -> CostModel:
@@ -14,7 +14,7 @@ def costs(fixed: float, per_token: float, draft_fixed: float = 0.0, draft_per_ro
     model = CostModel()
     for rows in (1, 2, 4, 8):
         for width in (1, 2, 4, 7):
-            model.observe_target(rows, width, fixed + per_token * rows * width)
+            model.observe_target(rows, width, fixed + per_token * rows * width)  # per row and per token
         model.observe_draft(rows, 3, 3 * (draft_fixed + draft_per_row * rows))
     return model
 
@@ -27,12 +27,16 @@ def policy(**kw) -> SpecPolicySpec:
     return SpecPolicySpec(match_labels={}, **kw)
 
 
-def test_linear_fit_recovers_the_costs():
-    fit = LinearFit(decay=0.0, ridge=0.0)
-    for x in range(1, 20):
-        fit.add(x, 0.004 + 0.0005 * x)
-    a, b = fit.params()
-    assert a == pytest.approx(0.004, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
+def test_cost_model_recovers_the_costs():
+    model = CostModel()
+    for rows in (1, 3, 8):
+        for width in (1, 2, 5):
+            model.observe_target(rows, width, 0.004 + 0.0003 * rows + 0.0002 * rows * (width - 1))
+    snap = model.snapshot()
+    assert snap["step_fixed_s"] == pytest.approx(0.004, rel=1e-3)
+    assert snap["step_per_row_s"] == pytest.approx(0.0003, rel=1e-3)
+    assert snap["step_per_extra_token_s"] == pytest.approx(0.0002, rel=1e-3)
+    assert model.target_seconds(16, 4) == pytest.approx(0.004 + 0.0048 + 0.0096, rel=1e-3)
 
 
 def test_expected_tokens():
