@@ -18,6 +18,22 @@ import urllib.request
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_engine(model, tokenizer, fn, draft_model=None, **config):
+    """Start an in-process engine, ``await fn(engine)``, shut it down; returns fn's result."""
+    import asyncio
+
+    from specd.engine.engine import Engine, EngineConfig
+
+    async def main():
+        engine = Engine("t", model, tokenizer, EngineConfig(**config), draft_model=draft_model)
+        engine.start()
+        try:
+            return await fn(engine)
+        finally:
+            await engine.shutdown(1)
+    return asyncio.run(main())
+
+
 @pytest.fixture(scope="session")
 def forged(tmp_path_factory) -> Path:
     """The deterministic random test pair (``OUT/target``, ``OUT/draft``)."""

@@ -8,7 +8,8 @@ import itertools
 import pytest
 from mlx_lm import load
 
-from specd.engine.engine import Engine, EngineConfig, EngineOverloaded
+from conftest import run_engine
+from specd.engine.engine import Engine, EngineOverloaded
 from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import GenerationRequest
 
@@ -34,14 +35,7 @@ async def run(engine: Engine, prompt: list[int], max_tokens: int = 32, params=GR
 
 
 def with_engine(target, fn, **config):
-    async def main():
-        engine = Engine("t", *target, EngineConfig(**config))
-        engine.start()
-        try:
-            return await fn(engine)
-        finally:
-            await engine.shutdown(1)
-    return asyncio.run(main())
+    return run_engine(*target, fn, **config)
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:

@@ -16,7 +16,7 @@ import pytest
 from mlx_lm import load
 
 from specd.control.registry import check_draft_pair
-from specd.engine.engine import Engine, EngineConfig
+from conftest import run_engine
 from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import GenerationRequest
 from specd.api.manifest import SpecPolicySpec
@@ -61,15 +61,7 @@ async def generate(engine, prompt, spec=None, params=GREEDY, max_tokens=160, del
 def serve(pair, fn, draft_model="draft", tokenizer=None, **config):
     target, tok, draft = pair
     draft_model = {"draft": draft, "target": target, None: None}[draft_model]
-
-    async def main():
-        engine = Engine("t", target, tokenizer or tok, EngineConfig(**config), draft_model=draft_model)
-        engine.start()
-        try:
-            return await fn(engine)
-        finally:
-            await engine.shutdown(1)
-    return asyncio.run(main())
+    return run_engine(target, tokenizer or tok, fn, draft_model, **config)
 
 
 @pytest.fixture(scope="module")
