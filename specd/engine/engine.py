@@ -87,7 +87,6 @@ class Engine:
         self._prefill: _PrefillGroup | None = None
         self._batch = RunningBatch()
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
-        self._labels = {"model_name": name}
 
     # -- event-loop side -------------------------------------------------
 
