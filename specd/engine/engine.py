@@ -280,7 +280,6 @@ class Engine:
         proposal = self.speculator.propose(batch.seqs, batch.last_tokens, self.max_context)
         width = proposal.width
         inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
-        predicted = self.speculator.costs.target_seconds(len(batch), width + 1)
         started = time.perf_counter()
         logits = self.model(inputs, cache=batch.cache)
         if width == 0:
@@ -289,9 +288,7 @@ class Engine:
             emitted = self.speculator.verify(batch.seqs, logits, proposal, batch.cache)
         # what a step of this shape costs, verification and rollback included (the controller's input)
         elapsed = time.perf_counter() - started
-        self.speculator.costs.observe_target(len(batch), width + 1, elapsed)
-        self.metrics.spec_step_seconds.labels(self.name, "measured").set(elapsed)
-        self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
+        self.speculator.observe_step(len(batch), width + 1, elapsed)
         self.speculator.observe_emitted(batch.seqs, emitted)
         self._emit(batch.seqs, logits, emitted)
         batch.last_tokens = [e[-1] for e in emitted]

@@ -26,6 +26,7 @@ class LinearFit:
         self.xx = np.zeros((features, features))
         self.xy = np.zeros(features)
         self.n = 0.0
+        self._params: np.ndarray | None = None  # solved lazily: adds happen every step, reads rarely
 
     def add(self, x: list[float], y: float) -> None:
         v = np.asarray(x, dtype=np.float64)
@@ -33,6 +34,7 @@ class LinearFit:
         self.xx = keep * self.xx + np.outer(v, v)
         self.xy = keep * self.xy + v * y
         self.n = keep * self.n + 1
+        self._params = None
 
     @property
     def seen(self) -> bool:
@@ -41,8 +43,10 @@ class LinearFit:
     def params(self) -> np.ndarray:
         if not self.seen:
             return np.zeros(len(self.xy))
-        a = self.xx + self.ridge * self.n * np.eye(len(self.xy))
-        return np.maximum(np.linalg.solve(a, self.xy), 0.0)  # more work never costs less
+        if self._params is None:
+            a = self.xx + self.ridge * self.n * np.eye(len(self.xy))
+            self._params = np.maximum(np.linalg.solve(a, self.xy), 0.0)  # more work never costs less
+        return self._params
 
     def predict(self, x: list[float]) -> float:
         return float(self.params() @ np.asarray(x, dtype=np.float64))

@@ -206,6 +206,15 @@ class Speculator:
         for pos in range(accepted):
             m.spec_accepted_per_pos.labels(*labels, str(pos)).inc()
 
+    def observe_step(self, rows: int, width: int, seconds: float) -> None:
+        """Feed a decode step's wall time to the cost model; under a goodput
+        policy also export it next to what the model predicted."""
+        if self.controller.mode == "goodput":
+            predicted = self.costs.target_seconds(rows, width)
+            self.metrics.spec_step_seconds.labels(self.name, "measured").set(seconds)
+            self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
+        self.costs.observe_target(rows, width, seconds)
+
     def observe_emitted(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
         """Queue what non-drafting rows emitted, so the draft cache catches up
         lazily instead of being prefilled again when they resume drafting."""
