@@ -46,6 +46,9 @@ class SpeculativeKVCache(BatchKVCache):
         return super().update_and_fetch(keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        if (not return_array and self.valid is None and self.left_padding.shape[0] == 1
+                and self.left_padding.item() == 0):
+            return None if N == 1 else "causal"  # a lone unpadded row needs no mask array (a faster path)
         mask = super().make_mask(N, return_array=return_array, **kwargs)
         if self.valid is None:
             return mask
