@@ -84,10 +84,10 @@ def test_policy_bounds_are_respected():
     assert ks == [1, 0]
 
 
-def test_goodput_probes_after_turning_off():
+def test_goodput_probes_one_request_at_a_time_after_turning_off():
     controller = GoodputController(policy(probe_interval=5), "p", costs(0.0, 0.001))
-    plans = [max(controller.plan(rows([0.05] * 2), 2)[0]) for _ in range(10)]
-    assert plans == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    plans = [controller.plan(rows([0.05] * 2), 2)[0] for _ in range(10)]
+    assert plans == [[0, 0]] * 4 + [[1, 0]] + [[0, 0]] * 4 + [[0, 1]]
 
 
 def test_static_mode_follows_the_seed_rules():

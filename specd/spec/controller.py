@@ -32,6 +32,7 @@ class StaticController:
         self.costs = costs or CostModel()
         self.ema: float | None = None
         self._steps_off = 0
+        self._probe_cursor = -1
 
     def plan(self, rows: list["Row"], batch_size: int) -> tuple[list[int], str | None]:
         """The k each row may use now (its budget already applied), and why
@@ -124,8 +125,11 @@ class GoodputController(StaticController):
             rate = self._rate(rows, k, use)
             if rate > best_rate * 1.0001:
                 best_k, best_rate, best_rows = k, rate, use
-        if best_k == 0 and probing:  # let estimates recover when text turns predictable
-            best_k, best_rows = 1, [r.budget > 0 for r in rows]
+        if best_k == 0 and probing:  # one request at a time, so estimates can recover cheaply
+            candidates = [i for i, r in enumerate(rows) if r.budget > 0]
+            self._probe_cursor += 1
+            chosen = candidates[self._probe_cursor % len(candidates)]
+            best_k, best_rows = 1, [i == chosen for i in range(len(rows))]
         if best_k == 0:
             return [0] * len(rows), "no_gain"
         self._steps_off = 0
