@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from ..api.manifest import (API_VERSION, SPEC_PARSERS, DraftPairingSpec, ModelSpec, SpecPolicySpec)
+from ..api.manifest import (API_VERSION, SPEC_PARSERS, DraftPairingSpec, ModelSpec)
 from ..engine.engine import Engine
 from ..spec.config import NO_SPECULATION
 from .registry import ModelRegistry, Pairing, Phase, Policy, ServedModel, build_engine, load_draft
@@ -78,6 +78,8 @@ class Reconciler:
         objects = {kind: {o.name: o for o in self.store.list(kind)} for kind in SPEC_PARSERS}
         models, pairings = objects["Model"], objects["DraftPairing"]
         policies, topologies = objects["SpecPolicy"], objects["Topology"]
+        policy_specs = [Policy(o.name, o.generation, SPEC_PARSERS["SpecPolicy"](o.spec))
+                        for o in sorted(policies.values(), key=lambda o: o.name)]
         by_target = self._pairings_by_target(pairings)
         for name in list(self.registry.models):
             if name not in models:
@@ -89,8 +91,8 @@ class Reconciler:
             served = self.registry.models.get(name)
             if served is not None and served.engine is not None:
                 self._reconcile_pairing(served, pairing)
-                self._reconcile_policy(served, obj, policies)
-        self._write_status(models, pairings, policies, topologies, by_target)
+                self._reconcile_policy(served, obj, policy_specs)
+        self._write_status(models, pairings, policies, policy_specs, topologies, by_target)
 
     def _pairings_by_target(self, pairings: dict[str, StoredObject]) -> dict[str, Pairing]:
         """One pairing per target: the oldest wins, later ones report a conflict."""
@@ -202,13 +204,9 @@ class Reconciler:
         served.pairing, served.pairing_error = pairing, ""
         self.store.record_event("DraftPairing", pairing.name, "Normal", "Attached", f"drafting for {served.name}")
 
-    def _reconcile_policy(self, served: ServedModel, obj: StoredObject, policies: dict[str, StoredObject]) -> None:
-        policy = None
-        for p in sorted(policies.values(), key=lambda o: o.name):
-            spec: SpecPolicySpec = SPEC_PARSERS["SpecPolicy"](p.spec)
-            if spec.selects(obj.labels):
-                policy = Policy(p.name, p.generation, spec)
-                break
+    def _reconcile_policy(self, served: ServedModel, obj: StoredObject, policies: list[Policy]) -> None:
+        """The first policy (by name) whose selector matches the Model's labels."""
+        policy = next((p for p in policies if p.spec.selects(obj.labels)), None)
         if served.policy == policy:
             return
         m = self.metrics
@@ -226,13 +224,13 @@ class Reconciler:
 
     # -- status ----------------------------------------------------------
 
-    def _write_status(self, models, pairings, policies, topologies, by_target) -> None:
+    def _write_status(self, models, pairings, policies, policy_specs: list[Policy], topologies, by_target) -> None:
         for name, obj in models.items():
             self.store.set_status("Model", name, self._model_status(obj, self.registry.models.get(name)))
         for name, obj in pairings.items():
             self.store.set_status("DraftPairing", name, self._pairing_status(obj, by_target))
-        for name, obj in policies.items():
-            spec: SpecPolicySpec = SPEC_PARSERS["SpecPolicy"](obj.spec)
+        for policy in policy_specs:
+            name, obj, spec = policy.name, policies[policy.name], policy.spec
             selected = sorted(n for n, m in models.items() if spec.selects(m.labels))
             applied = sorted(n for n, s in self.registry.models.items() if s.policy and s.policy.name == name)
             ok = applied == selected
