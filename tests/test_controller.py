@@ -27,16 +27,22 @@ def policy(**kw) -> SpecPolicySpec:
     return SpecPolicySpec(match_labels={}, **kw)
 
 
-def test_cost_model_recovers_the_costs():
+def test_cost_table_predicts_unmeasured_shapes_from_measured_ones():
     model = CostModel()
-    for rows in (1, 3, 8):
-        for width in (1, 2, 5):
-            model.observe_target(rows, width, 0.004 + 0.0003 * rows + 0.0002 * rows * (width - 1))
-    snap = model.snapshot()
-    assert snap["step_fixed_s"] == pytest.approx(0.004, rel=1e-3)
-    assert snap["step_per_row_s"] == pytest.approx(0.0003, rel=1e-3)
-    assert snap["step_per_extra_token_s"] == pytest.approx(0.0002, rel=1e-3)
-    assert model.target_seconds(16, 4) == pytest.approx(0.004 + 0.0048 + 0.0096, rel=1e-3)
+    model.observe_target(1, 1, 0.004)
+    model.observe_target(1, 4, 0.005)  # dispatch-bound: 4 tokens cost 1.25 steps
+    model.observe_target(16, 1, 0.012)
+    model.observe_target(16, 4, 0.024)  # compute-bound: 2 steps
+    assert model.target_seconds(16, 4) == pytest.approx(0.024)
+    assert model.target_seconds(8, 1) == pytest.approx(0.004 + 0.008 * 7 / 15)  # interpolated
+    assert model.target_seconds(12, 4) == pytest.approx(model.target_seconds(12, 1) * 2.0)  # nearest: B=16
+    assert model.target_seconds(2, 4) == pytest.approx(model.target_seconds(2, 1) * 1.25)  # nearest: B=1
+    # width 3 was never measured: extrapolated from width 4 at the nearest batch size (B=1, 1.25x)
+    assert model.target_seconds(4, 3) == pytest.approx(model.target_seconds(4, 1) * (1 + 0.25 * 2 / 3))
+    assert model.target_seconds(32, 1) == pytest.approx(0.024)  # beyond the largest batch: scaled up
+    fresh = CostModel()
+    fresh.observe_target(4, 1, 0.01)
+    assert fresh.target_seconds(4, 5) == pytest.approx(0.01)  # no speculative step measured yet: explore
 
 
 def test_expected_tokens():

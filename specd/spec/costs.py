@@ -2,20 +2,64 @@
 
 The goodput controller needs what a decode step costs for B rows of W tokens
 each (the verify forward plus acceptance and rollback), and what one draft
-step costs for B rows, on *this* machine and model, not constants.  Both are
-fitted by exponentially-forgetting least squares on linear models:
+step costs for B rows, on *this* machine and model, not constants.
 
-    step seconds       = a + b * B + c * B * (W - 1)   (fixed, per row, per extra token)
-    draft step seconds = d0 + d1 * B
-
-A weak ridge prior pulls unmeasured terms to 0 ("extra tokens are free until
-measured otherwise"), so the first speculative steps explore and what they
-measure corrects the model.
+Decode steps are kept as a table of moving averages by (B, W): the cost of
+extra tokens is not linear in B (a CPU is dispatch-bound at batch 1, where
+verifying 4 tokens costs ~1.2 steps, and compute-bound at batch 16, where it
+costs ~2), so a shape is predicted from its own measurements, else from the
+nearest measured batch size at the same width, scaled to this batch's plain
+step.  A width never measured at any batch size is assumed free, so the first
+speculative steps explore, and what they measure corrects the table.  Draft
+steps are fitted as d0 + d1 * B by least squares with forgetting.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+class StepCostTable:
+    """Moving averages of decode-step seconds by (rows, width)."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.seconds: dict[tuple[int, int], float] = {}
+
+    def add(self, rows: int, width: int, seconds: float) -> None:
+        key = (rows, width)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def _plain(self, rows: int) -> float:
+        """A one-token step for ``rows`` rows: measured, else interpolated between batch sizes."""
+        known = sorted((b, s) for (b, w), s in self.seconds.items() if w == 1)
+        if not known:
+            return 1e-3
+        below = [(b, s) for b, s in known if b <= rows]
+        above = [(b, s) for b, s in known if b >= rows]
+        if below and above:
+            (b0, s0), (b1, s1) = below[-1], above[0]
+            return s0 if b1 == b0 else s0 + (s1 - s0) * (rows - b0) / (b1 - b0)
+        (b0, s0) = below[-1] if below else above[0]
+        return s0 * rows / b0 if below else s0  # more rows never cost less
+
+    def _width_factor(self, rows: int, width: int) -> float:
+        """How much a ``width`` step costs relative to a plain one, from the
+        nearest batch size where such a width was measured (the larger one on
+        a tie), extrapolated linearly in the extra tokens from the closest
+        measured width.  With no speculative step measured at all: 1 (explore)."""
+        factors = [(b, w, self.seconds[(b, w)] / self.seconds[(b, 1)])
+                   for (b, w) in self.seconds if w > 1 and (b, 1) in self.seconds]
+        if not factors:
+            return 1.0
+        b, w, factor = min(factors, key=lambda f: (abs(f[1] - width), abs(f[0] - rows), -f[0], -f[1]))
+        return 1.0 + (factor - 1.0) * (width - 1) / (w - 1)
+
+    def predict(self, rows: int, width: int) -> float:
+        if (rows, width) in self.seconds:
+            return self.seconds[(rows, width)]
+        return self._plain(rows) * (1.0 if width == 1 else self._width_factor(rows, width))
 
 
 class LinearFit:
@@ -54,22 +98,18 @@ class LinearFit:
 
 class CostModel:
     def __init__(self):
-        self.step = LinearFit(3)
+        self.steps = StepCostTable()
         self.draft = LinearFit(2)
 
-    @staticmethod
-    def _step_features(rows: int, width: int) -> list[float]:
-        return [1.0, rows, rows * (width - 1)]
-
     def observe_target(self, rows: int, width: int, seconds: float) -> None:
-        self.step.add(self._step_features(rows, width), seconds)
+        self.steps.add(rows, width, seconds)
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         if rows and steps:
             self.draft.add([1.0, rows], seconds / steps)
 
     def target_seconds(self, rows: int, width: int) -> float:
-        return max(self.step.predict(self._step_features(rows, width)), 1e-6)
+        return max(self.steps.predict(rows, width), 1e-6)
 
     def draft_seconds(self, rows: int, steps: int) -> float:
         return 0.0 if rows == 0 or steps == 0 else steps * self.draft.predict([1.0, rows])
@@ -79,7 +119,7 @@ class CostModel:
         return float(self.draft.params()[1])
 
     def snapshot(self) -> dict[str, float]:
-        a, b, c = self.step.params()
+        """Measured step seconds by shape (``B4xW2``) and the draft fit."""
         d0, d1 = self.draft.params()
-        return {"step_fixed_s": a, "step_per_row_s": b, "step_per_extra_token_s": c,
-                "draft_fixed_s": d0, "draft_per_row_s": d1}
+        steps = {f"B{b}xW{w}": s for (b, w), s in sorted(self.steps.seconds.items())}
+        return {**steps, "draft_fixed_s": float(d0), "draft_per_row_s": float(d1)}
