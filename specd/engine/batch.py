@@ -62,7 +62,8 @@ class SpeculativeKVCache(BatchKVCache):
         return n
 
     def rollback(self, rejected: list[int]) -> None:
-        """Forget the last ``rejected[b]`` tokens of each row b."""
+        """Forget the last ``rejected[b]`` tokens of each row b (``needs_compaction``
+        then says whether the holes are worth squeezing out)."""
         shared = min(rejected)
         extra = mx.array([r - shared for r in rejected])
         if max(rejected) > shared:
@@ -72,12 +73,14 @@ class SpeculativeKVCache(BatchKVCache):
             self.valid = valid & ~hole
             self.offset = self.offset - extra
         self.trim(shared)
-        if self.valid is not None and self._holes() > self.COMPACT_FRACTION * self._idx:
-            self.compact()
 
-    def _holes(self) -> int:
+    def needs_compaction(self) -> bool:
+        """Whether some row's holes fill more than COMPACT_FRACTION of the cache."""
+        if self.valid is None:
+            return False
         cols = mx.arange(self._idx)[None, :]
-        return int(((~self.valid) & (cols >= self.left_padding[:, None])).sum(axis=1).max().item())
+        holes = ((~self.valid) & (cols >= self.left_padding[:, None])).sum(axis=1).max().item()
+        return holes > self.COMPACT_FRACTION * self._idx
 
     def compact(self) -> None:
         """Squeeze the holes out: each row's live tokens move right, in order,
@@ -123,6 +126,9 @@ def rollback(cache: list[SpeculativeKVCache], rejected: list[int]) -> None:
     if any(rejected):
         for layer in cache:
             layer.rollback(rejected)
+        if cache[0].needs_compaction():  # every layer has the same holes: decide (and sync) once
+            for layer in cache:
+                layer.compact()
 
 
 class RunningBatch:

@@ -74,23 +74,22 @@ class Speculator:
     def spec_for(self, seq: Sequence) -> SpeculationConfig:
         return seq.request.speculation or self.default
 
-    def budget(self, seq: Sequence, max_context: int) -> int:
+    def budget(self, seq: Sequence, spec: SpeculationConfig, max_context: int) -> int:
         """The most a request may propose this round: its k, shrunk so the
         round can pass neither the context window nor max_tokens."""
-        spec = self.spec_for(seq)
         if not spec.enabled or (spec.method == "draft" and self.draft is None):
             return 0
         room_context = max_context - seq.context_length - 1
         room_tokens = seq.request.max_tokens - len(seq.tokens) - 1
         return max(0, min(spec.num_speculative_tokens, room_context, room_tokens))
 
-    def _plan(self, seqs: list[Sequence], specs: list[SpeculationConfig], max_context: int) -> list[int]:
-        """Budgets, then the controller's choice of k for each row."""
+    def _plan(self, seqs: list[Sequence], specs: list[SpeculationConfig], budgets: list[int]) -> list[int]:
+        """The controller's choice of k for each row, within its budget."""
         rows = []
-        for s, spec in zip(seqs, specs):
+        for s, spec, budget in zip(seqs, specs, budgets):
             if s.estimate is None:
                 s.estimate = self.controller.new_estimate()
-            rows.append(Row(self.budget(s, max_context), spec.method == "draft", s.estimate))
+            rows.append(Row(budget, spec.method == "draft", s.estimate))
         ks, reason = self.controller.plan(rows, len(seqs))
         for k in ks:
             self.metrics.spec_chosen_k.labels(self.name).observe(k)
@@ -100,8 +99,11 @@ class Speculator:
 
     def propose(self, seqs: list[Sequence], last_tokens: list[int], max_context: int) -> Proposal:
         specs = [self.spec_for(s) for s in seqs]
-        ks = self._plan(seqs, specs, max_context)
+        budgets = [self.budget(s, spec, max_context) for s, spec in zip(seqs, specs)]
         drafts: list[list[int]] = [[] for _ in seqs]
+        if not any(budgets):  # nobody may speculate: keep the plain decode path free of controller work
+            return Proposal(drafts, None, [])
+        ks = self._plan(seqs, specs, budgets)
         started = time.perf_counter()
         for i, (s, k) in enumerate(zip(seqs, ks)):
             if k and specs[i].method == "ngram":
