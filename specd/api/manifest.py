@@ -52,6 +52,12 @@ class Resource:
     origin: str | None = None  # the file it came from, for messages and relative paths
     resource_version: str | None = None  # the version the client read, for optimistic concurrency
 
+    def store_item(self, **annotations: str) -> dict:
+        """The resource as the store applies it (``annotations`` added to its own)."""
+        return {"kind": self.kind, "name": self.name, "labels": self.labels,
+                "annotations": {**self.annotations, **annotations}, "spec": self.raw_spec,
+                "resourceVersion": self.resource_version}
+
 
 def _check_type(value: Any, kind: type | tuple, path: str) -> Any:
     if isinstance(value, bool) and kind in (int, float, (int, float)):

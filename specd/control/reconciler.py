@@ -15,11 +15,11 @@ from typing import Any
 
 import structlog
 
-from ..api.manifest import (API_VERSION, SPEC_PARSERS, DraftPairingSpec, ModelSpec)
+from ..api.manifest import (SPEC_PARSERS, DraftPairingSpec, ModelSpec)
 from ..engine.engine import Engine
 from ..spec.config import NO_SPECULATION
 from .registry import ModelRegistry, Pairing, Phase, Policy, ServedModel, build_engine, load_draft
-from .store import NotFound, Store, StoredObject, now_iso
+from .store import Store, StoredObject, now_iso
 
 log = structlog.get_logger(__name__)
 RESYNC_SECONDS = 5.0
@@ -301,10 +301,3 @@ class Reconciler:
             ok, reason, message = False, "Attaching", f"attaching to {spec.target_ref}"
         status["conditions"] = [condition("Ready", ok, reason, message, obj.generation, obj.status)]
         return status
-
-
-def object_manifest(obj: StoredObject) -> dict[str, Any]:
-    return obj.manifest(API_VERSION)
-
-
-__all__ = ["Reconciler", "object_manifest", "NotFound"]

@@ -40,9 +40,7 @@ class ManifestDirectory:
             log.error("invalid manifest file; keeping its last good objects", file=owner, error=str(err))
             self.store.record_event("File", owner, "Warning", "Invalid", str(err))
             return False
-        items = [{"kind": r.kind, "name": r.name, "labels": r.labels,
-                  "annotations": {**r.annotations, SOURCE_ANNOTATION: owner}, "spec": r.raw_spec}
-                 for r in resources]
+        items = [r.store_item(**{SOURCE_ANNOTATION: owner}) for r in resources]
         try:
             self.store.apply(items)
         except Conflict as err:

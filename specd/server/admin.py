@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..api.manifest import API_VERSION, ManifestError, Resource, parse_resource
+from ..api.manifest import API_VERSION, ManifestError, parse_resource
 from ..control.store import Conflict, NotFound, Store
 
 PREFIX = "/apis/specd.dev/v1alpha1"
@@ -34,11 +34,6 @@ class StatusError(Exception):
         if self.field:
             body["details"] = {"causes": [{"field": self.field, "message": self.message}]}
         return web.json_response(body, status=self.code)
-
-
-def _invalid(err: ManifestError) -> StatusError:
-    where = ":".join(p for p in (err.file, err.path) if p)
-    return StatusError(422, "Invalid", f"{where}: {err.reason}" if where else err.reason, err.path or None)
 
 
 @web.middleware
@@ -85,12 +80,6 @@ def _dry_run(request: web.Request) -> bool:
     return value == "All"
 
 
-def _item(resource: Resource) -> dict[str, Any]:
-    return {"kind": resource.kind, "name": resource.name, "labels": resource.labels,
-            "annotations": resource.annotations, "spec": resource.raw_spec,
-            "resourceVersion": resource.resource_version}
-
-
 async def _json(request: web.Request) -> Any:
     try:
         return await request.json()
@@ -114,7 +103,7 @@ def _apply(request: web.Request, docs: list[Any]) -> list[dict[str, Any]]:
         seen.add((resource.kind, resource.name))
         resources.append(resource)
     try:
-        results = _store(request).apply([_item(r) for r in resources], dry_run=_dry_run(request))
+        results = _store(request).apply([r.store_item() for r in resources], dry_run=_dry_run(request))
     except Conflict as err:
         raise StatusError(409, "Conflict", str(err)) from None
     return [{"kind": o.kind, "name": o.name, "action": action, "object": o.manifest(API_VERSION)}
