@@ -218,22 +218,27 @@ class TopologyHost:
 
 @dataclass(frozen=True)
 class TopologySpec:
-    """Hosts a tensor-parallel Model is placed on (placement arrives with TP support)."""
+    """Hosts a tensor-parallel Model is placed on, and how its ranks start."""
 
     backend: str
     hosts: tuple[TopologyHost, ...]
     tensor_parallel_size: int
-    launcher: str = "agent"
+    launcher: str = "ssh"  # ssh: remote ranks through ssh (local ones directly); local: all on this machine
+    port: int | None = None  # first rank's listening port (ranks use port + rank); None: free ports when local
+    step_timeout_seconds: float = 60.0  # a step that takes longer means a rank hung
+    threads_per_rank: int | None = None  # OMP/OpenBLAS threads per rank (ranks sharing a host)
+    specd_command: str = "specd"  # the specd executable on remote hosts
 
 
 def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
-    _fields(spec, path, {"backend", "hosts", "tensorParallelSize", "launcher"}, {"backend", "hosts"})
+    _fields(spec, path, {"backend", "hosts", "tensorParallelSize", "launcher", "port", "stepTimeoutSeconds",
+                         "threadsPerRank", "specdCommand"}, {"backend", "hosts"})
     backend = _check_type(spec["backend"], str, f"{path}.backend")
     if backend not in ("jaccl", "ring"):
         raise ManifestError(f'must be "jaccl" or "ring", got "{backend}"', f"{path}.backend")
-    launcher = spec.get("launcher", "agent")
-    if launcher not in ("agent", "ssh"):
-        raise ManifestError(f'must be "agent" or "ssh", got "{launcher}"', f"{path}.launcher")
+    launcher = spec.get("launcher", "ssh")
+    if launcher not in ("ssh", "local"):
+        raise ManifestError(f'must be "ssh" or "local", got "{launcher}"', f"{path}.launcher")
     hosts_raw = _check_type(spec["hosts"], list, f"{path}.hosts")
     if not hosts_raw:
         raise ManifestError("at least one host is required", f"{path}.hosts")
@@ -251,7 +256,13 @@ def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
     if size > len(hosts):
         raise ManifestError(f"must be at most the number of hosts ({len(hosts)}), got {size}",
                             f"{path}.tensorParallelSize")
-    return TopologySpec(backend, tuple(hosts), size, launcher)
+    port = _positive_int(spec, "port", path, None)
+    if port is not None and port + size > 65536:
+        raise ManifestError(f"ports {port}..{port + size - 1} do not fit below 65536", f"{path}.port")
+    return TopologySpec(backend, tuple(hosts), size, launcher, port,
+                        _number(spec, "stepTimeoutSeconds", path, 1.0, 3600.0, 60.0),
+                        _positive_int(spec, "threadsPerRank", path, None),
+                        _check_type(spec.get("specdCommand", "specd"), str, f"{path}.specdCommand"))
 
 
 SPEC_PARSERS: dict[str, Callable[[Any], Any]] = {

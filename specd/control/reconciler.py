@@ -15,14 +15,28 @@ from typing import Any
 
 import structlog
 
-from ..api.manifest import (SPEC_PARSERS, DraftPairingSpec, ModelSpec)
+from ..api.manifest import SPEC_PARSERS, DraftPairingSpec, ModelSpec, TopologySpec
 from ..engine.engine import Engine
 from ..spec.config import NO_SPECULATION
-from .registry import ModelRegistry, Pairing, Phase, Policy, ServedModel, build_engine, load_draft
+from .registry import (
+    ModelRegistry,
+    Pairing,
+    Phase,
+    Policy,
+    ServedModel,
+    build_engine,
+    build_group,
+    load_draft,
+)
 from .store import Store, StoredObject, now_iso
 
 log = structlog.get_logger(__name__)
 RESYNC_SECONDS = 5.0
+
+
+def _backoff(restarts: int) -> float:
+    """Seconds before restarting a group that failed ``restarts`` times in a row: 1, 2, 4 .. 30."""
+    return min(30.0, 2.0 ** (restarts - 1))
 
 
 def condition(type_: str, ok: bool, reason: str, message: str, generation: int,
@@ -90,7 +104,8 @@ class Reconciler:
             self._reconcile_model(obj, spec, pairing, topologies)
             served = self.registry.models.get(name)
             if served is not None and served.engine is not None:
-                self._reconcile_pairing(served, pairing)
+                if spec.topology_ref is None:  # a group's pairing is part of its placement
+                    self._reconcile_pairing(served, pairing)
                 self._reconcile_policy(served, obj, policy_specs)
         self._write_status(models, pairings, policies, policy_specs, topologies, by_target)
 
@@ -109,13 +124,20 @@ class Reconciler:
             served = ServedModel(obj.name, obj.generation, spec)
             self.registry.models[obj.name] = served
             self.metrics.model_ready.labels(obj.name).set(0)
+        topology, placement = None, None
         if spec.topology_ref is not None:
-            served.spec, served.generation = spec, obj.generation
-            served.phase = Phase.PENDING
-            served.reason = (f'Topology "{spec.topology_ref}" not found' if spec.topology_ref not in topologies
-                             else "tensor-parallel placement on a Topology is not available yet")
-            return
-        up_to_date = served.generation == obj.generation and (served.engine is not None or served.phase is Phase.FAILED)
+            topo = topologies.get(spec.topology_ref)
+            if topo is None:
+                if served.engine is None:
+                    served.spec, served.generation = spec, obj.generation
+                    served.phase, served.reason = Phase.PENDING, f'Topology "{spec.topology_ref}" not found'
+                return
+            # a group is started for one topology generation and one pairing: either changing restarts it
+            topology, placement = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
+            self._check_group(served)
+        restart_due = served.retry_at is not None and time.monotonic() >= served.retry_at
+        up_to_date = served.generation == obj.generation and served.placement == placement and (
+            served.engine is not None or served.phase is Phase.FAILED and not restart_due)
         loading_it = served.loading_generation == obj.generation
         if up_to_date or loading_it:
             return
@@ -123,16 +145,40 @@ class Reconciler:
             served.task.cancel()
         served.loading_generation = obj.generation
         if served.engine is None:
-            served.phase, served.reason = Phase.LOADING, ""
-        served.task = self._spawn(self._load(served, obj.generation, spec, pairing))
+            served.phase = Phase.LOADING
+        served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement))
 
-    async def _load(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None) -> None:
-        """Load a generation of a model; on success switch traffic to it and drain the old engine."""
+    def _check_group(self, served: ServedModel) -> None:
+        """A failed tensor-parallel group: stop routing to it and schedule a restart (with backoff)."""
+        group = served.engine
+        if group is None or not group.failure:
+            return
+        served.engine, served.restarts, served.last_failure = None, served.restarts + 1, group.failure
+        served.phase, served.reason = Phase.FAILED, group.failure
+        served.retry_at = time.monotonic() + _backoff(served.restarts)
+        self.metrics.model_ready.labels(served.name).set(0)
+        self.store.record_event("Model", served.name, "Warning", "GroupFailed", group.failure)
+        self._spawn(group.shutdown(0))
+
+    async def _load(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None,
+                    topology: TopologySpec | None = None, placement: tuple | None = None) -> None:
+        """Load a generation of a model; on success switch traffic to it and drain the old engine.
+
+        A tensor-parallel model is meant to be too big for two copies: its old
+        group drains before the new one starts."""
         started = time.monotonic()
         log.info("model loading", model=served.name, source=spec.source, generation=generation)
         self.store.record_event("Model", served.name, "Normal", "Loading", f"loading {spec.source}")
         try:
-            built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing)
+            if topology is None:
+                built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing)
+            else:
+                if served.engine is not None:
+                    old, served.engine, served.phase = served.engine, None, Phase.LOADING
+                    self.metrics.model_ready.labels(served.name).set(0)
+                    await self._drain(served.name, old)
+                built = await build_group(served.name, spec, topology, pairing)
+                built.engine.on_failure = self.trigger
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -140,6 +186,10 @@ class Reconciler:
             log.error("model failed to load", model=served.name, reason=reason)
             self.store.record_event("Model", served.name, "Warning", "LoadFailed", reason)
             served.loading_generation, served.generation = None, generation  # no retry until the spec changes
+            served.placement = placement
+            if topology is not None:  # a group start can fail for passing reasons (a host rebooting)
+                served.restarts += 1
+                served.retry_at = time.monotonic() + _backoff(served.restarts)
             if served.engine is None:
                 served.phase, served.spec = Phase.FAILED, spec
             served.reason = reason
@@ -148,11 +198,13 @@ class Reconciler:
         old = served.engine
         served.engine, served.spec, served.generation = built.engine, spec, generation
         served.phase, served.reason, served.loading_generation = Phase.READY, "", None
+        served.placement, served.retry_at = placement, None
         served.load_seconds, served.weight_bytes = time.monotonic() - started, built.weight_bytes
         served.pairing, served.pairing_error, served.policy = pairing, built.pairing_error, None
         if built.pairing_error:
             self.store.record_event("DraftPairing", pairing.name, "Warning", "DraftLoadFailed", built.pairing_error)
         self.metrics.model_ready.labels(served.name).set(1)
+        self.metrics.model_loaded(served.name, built.weight_bytes)
         log.info("model ready", model=served.name, generation=generation, seconds=round(served.load_seconds, 2))
         self.store.record_event("Model", served.name, "Normal", "Ready",
                                 f"serving generation {generation} ({served.load_seconds:.2f}s to load)")
@@ -168,7 +220,7 @@ class Reconciler:
         served = self.registry.models.pop(name)
         if served.task is not None:
             served.task.cancel()
-        self.metrics.model_ready.labels(name).set(0)
+        self.metrics.forget_model(name)
         if served.engine is not None:
             self._spawn(self._drain(name, served.engine))
         log.info("model removed", model=name)
@@ -255,10 +307,17 @@ class Reconciler:
             reason, message = "Loaded", f"serving {served.spec.source}"
         else:
             reason = {Phase.FAILED: "LoadFailed", Phase.LOADING: "Loading"}.get(served.phase, "Pending")
+            if served.retry_at is not None:
+                reason = "Restarting"
             message = served.reason or served.phase.value
         status: dict[str, Any] = {
             "observedGeneration": obj.generation, "phase": served.phase.value,
             "conditions": [condition("Ready", ready, reason, message, obj.generation, obj.status)]}
+        if served.spec.topology_ref is not None:
+            status["conditions"].append(self._degraded(obj, served))
+            status["group"] = {"topology": served.spec.topology_ref, "restarts": served.restarts,
+                               "lastFailure": served.last_failure or None,
+                               "ranks": served.engine.ranks() if served.engine is not None else []}
         if served.load_seconds is not None:
             status.update(loadSeconds=round(served.load_seconds, 3), weightBytes=served.weight_bytes,
                           servedGeneration=served.generation)
@@ -270,14 +329,20 @@ class Reconciler:
                                     "maxSpeculativeTokens": served.policy.spec.max_speculative_tokens,
                                     "enabled": served.policy.spec.enabled}
         if served.engine is not None:
-            speculator = served.engine.speculator
-            ema = speculator.controller.ema
-            status["speculation"] = {
-                "default": speculator.default.method,
-                "acceptanceEMA": None if ema is None else round(ema, 4),
-                "costModelSeconds": {k: round(v, 6) for k, v in speculator.costs.snapshot().items()},
-            }
+            spec_status = dict(served.engine.speculation_status())
+            spec_status.pop("acceptanceRate", None)  # the DraftPairing's status carries it
+            status["speculation"] = spec_status
         return status
+
+    @staticmethod
+    def _degraded(obj: StoredObject, served: ServedModel) -> dict[str, Any]:
+        """A tensor-parallel model is Degraded while its group is down and being restarted."""
+        down = served.engine is None and served.retry_at is not None
+        if down:
+            return condition("Degraded", True, "GroupFailed", served.reason, obj.generation, obj.status)
+        message = (f"all ranks up; restarted {served.restarts} times, last failure: {served.last_failure}"
+                   if served.restarts else "all ranks up")
+        return condition("Degraded", False, "AllRanksUp", message, obj.generation, obj.status)
 
     def _pairing_status(self, obj: StoredObject, by_target: dict[str, Pairing]) -> dict[str, Any]:
         spec: DraftPairingSpec = SPEC_PARSERS["DraftPairing"](obj.spec)
@@ -294,9 +359,9 @@ class Reconciler:
             ok, reason, message = False, "DraftLoadFailed", served.pairing_error
         elif served.pairing is not None and served.pairing.name == obj.name and served.pairing.generation == obj.generation:
             ok, reason, message = True, "Attached", f"{spec.method} speculation for {spec.target_ref}"
-            rate = served.engine.speculator.acceptance_rate
+            rate = served.engine.speculation_status().get("acceptanceRate")
             if rate is not None:
-                status["acceptanceRate"] = round(rate, 4)
+                status["acceptanceRate"] = rate
         else:
             ok, reason, message = False, "Attaching", f"attaching to {spec.target_ref}"
         status["conditions"] = [condition("Ready", ok, reason, message, obj.generation, obj.status)]

@@ -15,7 +15,7 @@ from enum import Enum
 import structlog
 from mlx.utils import tree_flatten
 
-from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec
+from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
 from ..engine.engine import Engine, EngineConfig
 from ..engine.loader import load_model
 from ..metrics import Metrics
@@ -67,6 +67,12 @@ class ServedModel:
     policy: Policy | None = None  # applied to the engine
     task: asyncio.Task | None = None  # a load (or reload) in flight
     loading_generation: int | None = None
+    # tensor parallelism: what the group was started on (topology name and
+    # generation, pairing), its restarts, and when the next restart is due
+    placement: tuple | None = None
+    restarts: int = 0
+    last_failure: str = ""
+    retry_at: float | None = None
 
 
 class ModelNotFound(KeyError):
@@ -109,6 +115,16 @@ def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing 
         return Built(engine, weights, f"{type(exc).__name__}: {exc}")
     speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
     return Built(Engine(name, model, tokenizer, config, metrics, speculation, draft), weights)
+
+
+async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairing: Pairing | None) -> Built:
+    """Start a tensor-parallel group for the model; the pairing's draft is replicated on every rank."""
+    from ..dist.group import start_group
+
+    speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
+    draft_source = pairing.spec.source if pairing is not None and pairing.spec.method == "draft" else None
+    client = await start_group(name, spec, topology, speculation, draft_source)
+    return Built(client, client.weight_bytes)
 
 
 class ModelRegistry:

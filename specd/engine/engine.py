@@ -52,6 +52,15 @@ class EngineConfig:
 
 
 @dataclass
+class StepInputs:
+    """What reaches the engine thread between two steps."""
+
+    arrivals: list[Sequence]
+    cancelled: set[str]
+    updates: list[Callable[[], None]]
+
+
+@dataclass
 class _PrefillGroup:
     """Newcomers whose prompts are being prefilled together, chunk by chunk."""
 
@@ -101,16 +110,7 @@ class Engine:
 
     def check_prompt(self, request: GenerationRequest) -> None:
         """Raise ValueError if the request can never be served as asked."""
-        spec = request.speculation
-        if spec is not None and spec.method == "draft" and self.speculator.draft is None:
-            raise ValueError(f"model {self.name!r} has no draft model; declare a DraftPairing "
-                             "with method: draft, or ask for ngram")
-        if not request.prompt_tokens:
-            raise ValueError("prompt is empty")
-        if len(request.prompt_tokens) >= self.max_context:
-            raise ValueError(
-                f"prompt has {len(request.prompt_tokens)} tokens; this model's context "
-                f"window is {self.max_context} tokens")
+        check_request(request, self.name, self.has_draft, self.max_context)
 
     def submit(self, request: GenerationRequest, emit) -> None:
         """Queue a request; ``emit(StepOutput)`` is called from the engine thread."""
@@ -131,6 +131,18 @@ class Engine:
     def speculation(self) -> SpeculationConfig:
         """The model's default speculation (its DraftPairing's)."""
         return self.speculator.default
+
+    @property
+    def has_draft(self) -> bool:
+        return self.speculator.draft is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return _vocab_size(self.model)
+
+    def speculation_status(self) -> dict:
+        """What ``describe`` shows of the model's speculation (read from any thread)."""
+        return self.speculator.status()
 
     def between_steps(self, update: Callable[[], None]) -> None:
         """Run ``update`` on the engine thread before its next step: how
@@ -182,25 +194,32 @@ class Engine:
     # -- engine thread ---------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._inbox or self._cancelled or self._waiting or self._prefill
-                           or self._batch or self._stopped or self._updates):
-                    self._cv.wait()
-                if self._stopped:
-                    break
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
-                cancelled, self._cancelled = self._cancelled, set()
-                updates, self._updates = self._updates, []
-            for update in updates:
+        while (inputs := self._next_inputs()) is not None:
+            self._waiting.extend(inputs.arrivals)
+            for update in inputs.updates:
                 update()
             try:
-                self._step(cancelled)
+                self._step(inputs.cancelled)
             except Exception as exc:  # an engine fault fails its requests, not the daemon
-                log.exception("engine step failed", model=self.name)
-                self._fail_all(f"engine error: {exc}")
+                self._step_failed(exc)
         self._fail_all("engine stopped")
+
+    def _next_inputs(self) -> StepInputs | None:
+        """Wait for work; take what arrived since the last step (None: stop)."""
+        with self._cv:
+            while not (self._inbox or self._cancelled or self._waiting or self._prefill
+                       or self._batch or self._stopped or self._updates):
+                self._cv.wait()
+            if self._stopped:
+                return None
+            inputs = StepInputs(list(self._inbox), self._cancelled, self._updates)
+            self._inbox.clear()
+            self._cancelled, self._updates = set(), []
+        return inputs
+
+    def _step_failed(self, exc: Exception) -> None:
+        log.exception("engine step failed", model=self.name)
+        self._fail_all(f"engine error: {exc}")
 
     def _step(self, cancelled: set[str]) -> None:
         if cancelled:
@@ -345,6 +364,20 @@ class Engine:
             seq.emit(StepOutput(text="", tokens=[], logprobs=None, error=message,
                                 prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens)))
         self._update_gauges()
+
+
+def check_request(request: GenerationRequest, model: str, has_draft: bool, max_context: int) -> None:
+    """Raise ValueError if the request can never be served as asked."""
+    spec = request.speculation
+    if spec is not None and spec.method == "draft" and not has_draft:
+        raise ValueError(f"model {model!r} has no draft model; declare a DraftPairing "
+                         "with method: draft, or ask for ngram")
+    if not request.prompt_tokens:
+        raise ValueError("prompt is empty")
+    if len(request.prompt_tokens) >= max_context:
+        raise ValueError(
+            f"prompt has {len(request.prompt_tokens)} tokens; this model's context "
+            f"window is {max_context} tokens")
 
 
 def _report_logprobs(logits: mx.array, emitted: list[list[int]],

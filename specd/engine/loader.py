@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.nn as nn
@@ -12,15 +13,30 @@ def is_local_source(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~")) or Path(source).exists()
 
 
+def resolve_source(source: str) -> str:
+    """A checked local directory, or the hub repo id as given."""
+    if not is_local_source(source):
+        return source
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: not an mlx-lm model directory")
+    return str(path)
+
+
 def load_model(source: str) -> tuple[nn.Module, object]:
     """Load a model with mlx-lm.  Local paths must exist; anything else is a
     Hugging Face repo id that mlx-lm downloads (what Mac users serve)."""
-    if is_local_source(source):
-        path = Path(source).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist")
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json: not an mlx-lm model directory")
-        source = str(path)
-    model, tokenizer = mlx_lm_load(source)
-    return model, tokenizer
+    return mlx_lm_load(resolve_source(source))
+
+
+def load_tokenizer(source: str):
+    """Only the tokenizer (the daemon's side of a tensor-parallel model)."""
+    from mlx_lm.utils import _download
+    from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
+
+    path = _download(resolve_source(source),
+                     allow_patterns=["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"])
+    config = json.loads((path / "config.json").read_text())
+    return mlx_lm_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

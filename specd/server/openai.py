@@ -135,7 +135,7 @@ def speculation_for(engine: Engine, asked: dict | None) -> SpeculationConfig | N
     if asked is None:
         return None
     default = engine.speculation
-    if asked["method"] == "draft" and engine.speculator.draft is None:
+    if asked["method"] == "draft" and not engine.has_draft:
         raise bad_request(f"model '{engine.name}' has no draft model (declare a DraftPairing with "
                           "method: draft)", "speculation.method")
     k = asked["num_speculative_tokens"] or default.num_speculative_tokens
@@ -178,8 +178,8 @@ def completion_prompt(engine: Engine, body: dict) -> list[int]:
     if isinstance(prompt, str):
         return engine.tokenizer.encode(prompt, add_special_tokens=False)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = engine.model.args.vocab_size if hasattr(engine.model, "args") else None
-        if vocab is not None and not all(0 <= t < vocab for t in prompt):
+        vocab = engine.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
             raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
     raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")

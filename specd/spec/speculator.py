@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -53,11 +54,23 @@ class Speculator:
         self.controller = StaticController(costs=self.costs)
         self.drafted_total = 0
         self.accepted_total = 0
+        # Under tensor parallelism every rank must speculate alike: the group
+        # replaces each rank's choice of k with rank 0's (time-driven costs differ).
+        self.agree: Callable[[list[int]], list[int]] | None = None
 
     @property
     def acceptance_rate(self) -> float | None:
         """Accepted / drafted over the engine's life (what DraftPairing status shows)."""
         return self.accepted_total / self.drafted_total if self.drafted_total else None
+
+    def status(self) -> dict:
+        """Default method, acceptance and the fitted costs, as ``describe`` shows them."""
+        ema = self.controller.ema
+        rate = self.acceptance_rate
+        return {"default": self.default.method,
+                "acceptanceEMA": None if ema is None else round(ema, 4),
+                "acceptanceRate": None if rate is None else round(rate, 4),
+                "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()}}
 
     def configure(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
         """Attach, change or detach the pairing; a new draft model starts with no rows."""
@@ -91,6 +104,8 @@ class Speculator:
                 s.estimate = self.controller.new_estimate()
             rows.append(Row(budget, spec.method == "draft", s.estimate))
         ks, reason = self.controller.plan(rows, len(seqs))
+        if self.agree is not None:
+            ks = self.agree(ks)
         for k in ks:
             self.metrics.spec_chosen_k.labels(self.name).observe(k)
         if reason is not None:

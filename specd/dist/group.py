@@ -1,0 +1,259 @@
+"""The daemon's side of a tensor-parallel Model: start its ranks, talk to rank 0, watch them.
+
+``GroupClient`` stands where a local ``Engine`` would (the HTTP routes and the
+reconciler use the same few members), but its engine runs in the rank
+processes.  Ranks are child processes (or ssh sessions) rather than the
+daemon itself because an ``mx.distributed`` group is process-wide and
+cannot be rebuilt once a peer is gone: a failed group is killed whole and a
+fresh one started, while the daemon keeps serving its other models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import subprocess
+import time
+from dataclasses import asdict
+from typing import AsyncIterator, Callable
+
+import structlog
+
+from ..api.manifest import ModelSpec, TopologySpec
+from ..engine.engine import EngineOverloaded, EngineUnavailable, check_request
+from ..engine.loader import load_tokenizer
+from ..engine.sequence import GenerationRequest, StepOutput
+from ..spec.config import NO_SPECULATION, SpeculationConfig
+from . import wire
+from .topology import (
+    GroupPlan,
+    check_placement,
+    engine_fields,
+    group_ports,
+    mlx_environment,
+    rank_command,
+)
+
+log = structlog.get_logger(__name__)
+_REJECTIONS = {"EngineOverloaded": EngineOverloaded, "EngineUnavailable": EngineUnavailable,
+               "ValueError": ValueError}
+
+
+class GroupClient:
+    """A running tensor-parallel group, seen from the daemon."""
+
+    def __init__(self, name: str, topology: TopologySpec, procs: list[subprocess.Popen], tokenizer,
+                 info: dict, speculation: SpeculationConfig,
+                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.name = name
+        self.topology = topology
+        self.procs = procs
+        self.tokenizer = tokenizer
+        self.max_context: int = info["max_context"]
+        self.vocab_size: int = info["vocab_size"]
+        self.has_draft: bool = info["has_draft"]
+        self.weight_bytes: int = info["weight_bytes"]
+        self.speculation = speculation
+        self.failure: str | None = None  # set once; the reconciler restarts the group
+        self.on_failure: Callable[[], None] = lambda: None
+        self.status: dict = {}
+        self._reader, self._writer = reader, writer
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._accepting = True
+        self._stopping = False
+        self._progress = time.monotonic()  # the last time rank 0 reported a finished step
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def ranks(self) -> list[dict]:
+        hosts = self.topology.hosts
+        return [{"rank": r, "host": hosts[r].name, "pid": p.pid} for r, p in enumerate(self.procs)]
+
+    def check_prompt(self, request: GenerationRequest) -> None:
+        check_request(request, self.name, self.has_draft, self.max_context)
+
+    def speculation_status(self) -> dict:
+        return self.status.get("speculation", {"default": self.speculation.method})
+
+    def set_policy(self, policy, name: str | None) -> None:
+        self._send(("policy", policy, name))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        if self.failure or not self._accepting:
+            raise EngineUnavailable(f"model {self.name!r} is {'restarting' if self.failure else 'shutting down'}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._send(("submit", request))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                finished = out.finish_reason is not None or out.error is not None
+                yield out
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished and not self.failure:
+                self._send(("cancel", request.request_id))
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Let in-flight requests finish within ``grace``, then stop every rank."""
+        self._accepting = False
+        deadline = time.monotonic() + grace
+        while self._streams and time.monotonic() < deadline and not self.failure:
+            await asyncio.sleep(0.05)
+        self._stopping = True
+        self._send(("stop",))
+        await asyncio.to_thread(_reap, self.procs, 10.0)
+        for task in self._tasks:
+            task.cancel()
+        self._writer.close()
+
+    def _send(self, message) -> None:
+        if not self._writer.is_closing():
+            self._writer.write(wire.encode(message))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await wire.read_message(self._reader)
+                kind = message[0]
+                if kind == "out":
+                    self._progress = time.monotonic()
+                    queue = self._streams.get(message[1])
+                    if queue is not None:
+                        queue.put_nowait(message[2])
+                elif kind == "rejected":
+                    queue = self._streams.get(message[1])
+                    if queue is not None:
+                        queue.put_nowait(_REJECTIONS.get(message[2], RuntimeError)(message[3]))
+                elif kind == "status":
+                    if message[1]["steps"] != self.status.get("steps"):
+                        self._progress = time.monotonic()
+                    self.status = message[1]
+                elif kind == "fatal":
+                    self.fail(await self._fatal_reason(message[1]))
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            if not self._stopping:
+                self.fail(self._exit_reason() or "rank 0 closed its connection to the daemon")
+
+    async def _fatal_reason(self, error: str) -> str:
+        """Rank 0 failed a step; a peer that died is usually why, so name it when it shows up."""
+        for _ in range(10):
+            exited = self._exit_reason()
+            if exited is not None:
+                return f"{exited} (rank 0: {error})"
+            await asyncio.sleep(0.1)
+        return f"rank 0 stopped the group: {error}"
+
+    async def _watch(self) -> None:
+        """A rank that exits, or a step that never finishes, fails the group."""
+        timeout = self.topology.step_timeout_seconds
+        while not self._stopping and not self.failure:
+            await asyncio.sleep(0.2)
+            reason = self._exit_reason()
+            if reason is not None and not self._stopping:
+                self.fail(reason)
+            elif self._streams and time.monotonic() - self._progress > timeout:
+                self.fail(f"no engine step finished in {timeout:g}s with {len(self._streams)} requests "
+                          "in flight: a rank is hung or its link is down")
+
+    def _exit_reason(self) -> str | None:
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                return f"rank {rank} ({self.topology.hosts[rank].name}) exited with {how}"
+        return None
+
+    def fail(self, reason: str) -> None:
+        """End every request with the reason, kill the ranks, tell the reconciler."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        log.error("tensor-parallel group failed", model=self.name, reason=reason)
+        for queue in self._streams.values():
+            queue.put_nowait(StepOutput(text="", tokens=[], logprobs=None,
+                                        error=f"model {self.name!r}: {reason}"))
+        _kill(self.procs)
+        self._writer.close()
+        self.on_failure()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _reap(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(procs)
+
+
+async def start_group(name: str, spec: ModelSpec, topology: TopologySpec,
+                      speculation: SpeculationConfig = NO_SPECULATION,
+                      draft_source: str | None = None, ready_timeout: float = 900.0) -> GroupClient:
+    """Start every rank, wait for rank 0 to report the group loaded."""
+    check_placement(topology)
+    tokenizer = await asyncio.to_thread(load_tokenizer, spec.source)
+    hello: asyncio.Future = asyncio.get_running_loop().create_future()
+    token = secrets.token_hex(16)
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            message = await asyncio.wait_for(wire.read_message(reader), 10)
+        except Exception:
+            writer.close()
+            return
+        if message[0] == "hello" and message[1] == token and not hello.done():
+            hello.set_result((message[2], reader, writer))
+        else:
+            writer.close()
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    control = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    plan = GroupPlan(name, spec.source, topology.backend, topology.tensor_parallel_size,
+                     mlx_environment(topology, group_ports(topology)), control, token, engine_fields(spec),
+                     asdict(speculation) if speculation.enabled else None, draft_source)
+    procs = []
+    for rank in range(topology.tensor_parallel_size):
+        cmd, env = rank_command(topology, rank, plan)
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
+    log.info("tensor-parallel group starting", model=name, backend=topology.backend,
+             ranks=[p.pid for p in procs])
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while not hello.done():
+            for rank, proc in enumerate(procs):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"rank {rank} ({topology.hosts[rank].name}) exited with code "
+                                       f"{proc.returncode} while the group was starting (see the daemon log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the group did not load within {ready_timeout:g}s")
+            await asyncio.wait([hello], timeout=0.2)
+        info, reader, writer = hello.result()
+    except BaseException:
+        _kill(procs)
+        raise
+    finally:
+        server.close()
+    return GroupClient(name, topology, procs, tokenizer, info, speculation, reader, writer)

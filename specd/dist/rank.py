@@ -1,0 +1,254 @@
+"""A rank of a tensor-parallel group: ``specd rank`` (started by the daemon).
+
+Every rank holds a shard of the target (``mlx_lm``'s ``model.shard``), a
+full copy of the draft model if there is one, and the same ``Engine``.  Rank
+0 takes requests from the daemon; before every step it broadcasts what
+changed (arrivals with their RNG keys, cancellations, policy swaps, stop)
+through ``mx.distributed``, so every rank steps the same batch.  Everything
+after that is deterministic given the all-reduced logits — n-gram proposals,
+the replicated draft, sampling and rejection sampling from each request's own
+key — except the controller's choice of k, whose costs are timed: rank 0's
+choice is broadcast too.  A digest of every rank's batch rides along in each
+step's header, so ranks that drift apart stop the group instead of serving
+wrong tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import structlog
+from mlx.utils import tree_flatten
+
+from ..engine.engine import Engine, EngineConfig, StepInputs
+from ..engine.loader import load_model, resolve_source
+from ..engine.sequence import Sequence
+from ..metrics import Metrics
+from ..spec.config import NO_SPECULATION, SpeculationConfig
+from . import wire
+from .topology import GroupPlan
+
+log = structlog.get_logger(__name__)
+_STOP = -1
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """A SpecPolicy swap, as data: it travels to every rank."""
+
+    policy: object
+    name: str | None
+
+    def __call__(self) -> None:  # applied through the broadcast, never as a local closure
+        raise RuntimeError("PolicyUpdate is applied by GroupEngine")
+
+
+class RanksDiverged(RuntimeError):
+    pass
+
+
+class GroupEngine(Engine):
+    """An Engine whose steps run in lockstep on every rank of ``group``."""
+
+    def __init__(self, *args, group: mx.distributed.Group, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+        self.rank = group.rank()
+        self.steps = 0
+        self.bytes_sent = 0  # control traffic (headers, payloads, agreed k)
+        self.speculator.agree = self._agree
+
+    def set_policy(self, policy, name: str | None) -> None:
+        self.between_steps(PolicyUpdate(policy, name))
+
+    def configure_speculation(self, default, draft_model) -> None:
+        raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
+
+    def run_follower(self) -> None:
+        """Ranks other than 0 step until rank 0 says stop."""
+        self._run()
+
+    def _next_inputs(self) -> StepInputs | None:
+        payload = b""
+        if self.rank == 0:
+            local = super()._next_inputs()
+            if local is None:
+                payload = None
+            elif local.arrivals or local.cancelled or local.updates:
+                payload = pickle.dumps((
+                    [(s.request, np.array(s.key).tolist()) for s in local.arrivals],
+                    sorted(local.cancelled),
+                    [(u.policy, u.name) for u in local.updates]))
+        message = self._exchange(payload)
+        self.steps += 1
+        if message is None:
+            return None
+        if not message:
+            return StepInputs([], set(), [])
+        arrivals, cancelled, policies = pickle.loads(message)
+        if self.rank == 0:
+            seqs = local.arrivals
+        else:
+            seqs = [self._follower_sequence(request, key) for request, key in arrivals]
+        updates = [lambda p=p, n=n: self.speculator.set_policy(p, n) for p, n in policies]
+        return StepInputs(seqs, set(cancelled), updates)
+
+    def _follower_sequence(self, request, key: list[int]) -> Sequence:
+        seq = Sequence(request=request, emit=lambda out: None, detokenizer=copy.copy(self._detokenizer),
+                       eos_ids=self.eos_ids, max_total_tokens=self.max_context)
+        seq.key = mx.array(key, dtype=mx.uint32)
+        return seq
+
+    def _exchange(self, payload: bytes | None) -> bytes | None:
+        """Rank 0's payload to every rank (None: stop), with every rank's batch digest checked."""
+        size = self.group.size()
+        header = np.zeros(1 + size, np.int32)
+        header[1 + self.rank] = self._digest()
+        if self.rank == 0:
+            header[0] = _STOP if payload is None else len(payload)
+        summed = mx.distributed.all_sum(mx.array(header), group=self.group).tolist()
+        self.bytes_sent += header.nbytes
+        digests = summed[1:]
+        if len(set(digests)) > 1:
+            raise RanksDiverged(f"ranks disagree about the batch (digests {digests})")
+        length = summed[0]
+        if length == _STOP:
+            return None
+        if length == 0:
+            return b""
+        buf = np.frombuffer(payload, np.uint8) if self.rank == 0 else np.zeros(length, np.uint8)
+        out = mx.distributed.all_sum(mx.array(buf), group=self.group)
+        self.bytes_sent += length
+        return bytes(np.array(out))
+
+    def _agree(self, ks: list[int]) -> list[int]:
+        mine = np.array(ks if self.rank == 0 else [0] * len(ks), np.int32)
+        self.bytes_sent += mine.nbytes
+        return mx.distributed.all_sum(mx.array(mine), group=self.group).tolist()
+
+    def _digest(self) -> int:
+        state = [(len(s.tokens), s.tokens[-1:]) for s in self._batch.seqs]
+        return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A failed step may have left the ranks apart: the whole group stops
+        (the daemon fails its requests, naming the rank that went away)."""
+        log.exception("group step failed", model=self.name, rank=self.rank)
+        raise exc
+
+
+def load_shard(source: str, group: mx.distributed.Group):
+    """The target, sharded across the group the way mlx-lm shards it."""
+    from mlx_lm.utils import sharded_load
+
+    model, tokenizer = sharded_load(resolve_source(source), tensor_group=group)
+    return model, tokenizer
+
+
+def _join_group(plan: GroupPlan) -> mx.distributed.Group:
+    """Write the hostfile this rank's MLX reads, then init the backend."""
+    env = dict(plan.env)
+    scratch = Path(tempfile.mkdtemp(prefix="specd-rank-"))
+    for inline, var in (("SPECD_MLX_HOSTFILE", "MLX_HOSTFILE"), ("SPECD_MLX_IBV_DEVICES", "MLX_IBV_DEVICES")):
+        if inline in env:
+            path = scratch / var.lower()
+            path.write_text(env.pop(inline))
+            env[var] = str(path)
+    os.environ.update(env)
+    return mx.distributed.init(backend=plan.backend, strict=True)
+
+
+def run(plan: GroupPlan) -> int:
+    group = _join_group(plan)
+    rank = group.rank()
+    structlog.contextvars.bind_contextvars(model=plan.model, rank=rank)
+    started = time.monotonic()
+    model, tokenizer = load_shard(plan.source, group)
+    draft = load_model(plan.draft_source)[0] if plan.draft_source else None
+    speculation = SpeculationConfig(**plan.speculation) if plan.speculation else NO_SPECULATION
+    engine = GroupEngine(plan.model, model, tokenizer, EngineConfig(**plan.engine), Metrics(),
+                         speculation, draft, group=group)
+    local = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    total = int(mx.distributed.all_sum(mx.array([local], dtype=mx.int64), group=group).item())
+    log.info("rank ready", seconds=round(time.monotonic() - started, 2), shard_bytes=local)
+    if rank != 0:
+        engine.run_follower()
+        return 0
+    return _serve(engine, plan, {"weight_bytes": total, "max_context": engine.max_context,
+                                 "vocab_size": engine.vocab_size, "has_draft": engine.has_draft})
+
+
+def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
+    """Rank 0: requests in from the daemon, outputs and status back."""
+    host, port = plan.control.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sending = threading.Lock()
+
+    def send(message) -> None:
+        frame = wire.encode(message)
+        with sending:
+            sock.sendall(frame)
+
+    def step_thread() -> None:
+        try:
+            engine._run()
+        except Exception as exc:  # the group cannot go on; the daemon restarts it
+            try:
+                send(("fatal", f"{type(exc).__name__}: {exc}"))
+            finally:
+                os._exit(1)
+
+    def report() -> None:
+        while True:
+            time.sleep(0.5)
+            send(("status", {"steps": engine.steps, "in_flight": engine.in_flight,
+                             "control_bytes": engine.bytes_sent, "speculation": _status(engine)}))
+
+    send(("hello", plan.token, info))
+    stepping = threading.Thread(target=step_thread, name="group-engine", daemon=True)
+    stepping.start()
+    threading.Thread(target=report, name="group-status", daemon=True).start()
+    while True:
+        try:
+            message = wire.recv_message(sock)
+        except (EOFError, OSError):
+            break  # the daemon is gone: stop the group
+        kind = message[0]
+        if kind == "submit":
+            request = message[1]
+            try:
+                engine.submit(request, lambda out, rid=request.request_id: send(("out", rid, out)))
+            except Exception as exc:
+                send(("rejected", request.request_id, type(exc).__name__, str(exc)))
+        elif kind == "cancel":
+            engine.cancel(message[1])
+        elif kind == "policy":
+            engine.set_policy(message[1], message[2])
+        elif kind == "stop":
+            break
+    with engine._cv:
+        engine._accepting = False
+        engine._stopped = True
+        engine._cv.notify()
+    stepping.join(30)
+    sys.stdout.flush()
+    os._exit(0)  # see cli._daemon: MLX aborts in its static destructors after a worker thread
+
+
+def _status(engine: GroupEngine) -> dict:
+    try:
+        return engine.speculation_status()
+    except RuntimeError:  # a dict changed size under us: report next time
+        return {}

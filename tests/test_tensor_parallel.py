@@ -1,0 +1,161 @@
+"""Tensor parallelism: a Model placed on a 2-rank ring Topology on loopback.
+
+Real ``specd rank`` processes joined by ``mx.distributed``'s ring backend,
+driven through the daemon with the openai client, against the same forged
+target served by a single process in the same daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from specd.api.manifest import SPEC_PARSERS
+from specd.dist.topology import mlx_environment
+
+from conftest import model_manifest, start_daemon
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n", "x = [1, 2, 3]\n", "def main():\n    args = parse()\n"]
+METHODS = ["none", "ngram", "draft"]
+
+
+def topology(name: str = "loopback", **extra) -> str:
+    fields = "".join(f"\n  {k}: {v}" for k, v in extra.items())
+    return textwrap.dedent(f"""\
+        apiVersion: specd.dev/v1alpha1
+        kind: Topology
+        metadata:
+          name: {name}
+        spec:
+          backend: ring
+          launcher: local
+          threadsPerRank: 1
+          hosts:
+            - {{name: rank0, address: 127.0.0.1}}
+            - {{name: rank1, address: 127.0.0.1}}""") + fields + "\n"
+
+
+def pairing(target: str, draft) -> str:
+    return textwrap.dedent(f"""\
+        apiVersion: specd.dev/v1alpha1
+        kind: DraftPairing
+        metadata:
+          name: {target}-draft
+        spec:
+          targetRef: {target}
+          method: draft
+          source: {draft}
+          numSpeculativeTokens: 3
+        """)
+
+
+@pytest.fixture(scope="module")
+def tp(forged, tmp_path_factory):
+    """A daemon serving the forged target twice: ``single`` in-process and ``tp`` on two ranks."""
+    docs = [topology(stepTimeoutSeconds=20),
+            model_manifest("tp", forged / "target", topologyRef="loopback", maxBatchSize=8),
+            model_manifest("single", forged / "target", maxBatchSize=8),
+            pairing("tp", forged / "draft"), pairing("single", forged / "draft")]
+    daemon = start_daemon(tmp_path_factory.mktemp("tp"), {"models.yaml": "---\n".join(docs)})
+    yield daemon
+    daemon.stop()
+
+
+def client_for(daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def model_status(daemon, name: str) -> dict:
+    with urllib.request.urlopen(f"{daemon.url}/apis/specd.dev/v1alpha1/models/{name}", timeout=10) as r:
+        return json.loads(r.read())["status"]
+
+
+def complete(client, model: str, prompt: str, method: str, max_tokens: int = 40):
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"speculation": {"method": method, "num_speculative_tokens": 3}})
+    return reply.choices[0].text, reply.usage.completion_tokens
+
+
+def test_ring_hostfile_and_jaccl_devices_from_topology():
+    ring = SPEC_PARSERS["Topology"]({"backend": "ring", "hosts": [
+        {"name": "a", "address": "10.0.0.1"}, {"name": "b", "address": "10.0.0.2"}]})
+    assert json.loads(mlx_environment(ring, [5000, 5001])["SPECD_MLX_HOSTFILE"]) == [
+        ["10.0.0.1:5000"], ["10.0.0.2:5001"]]
+    jaccl = SPEC_PARSERS["Topology"]({"backend": "jaccl", "hosts": [
+        {"name": "a", "address": "10.0.0.1", "rdmaDevices": {"b": "rdma_en3"}},
+        {"name": "b", "address": "10.0.0.2", "rdmaDevices": {"a": "rdma_en4"}}]})
+    env = mlx_environment(jaccl, [5000, 5001])
+    assert json.loads(env["SPECD_MLX_IBV_DEVICES"]) == [[None, "rdma_en3"], ["rdma_en4", None]]
+    assert env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:5000"
+
+
+def test_greedy_output_matches_single_process_in_mixed_batches(tp):
+    """Every prompt with every method, all at once against both models: the
+    two-rank group's batches mix plain, n-gram and draft rows."""
+    client = client_for(tp)
+    status = model_status(tp, "tp")
+    assert [r["rank"] for r in status["group"]["ranks"]] == [0, 1]
+    jobs = [(p, m) for p in PROMPTS for m in METHODS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        on_tp = list(pool.map(lambda j: complete(client, "tp", *j), jobs))
+        alone = list(pool.map(lambda j: complete(client, "single", *j), jobs))
+    baseline = {p: complete(client, "single", p, "none") for p in PROMPTS}
+    for (prompt, method), got, ref in zip(jobs, on_tp, alone):
+        assert got == ref == baseline[prompt], (prompt, method)
+
+
+def test_group_speculates_exactly_as_a_single_process(tp):
+    """Same rounds, proposals and acceptances: the ranks' speculation is the single engine's."""
+    client = client_for(tp)
+
+    def stats(model: str, method: str) -> dict:
+        reply = client.completions.create(model=model, prompt=PROMPTS[0] * 3, max_tokens=32, temperature=0,
+                                          extra_body={"speculation": {"method": method}})
+        return reply.usage.model_extra["speculation"]
+
+    for method in ("ngram", "draft"):
+        assert stats("tp", method) == stats("single", method)
+    assert stats("tp", "draft")["rounds"] > 0
+
+
+def test_killed_rank_fails_the_stream_then_the_group_restarts(tp):
+    client = client_for(tp)
+    ranks = model_status(tp, "tp")["group"]["ranks"]
+    stream = client.completions.create(model="tp", prompt=PROMPTS[1], max_tokens=400, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(ranks[1]["pid"], signal.SIGKILL)
+    with pytest.raises(openai.APIError) as err:
+        for _ in chunks:
+            pass
+    assert "rank 1 (rank1) exited with signal SIGKILL" in str(err.value)
+
+    deadline = time.monotonic() + 60
+    seen_degraded = False
+    while time.monotonic() < deadline:
+        status = model_status(tp, "tp")
+        conditions = {c["type"]: c for c in status["conditions"]}
+        if conditions["Degraded"]["status"] == "True":
+            seen_degraded = True
+            assert conditions["Degraded"]["reason"] == "GroupFailed"
+            assert "SIGKILL" in conditions["Degraded"]["message"]
+        if conditions["Ready"]["status"] == "True" and status["group"]["restarts"] == 1:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"group did not come back: {status}")
+    assert "SIGKILL" in status["group"]["lastFailure"]
+    assert {r["pid"] for r in status["group"]["ranks"]}.isdisjoint(r["pid"] for r in ranks)
+    assert seen_degraded or "SIGKILL" in conditions["Degraded"]["message"]
+    text, _ = complete(client, "tp", PROMPTS[0], "draft")
+    assert text == complete(client, "single", PROMPTS[0], "none")[0]
