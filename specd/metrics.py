@@ -6,13 +6,29 @@ Dashboards written for vLLM translate 1:1 by swapping ``vllm:`` for
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from contextlib import suppress
+
+import mlx.core as mx
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+)
 
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+FAILURE_REASONS = ("overloaded", "engine_error")  # specd_request_failure_total{reason}
+# Process-wide MLX allocator readings, taken at scrape time: name -> (reader, help).
+MLX_MEMORY = {
+    "specd_mlx_active_memory_bytes": (mx.get_active_memory, "Memory held by live MLX arrays (all models)."),
+    "specd_mlx_peak_memory_bytes": (mx.get_peak_memory, "Highest MLX active memory since the daemon started."),
+    "specd_mlx_cache_memory_bytes": (mx.get_cache_memory, "Memory MLX keeps cached for reuse, not held by arrays."),
+}
 
 
 class Metrics:
@@ -88,9 +104,30 @@ class Metrics:
             m + ["policy"], registry=r)
         self.spec_chosen_k = Histogram(
             "specd_spec_decode_chosen_k", "Proposals per request chosen by the controller, per step.",
-            m, buckets=tuple(range(0, 17)), registry=r)
+            m, buckets=tuple(range(17)), registry=r)
         self.spec_step_seconds = Gauge(
             "specd_spec_decode_step_seconds", "Last verify-forward time: measured, and as the cost model predicted it.",
             m + ["kind"], registry=r)
         self.model_ready = Gauge(
             "specd_model_ready", "1 when the model is loaded and serving.", m, registry=r)
+        self.model_weight_bytes = Gauge(
+            "specd_model_weight_bytes", "Bytes of the serving target model's weights (a draft's not included).",
+            m, registry=r)
+        for name, (read, doc) in MLX_MEMORY.items():
+            Gauge(name, doc, registry=r).set_function(read)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+
+    def model_loaded(self, name: str, weight_bytes: int) -> None:
+        """A model started serving: record its weights, and start its failure
+        counters at 0 so the first failure shows in rate()/increase() (a
+        series that appears already at 1 does not)."""
+        self.model_weight_bytes.labels(name).set(weight_bytes)
+        for reason in FAILURE_REASONS:
+            self.request_failure.labels(name, reason)
+
+    def forget_model(self, name: str) -> None:
+        """A deleted model leaves no readiness or weight series behind (its
+        counters and histograms stay, as Prometheus expects of counters)."""
+        for gauge in (self.model_ready, self.model_weight_bytes):
+            with suppress(KeyError):  # older prometheus_client versions raise for unknown labels
+                gauge.remove(name)
