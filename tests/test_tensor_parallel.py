@@ -7,6 +7,7 @@ target served by a single process in the same daemon.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,7 +62,7 @@ def pairing(target: str, draft) -> str:
 @pytest.fixture(scope="module")
 def tp(forged, tmp_path_factory):
     """A daemon serving the forged target twice: ``single`` in-process and ``tp`` on two ranks."""
-    docs = [topology(stepTimeoutSeconds=20),
+    docs = [topology(stepTimeoutSeconds=5),
             model_manifest("tp", forged / "target", topologyRef="loopback", maxBatchSize=8),
             model_manifest("single", forged / "target", maxBatchSize=8),
             pairing("tp", forged / "draft"), pairing("single", forged / "draft")]
@@ -128,6 +129,22 @@ def test_group_speculates_exactly_as_a_single_process(tp):
     assert stats("tp", "draft")["rounds"] > 0
 
 
+def test_group_series_are_on_the_daemons_metrics_page(tp):
+    """Rank 0's engine metrics reach ``/metrics`` under the model's name, one family each."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    complete(client_for(tp), "tp", PROMPTS[2], "draft")
+    time.sleep(1.2)  # rank 0 reports every 0.5 s
+    _, body = tp.get("/metrics")
+    families = list(text_string_to_metric_families(body.decode()))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))
+    samples = {(s.name, s.labels.get("model_name")): s.value for f in families for s in f.samples
+               if s.labels.get("finished_reason") == "length" or s.name.startswith("specd_spec_decode_num_drafts")}
+    assert samples[("specd_request_success_total", "tp")] >= 1
+    assert samples[("specd_spec_decode_num_drafts_total", "tp")] >= 1
+
+
 def test_killed_rank_fails_the_stream_then_the_group_restarts(tp):
     client = client_for(tp)
     ranks = model_status(tp, "tp")["group"]["ranks"]
@@ -159,3 +176,31 @@ def test_killed_rank_fails_the_stream_then_the_group_restarts(tp):
     assert seen_degraded or "SIGKILL" in conditions["Degraded"]["message"]
     text, _ = complete(client, "tp", PROMPTS[0], "draft")
     assert text == complete(client, "single", PROMPTS[0], "none")[0]
+
+
+def test_hung_rank_fails_the_group_after_the_step_timeout(tp):
+    """A rank that stops answering (SIGSTOP) is found by the step timeout, not by its exit."""
+    client = client_for(tp)
+    status = model_status(tp, "tp")
+    restarts, ranks = status["group"]["restarts"], status["group"]["ranks"]
+    stream = client.completions.create(model="tp", prompt=PROMPTS[3], max_tokens=400, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(ranks[1]["pid"], signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.APIError) as err:
+            for _ in chunks:
+                pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ranks[1]["pid"], signal.SIGCONT)
+    assert "no engine step finished in 5s" in str(err.value)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = model_status(tp, "tp")
+        if status["group"]["restarts"] == restarts + 1 and status["phase"] == "Ready":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"group did not come back: {status}")
+    assert complete(client, "tp", PROMPTS[4], "ngram") == complete(client, "single", PROMPTS[4], "none")

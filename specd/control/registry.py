@@ -142,6 +142,12 @@ class ModelRegistry:
             raise ModelNotReady(f"model {name!r} is {served.phase.value}{detail}")
         return served.engine
 
+    def groups(self) -> list:
+        """The tensor-parallel groups serving (their engines run in rank processes)."""
+        from ..dist.group import GroupClient
+
+        return [m.engine for m in self.models.values() if isinstance(m.engine, GroupClient)]
+
     def not_ready(self) -> dict[str, str]:
         """Reasons, by model, why the daemon is not ready (empty when it is)."""
         return {n: (f"{m.phase.value}: {m.reason}" if m.reason else m.phase.value)

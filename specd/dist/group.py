@@ -17,9 +17,11 @@ import signal
 import subprocess
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
 import structlog
+from prometheus_client.parser import text_string_to_metric_families
 
 from ..api.manifest import ModelSpec, TopologySpec
 from ..engine.engine import EngineOverloaded, EngineUnavailable, check_request
@@ -188,6 +190,28 @@ class GroupClient:
         _kill(self.procs)
         self._writer.close()
         self.on_failure()
+
+
+def with_group_metrics(registry, groups: list[GroupClient]):
+    """The daemon's metric families with each group's own series (reported by
+    its rank 0, labelled with its model) merged in, for one ``/metrics`` page:
+    a series both report (a failure counter the daemon started at 0) is rank 0's."""
+    families = {f.name: f for f in registry.collect()}
+    for group in groups:
+        for family in text_string_to_metric_families(group.status.get("metrics", "")):
+            # ``_created`` companions come back as families of their own: leave them out
+            mine = [s for s in family.samples
+                    if s.labels.get("model_name") == group.name and not s.name.endswith("_created")]
+            if not mine:
+                continue
+            ours = families.setdefault(family.name, family)
+            if ours is not family:
+                keys = {(s.name, tuple(sorted(s.labels.items()))) for s in mine}
+                ours.samples = [s for s in ours.samples
+                                if (s.name, tuple(sorted(s.labels.items()))) not in keys] + mine
+            else:
+                family.samples = mine
+    return SimpleNamespace(collect=lambda: list(families.values()))
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

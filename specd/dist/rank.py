@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 import structlog
 from mlx.utils import tree_flatten
+from prometheus_client import generate_latest
 
 from ..engine.engine import Engine, EngineConfig, StepInputs
 from ..engine.loader import load_model, resolve_source
@@ -214,7 +215,8 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
         while True:
             time.sleep(0.5)
             send(("status", {"steps": engine.steps, "in_flight": engine.in_flight,
-                             "control_bytes": engine.bytes_sent, "speculation": _status(engine)}))
+                             "control_bytes": engine.bytes_sent, "speculation": _status(engine),
+                             "metrics": generate_latest(engine.metrics.registry).decode()}))
 
     send(("hello", plan.token, info))
     stepping = threading.Thread(target=step_thread, name="group-engine", daemon=True)
