@@ -315,9 +315,12 @@ class Reconciler:
             "conditions": [condition("Ready", ready, reason, message, obj.generation, obj.status)]}
         if served.spec.topology_ref is not None:
             status["conditions"].append(self._degraded(obj, served))
+            group = served.engine
             status["group"] = {"topology": served.spec.topology_ref, "restarts": served.restarts,
                                "lastFailure": served.last_failure or None,
-                               "ranks": served.engine.ranks() if served.engine is not None else []}
+                               "ranks": group.ranks() if group is not None else [],
+                               "steps": group.status.get("steps") if group is not None else None,
+                               "controlBytes": group.status.get("control_bytes") if group is not None else None}
         if served.load_seconds is not None:
             status.update(loadSeconds=round(served.load_seconds, 3), weightBytes=served.weight_bytes,
                           servedGeneration=served.generation)
