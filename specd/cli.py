@@ -64,6 +64,12 @@ def _forge(args: argparse.Namespace) -> int:
     return forge.run(args)
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    return doctor.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     parser.add_argument("--log-level", default="info")
@@ -89,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     forge.add_arguments(forge_cmd)
     forge_cmd.set_defaults(func=_forge)
+
+    from . import service
+
+    service.add_commands(sub)
+
+    doctor = sub.add_parser("doctor", help="check this host: Python, MLX, BLAS, memory, state dir, RDMA")
+    doctor.add_argument("--manifests", type=Path, default=None,
+                        help="directory of YAML manifests whose models must fit in memory")
+    doctor.add_argument("--state-dir", type=Path, default=Path("state"))
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(func=_doctor)
     return parser
 
 
