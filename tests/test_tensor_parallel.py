@@ -10,19 +10,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
+from conftest import model_manifest, start_daemon
 
 from specd.api.manifest import SPEC_PARSERS
 from specd.dist.topology import mlx_environment
-
-from conftest import model_manifest, start_daemon
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n", "x = [1, 2, 3]\n", "def main():\n    args = parse()\n"]
@@ -204,3 +207,76 @@ def test_hung_rank_fails_the_group_after_the_step_timeout(tp):
     else:
         pytest.fail(f"group did not come back: {status}")
     assert complete(client, "tp", PROMPTS[4], "ngram") == complete(client, "single", PROMPTS[4], "none")
+
+
+@pytest.fixture(scope="module")
+def netns_hosts(tmp_path_factory):
+    """A second "host": a network namespace joined to this one by a veth pair
+    (10.77.x.1 here, 10.77.x.2 there), and an ``SPECD_RSH`` that "ssh"es into it."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 250}"
+    ns, here, there = f"specd-tp-{tag}", f"sdtp{tag}a", f"sdtp{tag}b"
+    subnet = f"10.77.{tag}"
+    setup = [["ip", "netns", "add", ns],
+             ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+             ["ip", "link", "set", there, "netns", ns],
+             ["ip", "addr", "add", f"{subnet}.1/24", "dev", here], ["ip", "link", "set", here, "up"],
+             ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", there],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", there, "up"],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True)
+    except subprocess.CalledProcessError as err:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        pytest.skip(f"cannot make a network namespace here: {err.stderr.decode().strip()}")
+    rsh = tmp_path_factory.mktemp("rsh") / "netns-rsh"
+    rsh.write_text('#!/bin/sh\nhost="$1"; shift\nexec ip netns exec "$host" sh -c "$*"\n')
+    rsh.chmod(0o755)
+    try:
+        yield ns, subnet, rsh
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path_factory, netns_hosts):
+    """Rank 1 in its own network namespace, reached over a veth link and started
+    through the ssh launcher (``SPECD_RSH``): same greedy tokens as one process."""
+    ns, subnet, rsh = netns_hosts
+    specd = Path(sys.executable).with_name("specd")
+    topo = textwrap.dedent(f"""\
+        apiVersion: specd.dev/v1alpha1
+        kind: Topology
+        metadata:
+          name: veth
+        spec:
+          backend: ring
+          launcher: ssh
+          port: {40000 + os.getpid() % 20000}
+          threadsPerRank: 1
+          specdCommand: {specd}
+          hosts:
+            - {{name: here, address: {subnet}.1}}
+            - {{name: {ns}, address: {subnet}.2}}
+        """)
+    docs = [topo, model_manifest("tp2", forged / "target", topologyRef="veth"),
+            model_manifest("single", forged / "target"), pairing("tp2", forged / "draft"),
+            pairing("single", forged / "draft")]
+    os.environ["SPECD_RSH"] = str(rsh)
+    try:
+        daemon = start_daemon(tmp_path_factory.mktemp("netns"), {"models.yaml": "---\n".join(docs)})
+    finally:
+        del os.environ["SPECD_RSH"]
+    try:
+        client = client_for(daemon)
+        jobs = [(p, m) for p in PROMPTS[:3] for m in METHODS]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            on_tp = list(pool.map(lambda j: complete(client, "tp2", *j), jobs))
+        for (prompt, method), got in zip(jobs, on_tp):
+            assert got == complete(client, "single", prompt, "none"), (prompt, method)
+        hosts = [r["host"] for r in model_status(daemon, "tp2")["group"]["ranks"]]
+        assert hosts == ["here", ns]
+    finally:
+        daemon.stop()

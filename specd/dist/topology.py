@@ -25,18 +25,22 @@ from ..api.manifest import ModelSpec, TopologySpec
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
-def local_addresses() -> set[str]:
-    """Names and addresses that mean this machine."""
-    names = set(LOOPBACK) | {socket.gethostname(), socket.getfqdn()}
-    try:
-        names |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        pass
-    return names
-
-
 def is_local(address: str) -> bool:
-    return address in local_addresses()
+    """Whether ``address`` (a name or an IP) is this machine: can we bind to it?"""
+    if address in LOOPBACK:
+        return True
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind((sockaddr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,13 +82,14 @@ def mlx_environment(topology: TopologySpec, ports: list[int]) -> dict[str, str]:
     devices = [[None if i == j else h.rdma_devices.get(peer.name) for j, peer in enumerate(hosts)]
                for i, h in enumerate(hosts)]
     return {"SPECD_MLX_IBV_DEVICES": json.dumps(devices),
-            "MLX_JACCL_COORDINATOR": f"{hosts[0].address}:{ports[0]}"}
+            "MLX_JACCL_COORDINATOR": f"{hosts[0].address}:{ports[0]}",
+            "MLX_METAL_FAST_SYNCH": "1"}  # what mlx.launch users are told to set for JACCL
 
 
 def check_placement(topology: TopologySpec) -> None:
     """Refuse a group that cannot start, with the reason a user can act on."""
     hosts = topology.hosts[: topology.tensor_parallel_size]
-    if not is_local(hosts[0].address) and not is_local(hosts[0].name):
+    if not is_local(hosts[0].address):
         raise ValueError(f"rank 0 runs next to the daemon, but hosts[0] ({hosts[0].name}, {hosts[0].address}) "
                          "is not this machine; list the daemon's host first")
     if topology.backend == "jaccl":
@@ -117,8 +122,8 @@ def rank_command(topology: TopologySpec, rank: int, plan: GroupPlan) -> tuple[li
     if topology.launcher == "local" or is_local(host.address):
         return [sys.executable, "-m", "specd.cli", "rank"], {**os.environ, **env}
     remote = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    return ["ssh", "-o", "BatchMode=yes", host.name,
-            f"env {remote} {shlex.quote(topology.specd_command)} rank"], dict(os.environ)
+    rsh = shlex.split(os.environ.get("SPECD_RSH", "ssh -o BatchMode=yes"))  # like rsync's -e / GIT_SSH_COMMAND
+    return [*rsh, host.name, f"env {remote} {shlex.quote(topology.specd_command)} rank"], dict(os.environ)
 
 
 def engine_fields(spec: ModelSpec) -> dict:
