@@ -58,6 +58,18 @@ def _daemon(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
+def _rank(args: argparse.Namespace) -> int:
+    """One rank of a tensor-parallel group; the daemon starts these (SPECD_GROUP)."""
+    from .dist import rank
+    from .dist.topology import GroupPlan
+
+    plan = os.environ.get("SPECD_GROUP")
+    if not plan:
+        print("specd rank: SPECD_GROUP is not set; ranks are started by the daemon", file=sys.stderr)
+        return 2
+    return rank.run(GroupPlan.from_json(plan))
+
+
 def _forge(args: argparse.Namespace) -> int:
     from . import forge
 
@@ -85,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--admin-token-file", type=Path, default=None,
                         help="bearer token for the admin API (without it, loopback clients only)")
     daemon.set_defaults(func=_daemon)
+
+    sub.add_parser("rank", help="one rank of a tensor-parallel group (started by the daemon)").set_defaults(
+        func=_rank)
 
     from . import client
 
