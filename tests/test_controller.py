@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specd.api.manifest import SpecPolicySpec
-from specd.spec.controller import AcceptanceEstimate, GoodputController, Row, StaticController, expected_tokens
+from specd.spec.controller import (AcceptanceEstimate, GoodputController, Realised, Row, StaticController,
+                                   expected_tokens)
 from specd.spec.costs import CostModel
 
 
@@ -56,7 +57,7 @@ def test_k_is_monotone_in_acceptance(cost):
     chosen = []
     for alpha in [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]:
         controller = GoodputController(policy(), "p", cost)
-        ks, _ = controller.plan(rows([alpha] * 4, draft=cost.draft.seen), 4)
+        ks, _ = controller.choose(rows([alpha] * 4, draft=cost.draft.seen))
         chosen.append(max(ks))
     assert chosen == sorted(chosen), chosen
     assert chosen[0] == 0 and chosen[-1] > 0
@@ -65,35 +66,100 @@ def test_k_is_monotone_in_acceptance(cost):
 def test_no_speculation_when_drafting_cannot_pay():
     # compute-bound target: verifying k+1 tokens costs k+1 steps, so nothing can pay
     controller = GoodputController(policy(), "p", costs(0.0, 0.001))
-    ks, reason = controller.plan(rows([0.6] * 8), 8)
+    ks, reason = controller.choose(rows([0.6] * 8))
     assert ks == [0] * 8 and reason == "no_gain"
     # dispatch-bound target: extra tokens are nearly free, so speculate
     controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
-    ks, reason = controller.plan(rows([0.6] * 8), 8)
+    ks, reason = controller.choose(rows([0.6] * 8))
     assert min(ks) > 0 and reason is None
 
 
 def test_draft_rows_with_low_acceptance_are_left_out():
     controller = GoodputController(policy(), "p", costs(0.010, 0.00001, 0.0, 0.001))
-    plan, _ = controller.plan(rows([0.9, 0.9], draft=True) + rows([0.02, 0.02], draft=True), 4)
+    plan, _ = controller.choose(rows([0.9, 0.9], draft=True) + rows([0.02, 0.02], draft=True))
     assert plan[0] > 0 and plan[1] > 0 and plan[2:] == [0, 0]
 
 
 def test_policy_bounds_are_respected():
     cheap = costs(0.010, 0.00001)
-    ks, _ = GoodputController(policy(max_speculative_tokens=2), "p", cheap).plan(rows([0.99] * 3), 3)
+    ks, _ = GoodputController(policy(max_speculative_tokens=2), "p", cheap).choose(rows([0.99] * 3))
     assert max(ks) == 2
     ks, reason = GoodputController(policy(enabled=False), "p", cheap).plan(rows([0.99] * 3), 3)
     assert ks == [0, 0, 0] and reason == "policy_disabled"
     budgeted = [Row(1, False, AcceptanceEstimate(99, 1)), Row(0, False, AcceptanceEstimate(99, 1))]
-    ks, _ = GoodputController(policy(), "p", cheap).plan(budgeted, 2)
+    ks, _ = GoodputController(policy(), "p", cheap).choose(budgeted)
     assert ks == [1, 0]
 
 
 def test_goodput_probes_one_request_at_a_time_after_turning_off():
     controller = GoodputController(policy(probe_interval=5), "p", costs(0.0, 0.001))
-    plans = [controller.plan(rows([0.05] * 2), 2)[0] for _ in range(10)]
+    plans = [controller.choose(rows([0.05] * 2))[0] for _ in range(10)]
     assert plans == [[0, 0]] * 4 + [[1, 0]] + [[0, 0]] * 4 + [[0, 1]]
+
+
+def run_steps(controller: GoodputController, batch: int, steps: int, plain_rate: float, spec_rate: float) -> int:
+    """Plan and "run" steps whose measured tokens/s are given; returns how many speculated."""
+    speculated = 0
+    for _ in range(steps):
+        ks, _ = controller.plan(rows([0.9] * batch), batch)
+        on = max(ks) > 0
+        speculated += on
+        controller.observe_step(batch, on, batch, batch / (spec_rate if on else plain_rate))
+    return speculated
+
+
+def test_measured_losses_turn_speculation_off_with_ever_rarer_retries():
+    """The cost model says speculate (cheap extra tokens), the measurements say it loses:
+    after a baseline and a first try, only retries at 16, 32, .. 256 steps remain."""
+    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
+    assert controller.plan(rows([0.9] * 4), 4)[1] == "baseline"  # first, measure plain decoding
+    controller.observe_step(4, False, 4, 0.01)
+    speculated = run_steps(controller, 4, 1000, plain_rate=400.0, spec_rate=300.0)
+    assert speculated <= 2 + 1000 // Realised.FIRST_RETRY // 2  # tries, and retries backing off
+    assert controller.realised[4].retry_every >= 256
+    assert controller.plan(rows([0.9] * 4), 4)[1] == "no_gain"
+    # another batch-size bucket is measured on its own
+    assert controller.plan(rows([0.9] * 16), 16)[1] == "baseline"
+
+
+def try_speculating(measured: Realised, first_seconds: float, then_seconds: float, tokens: int = 4) -> None:
+    """One try: a first step that catches a draft cache up, then steady steps."""
+    assert measured.decide() is None
+    measured.observe(True, tokens, first_seconds)
+    for _ in range(Realised.TRIAL - 1):
+        assert measured.decide() is None
+        measured.observe(True, tokens, then_seconds)
+
+
+def test_costly_tries_are_spaced_to_the_exploration_budget():
+    """A try costing 0.12 s more than plain steps waits 0.12 s / (2% of a 10 ms step) = 600 steps."""
+    measured = Realised()
+    measured.observe(False, 4, 0.01)
+    try_speculating(measured, first_seconds=0.10, then_seconds=0.02)  # 0.09 + 3 x 0.01 s extra
+    assert measured.retry_every == pytest.approx(600, abs=1)
+    assert measured.decide() == "no_gain"
+
+
+def test_a_try_is_judged_on_its_steady_steps_not_its_catch_up():
+    measured = Realised()
+    measured.observe(False, 4, 0.01)  # 400 tokens/s plain
+    try_speculating(measured, first_seconds=0.10, then_seconds=0.0075, tokens=6)  # 800 tokens/s once caught up
+    assert measured.speculative == pytest.approx(800)
+    assert measured.decide() is None and measured.retry_every == Realised.FIRST_RETRY
+
+
+def test_measured_gains_keep_speculation_on_and_refresh_the_baseline():
+    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
+    speculated = run_steps(controller, 2, 640, plain_rate=300.0, spec_rate=450.0)
+    assert speculated >= 640 - 640 // Realised.REFRESH - 2  # a plain step now and then keeps the baseline honest
+
+
+def test_a_workload_that_starts_paying_is_picked_up_by_a_retry():
+    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
+    run_steps(controller, 4, 300, plain_rate=400.0, spec_rate=200.0)
+    assert controller.realised[4].speculative < controller.realised[4].plain
+    later = run_steps(controller, 4, 800, plain_rate=400.0, spec_rate=800.0)
+    assert later > 800 - Realised.LAST_RETRY - 16  # found at the next retry, then kept
 
 
 def test_static_mode_follows_the_seed_rules():

@@ -3,7 +3,8 @@
 Three workloads (repetitive rewrite, code continuation, adversarial random
 tokens) at several concurrencies, on the demo pair with a draft-model
 pairing, in process.  For each cell: aggregate output tokens/s (median of
-runs) of spec-off, static k = 1..K (no policy: every request speculates k),
+runs, taken round-robin over the configurations so that the machine's slow
+spells hit every one alike) of spec-off, static k = 1..K (no policy: every request speculates k),
 the seed policy (``mode: static``) and ``mode: goodput``, then the ratios
 goodput/spec-off and goodput/best-static-k (the best chosen in hindsight).
 
@@ -90,11 +91,12 @@ async def bench(args) -> dict[str, Any]:
         for name, prompts in loads.items():
             for conc in args.concurrency:
                 batch = [prompts[i % len(prompts)] for i in range(conc)]
-                cell = {}
-                for label, policy, k in configs:
-                    await set_policy(engine, policy)
-                    runs = [await serve(engine, batch, k, args.max_tokens) for _ in range(args.runs)]
-                    cell[label] = {"tok_s": statistics.median(runs), "runs": runs}
+                runs: dict[str, list[float]] = {label: [] for label, _, _ in configs}
+                for _ in range(args.runs):  # round-robin, so a slow spell of the machine hits every config
+                    for label, policy, k in configs:
+                        await set_policy(engine, policy)
+                        runs[label].append(await serve(engine, batch, k, args.max_tokens))
+                cell = {label: {"tok_s": statistics.median(r), "runs": r} for label, r in runs.items()}
                 statics = {lbl: cell[lbl]["tok_s"] for lbl, pol, k in configs if pol is None}
                 best = max(statics, key=statics.get)
                 g = cell["goodput"]["tok_s"]
@@ -120,8 +122,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="models/demo")
     parser.add_argument("--target-dir", default="target")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--out", default="ops/bench/results/adaptive.json")

@@ -296,6 +296,7 @@ class Engine:
         (none when not speculating); the verifier keeps a prefix of each row's
         proposals and the caches are rolled back to exactly that."""
         batch = self._batch
+        step_started = time.perf_counter()
         proposal = self.speculator.propose(batch.seqs, batch.last_tokens, self.max_context)
         width = proposal.width
         inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
@@ -310,6 +311,8 @@ class Engine:
         self.speculator.observe_step(len(batch), width + 1, elapsed)
         self.speculator.observe_emitted(batch.seqs, emitted)
         self._emit(batch.seqs, logits, emitted)
+        self.speculator.observe_outcome(len(batch), width > 0, sum(map(len, emitted)),
+                                        time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in emitted]
         batch.keep([i for i, s in enumerate(batch.seqs) if s.finish_reason is None])
         self.speculator.retain(batch.seqs)

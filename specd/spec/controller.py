@@ -12,10 +12,20 @@ each request's own acceptance estimate and from step costs measured online
 (``CostModel``).  The verify forward pads every row to the longest proposal,
 so the batch shares one width; rows whose expected gain does not pay for
 their drafting are left out, and k = 0 when speculating cannot pay at all.
+
+A model of costs misses whatever it does not model (proposal bookkeeping, a
+lazy draft prefill, cache effects), so its bets are checked against what
+they return: ``Realised`` keeps, per batch-size bucket, the tokens per second
+of whole steps (proposing to emitting) that speculated and that did not.
+Where speculating measurably loses, the bucket decodes plainly and tries
+speculation again after 16, 32 .. steps, spaced so that the tries cost at
+most 2% of the decode time, while a workload that turns repetitive is still
+noticed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..api.manifest import SpecPolicySpec
@@ -55,6 +65,9 @@ class StaticController:
         """A request's starting estimate: the model's recent acceptance, weakly held."""
         prior = self.ema if self.ema is not None else 0.5
         return AcceptanceEstimate(prior * self.PRIOR_WEIGHT, (1 - prior) * self.PRIOR_WEIGHT)
+
+    def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A whole decode step's outcome (only the goodput controller uses it)."""
 
     def observe(self, estimates: list["AcceptanceEstimate"], proposed: list[int], accepted: list[int]) -> None:
         """Fold one step's acceptance into the model's EMA and each request's estimate."""
@@ -106,8 +119,108 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+class Realised:
+    """Measured tokens per second of plain and speculative steps in one
+    batch-size bucket, and when speculation may be tried again.
+
+    Speculation that is not measured to pay is tried now and then: a try is
+    ``TRIAL`` speculative steps, judged on all but its first (which pays for
+    catching a draft's cache up, a one-off cost a request amortises over its
+    life).  A try that loses sets the next one 16, 32, .. steps away, and never
+    sooner than its cost beyond plain steps allows within ``EXPLORE_BUDGET``
+    of the decode time."""
+
+    ALPHA = 0.2  # EMA weight of one step
+    TRIAL = 4  # speculative steps per try
+    FIRST_RETRY, LAST_RETRY = 16, 1024  # steps between tries of a losing arm
+    EXPLORE_BUDGET = 0.02  # share of the decode time losing tries may cost
+    REFRESH = 64  # steps between plain steps taken to keep the baseline current
+
+    def __init__(self) -> None:
+        self.plain: float | None = None  # tokens/s
+        self.speculative: float | None = None
+        self.plain_step: float | None = None  # seconds
+        self.retry_every = self.FIRST_RETRY
+        self.since_speculative = 0
+        self.since_plain = 0
+        self.trial = 0  # speculative steps left in the current try
+        self.trial_extra = 0.0  # what the try cost beyond plain steps (seconds)
+
+    def decide(self) -> str | None:
+        """None: the model may speculate (starting a try when one is due); else why this step is plain."""
+        if self.plain is None:
+            return "baseline"
+        if self.trial:
+            return None
+        if self.speculative is not None and self.speculative >= self.plain:
+            return "baseline" if self.since_plain >= self.REFRESH else None
+        never_tried = self.speculative is None and self.retry_every == self.FIRST_RETRY
+        if never_tried or self.since_speculative >= self.retry_every:
+            self.trial, self.trial_extra = self.TRIAL, 0.0
+            return None
+        return "no_gain"
+
+    def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
+        rate = tokens / seconds
+        if not speculated:
+            self.plain = _ema(self.plain, rate, self.ALPHA)
+            self.plain_step = _ema(self.plain_step, seconds, self.ALPHA)
+            self.since_plain = 0
+            self.since_speculative += 1
+            if self.trial:  # the cost model declined to go on: the try is over
+                self.trial = 0
+                self._spacing()
+            return
+        self.since_speculative = 0
+        self.since_plain += 1
+        if not self.trial:  # speculating because it pays
+            self.speculative = _ema(self.speculative, rate, self.ALPHA)
+            return
+        self.trial -= 1
+        self.trial_extra += seconds - (self.plain_step or seconds)
+        judged = self.TRIAL - 1 - self.trial  # steps of this try after its first
+        if judged == 1:
+            self.speculative = rate  # fresh evidence replaces what an old try measured
+        elif judged > 1:
+            self.speculative = _ema(self.speculative, rate, 0.5)
+        if self.trial == 0:
+            self._spacing()
+
+    def _spacing(self) -> None:
+        """After a try: speculate on if it paid, else wait as long as the budget asks."""
+        if self.speculative is not None and self.speculative >= self.plain:
+            self.retry_every = self.FIRST_RETRY
+            return
+        affordable = math.ceil(self.trial_extra / (self.EXPLORE_BUDGET * self.plain_step)) if self.plain_step else 0
+        self.retry_every = min(max(2 * self.retry_every, affordable), self.LAST_RETRY)
+
+
+def _ema(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+def batch_bucket(batch_size: int) -> int:
+    """1, 2, 4, 8, ..: batches of similar size cost alike."""
+    return 1 << (batch_size - 1).bit_length()
+
+
 class GoodputController(StaticController):
     mode = "goodput"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.realised: dict[int, Realised] = {}
+
+    def realised_rates(self) -> dict[str, dict[str, float | None]]:
+        """Measured tokens/s by batch-size bucket, as ``describe`` shows them."""
+        return {f"B<={b}": {"plain": r.plain and round(r.plain, 1),
+                            "speculative": r.speculative and round(r.speculative, 1)}
+                for b, r in sorted(self.realised.items())}
+
+    def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A whole decode step's outcome, proposing to emitting."""
+        if seconds > 0:
+            self.realised.setdefault(batch_bucket(batch_size), Realised()).observe(speculated, tokens, seconds)
 
     def plan(self, rows: list[Row], batch_size: int) -> tuple[list[int], str | None]:
         policy = self.policy
@@ -116,6 +229,15 @@ class GoodputController(StaticController):
             return asked, None
         if policy is not None and not policy.enabled:
             return [0] * len(rows), "policy_disabled"
+        measured = self.realised.setdefault(batch_bucket(batch_size), Realised()).decide()
+        if measured is not None:
+            return [0] * len(rows), measured
+        return self.choose(rows)
+
+    def choose(self, rows: list[Row]) -> tuple[list[int], str | None]:
+        """The cost model's choice: the k (and the rows) with the most expected tokens per second."""
+        policy = self.policy
+        asked = [r.budget for r in rows]
         cap = max(asked) if policy is None else min(max(asked), policy.max_speculative_tokens)
         self._steps_off += 1
         probing = policy is not None and self._steps_off % policy.probe_interval == 0

@@ -51,6 +51,7 @@ class Speculator:
         self.default = default
         self.draft = DraftModelProposer(draft_model) if draft_model is not None else None
         self.costs = CostModel()
+        self._chosen_k = metrics.spec_chosen_k.labels(model_name)  # observed per row and step: skip the lookup
         self.controller = StaticController(costs=self.costs)
         self.drafted_total = 0
         self.accepted_total = 0
@@ -70,7 +71,8 @@ class Speculator:
         return {"default": self.default.method,
                 "acceptanceEMA": None if ema is None else round(ema, 4),
                 "acceptanceRate": None if rate is None else round(rate, 4),
-                "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()}}
+                "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()},
+                "realisedTokensPerSecond": getattr(self.controller, "realised_rates", dict)()}
 
     def configure(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
         """Attach, change or detach the pairing; a new draft model starts with no rows."""
@@ -107,7 +109,7 @@ class Speculator:
         if self.agree is not None:
             ks = self.agree(ks)
         for k in ks:
-            self.metrics.spec_chosen_k.labels(self.name).observe(k)
+            self._chosen_k.observe(k)
         if reason is not None:
             self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
         return ks
@@ -231,6 +233,10 @@ class Speculator:
             self.metrics.spec_step_seconds.labels(self.name, "measured").set(seconds)
             self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
         self.costs.observe_target(rows, width, seconds)
+
+    def observe_outcome(self, rows: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A whole decode step, proposing to emitting: what the controller's bets returned."""
+        self.controller.observe_step(rows, speculated, tokens, seconds)
 
     def observe_emitted(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
         """Queue what non-drafting rows emitted, so the draft cache catches up
