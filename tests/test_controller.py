@@ -104,7 +104,7 @@ def run_steps(controller: GoodputController, batch: int, steps: int, plain_rate:
         ks, _ = controller.plan(rows([0.9] * batch), batch)
         on = max(ks) > 0
         speculated += on
-        controller.observe_step(batch, on, batch, batch / (spec_rate if on else plain_rate))
+        controller.observe_step(batch, max(ks), batch, batch / (spec_rate if on else plain_rate))
     return speculated
 
 
@@ -113,36 +113,52 @@ def test_measured_losses_turn_speculation_off_with_ever_rarer_retries():
     after a baseline and a first try, only retries at 16, 32, .. 256 steps remain."""
     controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
     assert controller.plan(rows([0.9] * 4), 4)[1] == "baseline"  # first, measure plain decoding
-    controller.observe_step(4, False, 4, 0.01)
+    controller.observe_step(4, 0, 4, 0.01)
     speculated = run_steps(controller, 4, 1000, plain_rate=400.0, spec_rate=300.0)
-    assert speculated <= 2 + 1000 // Realised.FIRST_RETRY // 2  # tries, and retries backing off
+    assert speculated <= 100  # tries of k = 8, 4, 2, 1 (4 steps each), then again after 32, 64, .. steps
     assert controller.realised[4].retry_every >= 256
     assert controller.plan(rows([0.9] * 4), 4)[1] == "no_gain"
     # another batch-size bucket is measured on its own
     assert controller.plan(rows([0.9] * 16), 16)[1] == "baseline"
 
 
-def try_speculating(measured: Realised, first_seconds: float, then_seconds: float, tokens: int = 4) -> None:
+def try_speculating(measured: Realised, first_seconds: float, then_seconds: float, tokens: int = 4,
+                    k: int = 1) -> None:
     """One try: a first step that catches a draft cache up, then steady steps."""
     assert measured.decide() is None
-    measured.observe(True, tokens, first_seconds)
+    measured.observe(k, tokens, first_seconds)
     for _ in range(Realised.TRIAL - 1):
         assert measured.decide() is None
-        measured.observe(True, tokens, then_seconds)
+        measured.observe(k, tokens, then_seconds)
 
 
 def test_costly_tries_are_spaced_to_the_exploration_budget():
-    """A try costing 0.12 s more than plain steps waits 0.12 s / (2% of a 10 ms step) = 600 steps."""
+    """A try costing 0.055 s more than plain steps waits 0.055 s / (1% of a 10 ms step) = 550 steps."""
     measured = Realised()
-    measured.observe(False, 4, 0.01)
-    try_speculating(measured, first_seconds=0.10, then_seconds=0.02)  # 0.09 + 3 x 0.01 s extra
-    assert measured.retry_every == pytest.approx(600, abs=1)
+    measured.observe(0, 4, 0.01)
+    try_speculating(measured, first_seconds=0.05, then_seconds=0.015)  # 0.04 + 3 x 0.005 s extra
+    assert measured.retry_every == pytest.approx(550, abs=1)
     assert measured.decide() == "no_gain"
+
+
+def test_a_losing_try_with_a_long_k_is_followed_by_a_shorter_one():
+    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))  # the model bets on long k
+    controller.observe_step(1, 0, 1, 0.004)
+    measured = controller.realised[1]
+    ks, _ = controller.plan(rows([0.9]), 1)
+    assert ks[0] >= 4
+    try_speculating(measured, first_seconds=0.006, then_seconds=0.010, tokens=2, k=ks[0])  # 200 < 250 tokens/s
+    assert measured.k_cap == ks[0] // 2
+    assert measured.wait == pytest.approx(500, abs=1)  # 0.02 s extra within 1% of 4 ms steps
+    assert controller.plan(rows([0.9]), 1) == ([0], "no_gain")
+    for _ in range(measured.wait):
+        controller.observe_step(1, 0, 1, 0.004)
+    assert controller.plan(rows([0.9]), 1)[0] == [ks[0] // 2]
 
 
 def test_a_try_is_judged_on_its_steady_steps_not_its_catch_up():
     measured = Realised()
-    measured.observe(False, 4, 0.01)  # 400 tokens/s plain
+    measured.observe(0, 4, 0.01)  # 400 tokens/s plain
     try_speculating(measured, first_seconds=0.10, then_seconds=0.0075, tokens=6)  # 800 tokens/s once caught up
     assert measured.speculative == pytest.approx(800)
     assert measured.decide() is None and measured.retry_every == Realised.FIRST_RETRY

@@ -132,6 +132,30 @@ def test_group_speculates_exactly_as_a_single_process(tp):
     assert stats("tp", "draft")["rounds"] > 0
 
 
+def test_goodput_policy_reaches_the_ranks_and_keeps_them_in_step(tp):
+    """A goodput SpecPolicy chooses k from timings that differ between ranks;
+    rank 0's choice is broadcast, so output still matches a single process."""
+    policy = {"apiVersion": "specd.dev/v1alpha1", "kind": "SpecPolicy", "metadata": {"name": "adaptive"},
+              "spec": {"mode": "goodput", "maxSpeculativeTokens": 4}}
+    req = urllib.request.Request(f"{tp.url}/apis/specd.dev/v1alpha1/apply", method="POST",
+                                 data=json.dumps({"items": [policy]}).encode())
+    urllib.request.urlopen(req, timeout=10).read()
+    deadline = time.monotonic() + 30
+    while model_status(tp, "tp").get("specPolicy", {}).get("name") != "adaptive":
+        assert time.monotonic() < deadline, model_status(tp, "tp")
+        time.sleep(0.1)
+    client = client_for(tp)
+    try:
+        jobs = [(p, m) for p in PROMPTS for m in ("ngram", "draft")]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            on_tp = list(pool.map(lambda j: complete(client, "tp", *j), jobs))
+        for (prompt, _), got in zip(jobs, on_tp):
+            assert got == complete(client, "single", prompt, "none")
+    finally:
+        urllib.request.urlopen(urllib.request.Request(
+            f"{tp.url}/apis/specd.dev/v1alpha1/specpolicies/adaptive", method="DELETE"), timeout=10).read()
+
+
 def test_group_series_are_on_the_daemons_metrics_page(tp):
     """Rank 0's engine metrics reach ``/metrics`` under the model's name, one family each."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -47,13 +47,11 @@ _STOP = -1
 
 @dataclass(frozen=True)
 class PolicyUpdate:
-    """A SpecPolicy swap, as data: it travels to every rank."""
+    """A SpecPolicy swap as data, queued where a local engine queues a closure:
+    rank 0 broadcasts it and every rank applies it before the same step."""
 
     policy: object
     name: str | None
-
-    def __call__(self) -> None:  # applied through the broadcast, never as a local closure
-        raise RuntimeError("PolicyUpdate is applied by GroupEngine")
 
 
 class RanksDiverged(RuntimeError):

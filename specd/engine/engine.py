@@ -311,8 +311,7 @@ class Engine:
         self.speculator.observe_step(len(batch), width + 1, elapsed)
         self.speculator.observe_emitted(batch.seqs, emitted)
         self._emit(batch.seqs, logits, emitted)
-        self.speculator.observe_outcome(len(batch), width > 0, sum(map(len, emitted)),
-                                        time.perf_counter() - step_started)
+        self.speculator.observe_outcome(len(batch), width, sum(map(len, emitted)), time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in emitted]
         batch.keep([i for i, s in enumerate(batch.seqs) if s.finish_reason is None])
         self.speculator.retain(batch.seqs)

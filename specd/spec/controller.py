@@ -18,9 +18,9 @@ lazy draft prefill, cache effects), so its bets are checked against what
 they return: ``Realised`` keeps, per batch-size bucket, the tokens per second
 of whole steps (proposing to emitting) that speculated and that did not.
 Where speculating measurably loses, the bucket decodes plainly and tries
-speculation again after 16, 32 .. steps, spaced so that the tries cost at
-most 2% of the decode time, while a workload that turns repetitive is still
-noticed.
+speculation again (with a shorter k first) after 16, 32 .. steps, spaced so
+that the tries cost at most 1% of the decode time, while a workload that
+turns repetitive is still noticed.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class StaticController:
         prior = self.ema if self.ema is not None else 0.5
         return AcceptanceEstimate(prior * self.PRIOR_WEIGHT, (1 - prior) * self.PRIOR_WEIGHT)
 
-    def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A whole decode step's outcome (only the goodput controller uses it)."""
+    def observe_step(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
+        """A whole decode step's outcome, k its longest proposal (only the goodput controller uses it)."""
 
     def observe(self, estimates: list["AcceptanceEstimate"], proposed: list[int], accepted: list[int]) -> None:
         """Fold one step's acceptance into the model's EMA and each request's estimate."""
@@ -128,23 +128,28 @@ class Realised:
     catching a draft's cache up, a one-off cost a request amortises over its
     life).  A try that loses sets the next one 16, 32, .. steps away, and never
     sooner than its cost beyond plain steps allows within ``EXPLORE_BUDGET``
-    of the decode time."""
+    of the decode time.  A losing try with k > 1 halves the k the next try may
+    use (the cost model may have bet too far, while a shorter k pays); one
+    that loses at k = 1 lifts the cap again for the (much later) next try."""
 
     ALPHA = 0.2  # EMA weight of one step
     TRIAL = 4  # speculative steps per try
     FIRST_RETRY, LAST_RETRY = 16, 1024  # steps between tries of a losing arm
-    EXPLORE_BUDGET = 0.02  # share of the decode time losing tries may cost
+    EXPLORE_BUDGET = 0.01  # share of the decode time losing tries may cost
     REFRESH = 64  # steps between plain steps taken to keep the baseline current
 
     def __init__(self) -> None:
         self.plain: float | None = None  # tokens/s
         self.speculative: float | None = None
         self.plain_step: float | None = None  # seconds
-        self.retry_every = self.FIRST_RETRY
+        self.retry_every = self.FIRST_RETRY  # spacing after a try lost even at k = 1 (doubles)
+        self.wait = self.FIRST_RETRY  # plain steps before the next try
         self.since_speculative = 0
         self.since_plain = 0
         self.trial = 0  # speculative steps left in the current try
         self.trial_extra = 0.0  # what the try cost beyond plain steps (seconds)
+        self.trial_k = 0  # the longest proposal the try made
+        self.k_cap: int | None = None  # the most k may be, after losing tries
 
     def decide(self) -> str | None:
         """None: the model may speculate (starting a try when one is due); else why this step is plain."""
@@ -155,14 +160,15 @@ class Realised:
         if self.speculative is not None and self.speculative >= self.plain:
             return "baseline" if self.since_plain >= self.REFRESH else None
         never_tried = self.speculative is None and self.retry_every == self.FIRST_RETRY
-        if never_tried or self.since_speculative >= self.retry_every:
-            self.trial, self.trial_extra = self.TRIAL, 0.0
+        if never_tried or self.since_speculative >= self.wait:
+            self.trial, self.trial_extra, self.trial_k = self.TRIAL, 0.0, 0
             return None
         return "no_gain"
 
-    def observe(self, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe(self, k: int, tokens: int, seconds: float) -> None:
+        """One decode step: its longest proposal (0: plain), its tokens and wall time."""
         rate = tokens / seconds
-        if not speculated:
+        if not k:
             self.plain = _ema(self.plain, rate, self.ALPHA)
             self.plain_step = _ema(self.plain_step, seconds, self.ALPHA)
             self.since_plain = 0
@@ -178,6 +184,7 @@ class Realised:
             return
         self.trial -= 1
         self.trial_extra += seconds - (self.plain_step or seconds)
+        self.trial_k = max(self.trial_k, k)
         judged = self.TRIAL - 1 - self.trial  # steps of this try after its first
         if judged == 1:
             self.speculative = rate  # fresh evidence replaces what an old try measured
@@ -189,10 +196,15 @@ class Realised:
     def _spacing(self) -> None:
         """After a try: speculate on if it paid, else wait as long as the budget asks."""
         if self.speculative is not None and self.speculative >= self.plain:
-            self.retry_every = self.FIRST_RETRY
+            self.retry_every = self.wait = self.FIRST_RETRY
             return
         affordable = math.ceil(self.trial_extra / (self.EXPLORE_BUDGET * self.plain_step)) if self.plain_step else 0
-        self.retry_every = min(max(2 * self.retry_every, affordable), self.LAST_RETRY)
+        if self.trial_k > 1:  # perhaps a shorter bet pays: try it as soon as the budget allows
+            self.k_cap = self.trial_k // 2
+            self.wait = min(max(self.FIRST_RETRY, affordable), self.LAST_RETRY)
+            return
+        self.k_cap = None
+        self.retry_every = self.wait = min(max(2 * self.retry_every, affordable), self.LAST_RETRY)
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -217,10 +229,10 @@ class GoodputController(StaticController):
                             "speculative": r.speculative and round(r.speculative, 1)}
                 for b, r in sorted(self.realised.items())}
 
-    def observe_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+    def observe_step(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
         """A whole decode step's outcome, proposing to emitting."""
         if seconds > 0:
-            self.realised.setdefault(batch_bucket(batch_size), Realised()).observe(speculated, tokens, seconds)
+            self.realised.setdefault(batch_bucket(batch_size), Realised()).observe(k, tokens, seconds)
 
     def plan(self, rows: list[Row], batch_size: int) -> tuple[list[int], str | None]:
         policy = self.policy
@@ -229,10 +241,14 @@ class GoodputController(StaticController):
             return asked, None
         if policy is not None and not policy.enabled:
             return [0] * len(rows), "policy_disabled"
-        measured = self.realised.setdefault(batch_bucket(batch_size), Realised()).decide()
+        realised = self.realised.setdefault(batch_bucket(batch_size), Realised())
+        measured = realised.decide()
         if measured is not None:
             return [0] * len(rows), measured
-        return self.choose(rows)
+        ks, reason = self.choose(rows)
+        if realised.k_cap is not None:
+            ks = [min(k, realised.k_cap) for k in ks]
+        return ks, reason
 
     def choose(self, rows: list[Row]) -> tuple[list[int], str | None]:
         """The cost model's choice: the k (and the rows) with the most expected tokens per second."""

@@ -234,9 +234,10 @@ class Speculator:
             self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
         self.costs.observe_target(rows, width, seconds)
 
-    def observe_outcome(self, rows: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A whole decode step, proposing to emitting: what the controller's bets returned."""
-        self.controller.observe_step(rows, speculated, tokens, seconds)
+    def observe_outcome(self, rows: int, k: int, tokens: int, seconds: float) -> None:
+        """A whole decode step (k: its longest proposal), proposing to emitting:
+        what the controller's bets returned."""
+        self.controller.observe_step(rows, k, tokens, seconds)
 
     def observe_emitted(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
         """Queue what non-drafting rows emitted, so the draft cache catches up
