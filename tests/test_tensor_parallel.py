@@ -136,7 +136,7 @@ def test_goodput_policy_reaches_the_ranks_and_keeps_them_in_step(tp):
     """A goodput SpecPolicy chooses k from timings that differ between ranks;
     rank 0's choice is broadcast, so output still matches a single process."""
     policy = {"apiVersion": "specd.dev/v1alpha1", "kind": "SpecPolicy", "metadata": {"name": "adaptive"},
-              "spec": {"mode": "goodput", "maxSpeculativeTokens": 4}}
+              "spec": {"selector": {"matchLabels": {}}, "mode": "goodput", "maxSpeculativeTokens": 4}}
     req = urllib.request.Request(f"{tp.url}/apis/specd.dev/v1alpha1/apply", method="POST",
                                  data=json.dumps({"items": [policy]}).encode())
     urllib.request.urlopen(req, timeout=10).read()

@@ -171,7 +171,7 @@ class SpecPolicySpec:
 
     match_labels: dict[str, str]
     enabled: bool = True
-    mode: str = "static"
+    mode: str = "goodput"
     max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS
     disable_by_batch_size: int | None = None
     acceptance_rate_threshold: float = 0.0
@@ -191,7 +191,7 @@ def _parse_spec_policy_spec(spec: Any, path: str = "spec") -> SpecPolicySpec:
     selector = _fields(spec["selector"], f"{path}.selector", {"matchLabels"})
     enabled = spec.get("enabled", True)
     _check_type(enabled, bool, f"{path}.enabled")
-    mode = spec.get("mode", "static")  # goodput is not yet reliably ahead of spec-off; see README
+    mode = spec.get("mode", "goodput")
     if mode not in SPEC_POLICY_MODES:
         raise ManifestError(f"must be one of {', '.join(SPEC_POLICY_MODES)}, got {mode!r}", f"{path}.mode")
     max_k = _positive_int(spec, "maxSpeculativeTokens", path, MAX_SPECULATIVE_TOKENS)
