@@ -146,6 +146,7 @@ class Realised:
         self.wait = self.FIRST_RETRY  # plain steps before the next try
         self.since_speculative = 0
         self.since_plain = 0
+        self.tries = 0
         self.trial = 0  # speculative steps left in the current try
         self.trial_extra = 0.0  # what the try cost beyond plain steps (seconds)
         self.trial_k = 0  # the longest proposal the try made
@@ -159,8 +160,8 @@ class Realised:
             return None
         if self.speculative is not None and self.speculative >= self.plain:
             return "baseline" if self.since_plain >= self.REFRESH else None
-        never_tried = self.speculative is None and self.retry_every == self.FIRST_RETRY
-        if never_tried or self.since_speculative >= self.wait:
+        if not self.tries or self.since_speculative >= self.wait:
+            self.tries += 1
             self.trial, self.trial_extra, self.trial_k = self.TRIAL, 0.0, 0
             return None
         return "no_gain"
