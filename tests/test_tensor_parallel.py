@@ -172,6 +172,17 @@ def test_group_series_are_on_the_daemons_metrics_page(tp):
     assert samples[("specd_spec_decode_num_drafts_total", "tp")] >= 1
 
 
+def test_an_idle_group_is_not_mistaken_for_a_hung_one(tp):
+    """No steps while idle is not a hang: a request after a pause longer than the step timeout works."""
+    client = client_for(tp)
+    complete(client, "tp", PROMPTS[5], "none")
+    restarts = model_status(tp, "tp")["group"]["restarts"]
+    time.sleep(6)  # stepTimeoutSeconds is 5
+    # long enough (hundreds of steps) for the hang watch to look while it runs
+    assert complete(client, "tp", PROMPTS[5], "draft", 400) == complete(client, "single", PROMPTS[5], "none", 400)
+    assert model_status(tp, "tp")["group"]["restarts"] == restarts
+
+
 def test_killed_rank_fails_the_stream_then_the_group_restarts(tp):
     client = client_for(tp)
     ranks = model_status(tp, "tp")["group"]["ranks"]

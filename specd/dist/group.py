@@ -92,6 +92,8 @@ class GroupClient:
         if self.failure or not self._accepting:
             raise EngineUnavailable(f"model {self.name!r} is {'restarting' if self.failure else 'shutting down'}")
         queue: asyncio.Queue = asyncio.Queue()
+        if not self._streams:  # an idle group finished no step for a while, rightly: time it from now
+            self._progress = time.monotonic()
         self._streams[request.request_id] = queue
         self._send(("submit", request))
         finished = False

@@ -184,7 +184,7 @@ def run(plan: GroupPlan) -> int:
     log.info("rank ready", seconds=round(time.monotonic() - started, 2), shard_bytes=local)
     if rank != 0:
         engine.run_follower()
-        return 0
+        _exit(0)
     return _serve(engine, plan, {"weight_bytes": total, "max_context": engine.max_context,
                                  "vocab_size": engine.vocab_size, "has_draft": engine.has_draft})
 
@@ -207,7 +207,7 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
             try:
                 send(("fatal", f"{type(exc).__name__}: {exc}"))
             finally:
-                os._exit(1)
+                _exit(1)
 
     def report() -> None:
         while True:
@@ -243,8 +243,15 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
         engine._stopped = True
         engine._cv.notify()
     stepping.join(30)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's teardown, as the daemon does (see
+    ``cli._daemon``): MLX 0.32 can abort in its static destructors."""
     sys.stdout.flush()
-    os._exit(0)  # see cli._daemon: MLX aborts in its static destructors after a worker thread
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _status(engine: GroupEngine) -> dict:
