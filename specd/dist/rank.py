@@ -75,8 +75,8 @@ class GroupEngine(Engine):
     def configure_speculation(self, default, draft_model) -> None:
         raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
 
-    def run_follower(self) -> None:
-        """Ranks other than 0 step until rank 0 says stop."""
+    def run_steps(self) -> None:
+        """Step in lockstep with the group until rank 0 says stop (every rank runs this)."""
         self._run()
 
     def _next_inputs(self) -> StepInputs | None:
@@ -183,7 +183,7 @@ def run(plan: GroupPlan) -> int:
     total = int(mx.distributed.all_sum(mx.array([local], dtype=mx.int64), group=group).item())
     log.info("rank ready", seconds=round(time.monotonic() - started, 2), shard_bytes=local)
     if rank != 0:
-        engine.run_follower()
+        engine.run_steps()
         _exit(0)
     return _serve(engine, plan, {"weight_bytes": total, "max_context": engine.max_context,
                                  "vocab_size": engine.vocab_size, "has_draft": engine.has_draft})
@@ -202,7 +202,7 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
 
     def step_thread() -> None:
         try:
-            engine._run()
+            engine.run_steps()
         except Exception as exc:  # the group cannot go on; the daemon restarts it
             try:
                 send(("fatal", f"{type(exc).__name__}: {exc}"))
@@ -238,10 +238,7 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
             engine.set_policy(message[1], message[2])
         elif kind == "stop":
             break
-    with engine._cv:
-        engine._accepting = False
-        engine._stopped = True
-        engine._cv.notify()
+    engine.stop()
     stepping.join(30)
     _exit(0)
 

@@ -186,10 +186,15 @@ class Engine:
         deadline = time.monotonic() + grace
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.stop()
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    def stop(self) -> None:
+        """Stop now: the engine thread leaves after its current step, failing what is left."""
         with self._cv:
+            self._accepting = False
             self._stopped = True
             self._cv.notify()
-        await asyncio.to_thread(self._thread.join, 10.0)
 
     # -- engine thread ---------------------------------------------------
 
