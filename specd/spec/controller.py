@@ -66,6 +66,10 @@ class StaticController:
         prior = self.ema if self.ema is not None else 0.5
         return AcceptanceEstimate(prior * self.PRIOR_WEIGHT, (1 - prior) * self.PRIOR_WEIGHT)
 
+    def realised_rates(self) -> dict[str, dict[str, float | None]]:
+        """Measured tokens/s by batch-size bucket (only the goodput controller measures them)."""
+        return {}
+
     def observe_step(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
         """A whole decode step's outcome, k its longest proposal (only the goodput controller uses it)."""
 

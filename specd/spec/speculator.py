@@ -72,7 +72,7 @@ class Speculator:
                 "acceptanceEMA": None if ema is None else round(ema, 4),
                 "acceptanceRate": None if rate is None else round(rate, 4),
                 "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()},
-                "realisedTokensPerSecond": getattr(self.controller, "realised_rates", dict)()}
+                "realisedTokensPerSecond": self.controller.realised_rates()}
 
     def configure(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
         """Attach, change or detach the pairing; a new draft model starts with no rows."""
