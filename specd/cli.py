@@ -76,6 +76,12 @@ def _forge(args: argparse.Namespace) -> int:
     return forge.run(args)
 
 
+def _train_eagle(args: argparse.Namespace) -> int:
+    from .spec.eagle import train
+
+    return train.run(args)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
@@ -110,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     forge.add_arguments(forge_cmd)
     forge_cmd.set_defaults(func=_forge)
+
+    eagle_cmd = sub.add_parser("train-eagle", help="train an EAGLE draft head for a local target")
+    from .spec.eagle import train as eagle_train
+
+    eagle_train.add_arguments(eagle_cmd)
+    eagle_cmd.set_defaults(func=_train_eagle)
 
     from . import service
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from mlx_lm import load
 from openai import OpenAI
 
 from conftest import ROOT, model_manifest, start_daemon
+from specd.spec.eagle.checkpoint import save_head
+from specd.spec.eagle.head import EagleConfig, EagleHead
 
 
 def specd(daemon, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -147,6 +151,13 @@ BAD = {
                    "spec.maxBatchSize"),
     "negative k": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
                    "spec: {targetRef: m, method: ngram, numSpeculativeTokens: -2}\n", "spec.numSpeculativeTokens"),
+    "eagle without a head": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
+                             "spec: {targetRef: m, method: eagle}\n", "spec.source"),
+    "tree for n-gram": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
+                        "spec: {targetRef: m, method: ngram, eagle: {topK: 2}}\n", "spec.eagle"),
+    "tree smaller than k": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
+                            "spec: {targetRef: m, method: eagle, source: /h, numSpeculativeTokens: 6,"
+                            " eagle: {topK: 2, treeTokens: 4}}\n", "spec.eagle.treeTokens"),
     "bad name": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: Not OK}\nspec: {source: /x}\n",
                  "metadata.name"),
     "duplicate names": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /x}\n---\n"
@@ -200,6 +211,35 @@ def test_references_resolve_in_any_order_and_failures_are_isolated(forged, tmp_p
     reply = client.completions.create(model="later", prompt="def f(", max_tokens=8, temperature=0)
     assert reply.usage.speculation["method"] == "draft"
     assert status["metadata"]["generation"] == 1
+
+
+def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(forged, tmp_path, empty_daemon):
+    d = empty_daemon
+    target, _ = load(str(forged / "target"))
+    a = target.args
+    save_head(EagleHead(EagleConfig(1, a.hidden_size, a.intermediate_size, a.num_attention_heads,
+                                    a.num_key_value_heads, a.vocab_size)), tmp_path / "head")
+    pairing = ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: tree}\n"
+               f"spec: {{targetRef: eg, method: eagle, source: {tmp_path / 'head'}, numSpeculativeTokens: 4,"
+               " eagle: {topK: 3, treeTokens: 10}}\n")
+    specd(d, "apply", "-f", "-", stdin=model_manifest("eg", forged / "target") + "---\n" + pairing)
+    wait_for(lambda: ready(d, "dp", "tree"), what="EAGLE pairing attached")
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    reply = client.completions.create(model="eg", prompt="def f(", max_tokens=24, temperature=0)
+    assert reply.usage.speculation["method"] == "eagle" and reply.usage.speculation["rounds"] > 0
+    plain = client.completions.create(model="eg", prompt="def f(", max_tokens=24, temperature=0,
+                                      extra_body={"speculation": {"method": "none"}})
+    assert reply.choices[0].text == plain.choices[0].text
+    # a head of the wrong shape fails the pairing; the model keeps serving
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "head", broken)
+    (broken / "config.json").write_text(
+        (broken / "config.json").read_text().replace(f'"hidden_size": {a.hidden_size}', '"hidden_size": 8'))
+    specd(d, "apply", "-f", "-", stdin=pairing.replace(str(tmp_path / "head"), str(broken)))
+    failed = wait_for(lambda: (c := get(d, "dp", "tree").get("status", {}).get("conditions", [{}])[0])
+                      .get("reason") == "DraftLoadFailed" and c, what="DraftLoadFailed")
+    assert "hidden" in failed["message"]
+    assert client.completions.create(model="eg", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
 
 
 def test_watched_manifests_hot_reload_a_policy_during_a_stream(forged, tmp_path):

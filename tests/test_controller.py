@@ -6,7 +6,7 @@ import pytest
 
 from specd.api.manifest import SpecPolicySpec
 from specd.spec.controller import (AcceptanceEstimate, GoodputController, Realised, Row, StaticController,
-                                   expected_tokens)
+                                   expected_tokens, make_controller)
 from specd.spec.costs import CostModel
 
 
@@ -97,85 +97,90 @@ def test_goodput_probes_one_request_at_a_time_after_turning_off():
     assert plans == [[0, 0]] * 4 + [[1, 0]] + [[0, 0]] * 4 + [[0, 1]]
 
 
-def run_steps(controller: GoodputController, batch: int, steps: int, plain_rate: float, spec_rate: float) -> int:
-    """Plan and "run" steps whose measured tokens/s are given; returns how many speculated."""
-    speculated = 0
+def run_steps(controller: GoodputController, batch: int, steps: int, rate_of_k) -> list[int]:
+    """Plan and "run" steps whose measured tokens/s at each k are given; returns the k of each step."""
+    used = []
     for _ in range(steps):
         ks, _ = controller.plan(rows([0.9] * batch), batch)
-        on = max(ks) > 0
-        speculated += on
-        controller.observe_step(batch, max(ks), batch, batch / (spec_rate if on else plain_rate))
-    return speculated
+        used.append(max(ks))
+        controller.observe_step(batch, batch, batch / rate_of_k(max(ks)))
+    return used
 
 
 def test_measured_losses_turn_speculation_off_with_ever_rarer_retries():
     """The cost model says speculate (cheap extra tokens), the measurements say it loses:
-    after a baseline and a first try, only retries at 16, 32, .. 256 steps remain."""
+    after a baseline and the model's bet, only tries of k = 1 remain, 16, 32, .. 1024 steps apart."""
     controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
     assert controller.plan(rows([0.9] * 4), 4)[1] == "baseline"  # first, measure plain decoding
-    controller.observe_step(4, 0, 4, 0.01)
-    speculated = run_steps(controller, 4, 1000, plain_rate=400.0, spec_rate=300.0)
-    assert speculated <= 100  # tries of k = 8, 4, 2, 1 (4 steps each), then again after 32, 64, .. steps
-    assert controller.realised[4].retry_every >= 256
+    controller.observe_step(4, 4, 0.01)
+    used = run_steps(controller, 4, 2000, lambda k: 300.0 if k else 400.0)
+    assert used[0] >= 4  # the first try is the cost model's bet
+    assert sum(1 for k in used if k) <= 8 * 8  # its try, then tries of k = 1 at 16, 32, .. 1024 steps
+    assert set(used) - {used[0]} <= {0, 1}
+    assert controller.realised[4].retry[1] == Realised.LAST_RETRY
     assert controller.plan(rows([0.9] * 4), 4)[1] == "no_gain"
     # another batch-size bucket is measured on its own
     assert controller.plan(rows([0.9] * 16), 16)[1] == "baseline"
 
 
-def try_speculating(measured: Realised, first_seconds: float, then_seconds: float, tokens: int = 4,
-                    k: int = 1) -> None:
-    """One try: a first step that catches a draft cache up, then steady steps."""
-    assert measured.decide() is None
-    measured.observe(k, tokens, first_seconds)
-    for _ in range(Realised.TRIAL - 1):
-        assert measured.decide() is None
-        measured.observe(k, tokens, then_seconds)
+def test_the_best_k_is_found_by_climbing_from_neighbour_to_neighbour():
+    controller = GoodputController(policy(max_speculative_tokens=6), "p", costs(0.010, 0.01))  # bets k = 1
+    rate = {0: 250.0, 1: 300.0, 2: 350.0, 3: 380.0, 4: 340.0, 5: 200.0, 6: 150.0}
+    used = run_steps(controller, 1, 600, rate.get)
+    assert controller.realised[1].best == 3
+    assert used[-400:].count(3) >= 400 * 0.9  # the neighbours' tries cost little
+    assert 6 not in used  # never tried: k = 5 already lost to k = 4
 
 
 def test_costly_tries_are_spaced_to_the_exploration_budget():
-    """A try costing 0.055 s more than plain steps waits 0.055 s / (1% of a 10 ms step) = 550 steps."""
+    """A try costing 0.075 s more than plain steps waits 0.075 s / (1% of a 10 ms step) = 750 steps."""
     measured = Realised()
-    measured.observe(0, 4, 0.01)
-    try_speculating(measured, first_seconds=0.05, then_seconds=0.015)  # 0.04 + 3 x 0.005 s extra
-    assert measured.retry_every == pytest.approx(550, abs=1)
-    assert measured.decide() == "no_gain"
+    assert measured.decide(4, lambda: 1) == (0, "baseline")
+    measured.observe(4, 0.01)
+    try_speculating(measured, first_seconds=0.05, then_seconds=0.015)  # 0.04 + 7 x 0.005 s extra
+    assert measured.next_try[1] - measured.steps == pytest.approx(750, abs=1)
+    assert measured.decide(4, lambda: 1) == (0, "no_gain")
 
 
-def test_a_losing_try_with_a_long_k_is_followed_by_a_shorter_one():
-    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))  # the model bets on long k
-    controller.observe_step(1, 0, 1, 0.004)
-    measured = controller.realised[1]
-    ks, _ = controller.plan(rows([0.9]), 1)
-    assert ks[0] >= 4
-    try_speculating(measured, first_seconds=0.006, then_seconds=0.010, tokens=2, k=ks[0])  # 200 < 250 tokens/s
-    assert measured.k_cap == ks[0] // 2
-    assert measured.wait == pytest.approx(500, abs=1)  # 0.02 s extra within 1% of 4 ms steps
-    assert controller.plan(rows([0.9]), 1) == ([0], "no_gain")
-    for _ in range(measured.wait):
-        controller.observe_step(1, 0, 1, 0.004)
-    assert controller.plan(rows([0.9]), 1)[0] == [ks[0] // 2]
+def try_speculating(measured: Realised, first_seconds: float, then_seconds: float, tokens: int = 4) -> None:
+    """One try: a first step that catches a draft cache up, then steady steps."""
+    for step in range(Realised.TRY):
+        assert measured.decide(4, lambda: 1)[0] == 1
+        measured.observe(tokens, first_seconds if step == 0 else then_seconds)
 
 
 def test_a_try_is_judged_on_its_steady_steps_not_its_catch_up():
     measured = Realised()
-    measured.observe(0, 4, 0.01)  # 400 tokens/s plain
+    measured.decide(4, lambda: 1)
+    measured.observe(4, 0.01)  # 400 tokens/s plain
     try_speculating(measured, first_seconds=0.10, then_seconds=0.0075, tokens=6)  # 800 tokens/s once caught up
-    assert measured.speculative == pytest.approx(800)
-    assert measured.decide() is None and measured.retry_every == Realised.FIRST_RETRY
+    assert measured.rate[1] == pytest.approx(800)
+    assert measured.best == 1
+    assert measured.decide(4, lambda: 1)[0] == 2  # and climbs: k = 2 is tried next
 
 
-def test_measured_gains_keep_speculation_on_and_refresh_the_baseline():
-    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
-    speculated = run_steps(controller, 2, 640, plain_rate=300.0, spec_rate=450.0)
-    assert speculated >= 640 - 640 // Realised.REFRESH - 2  # a plain step now and then keeps the baseline honest
+def test_measured_gains_keep_speculation_on():
+    controller = GoodputController(policy(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
+    used = run_steps(controller, 2, 640, lambda k: 450.0 if k else 300.0)
+    assert used.count(1) >= 640 * 0.95  # tries of plain decoding, ever rarer, keep the comparison honest
 
 
 def test_a_workload_that_starts_paying_is_picked_up_by_a_retry():
     controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
-    run_steps(controller, 4, 300, plain_rate=400.0, spec_rate=200.0)
-    assert controller.realised[4].speculative < controller.realised[4].plain
-    later = run_steps(controller, 4, 800, plain_rate=400.0, spec_rate=800.0)
-    assert later > 800 - Realised.LAST_RETRY - 16  # found at the next retry, then kept
+    run_steps(controller, 4, 300, lambda k: 200.0 if k else 400.0)
+    assert controller.realised[4].best == 0
+    later = run_steps(controller, 4, 2 * Realised.LAST_RETRY, lambda k: 800.0 if k else 400.0)
+    assert later.index(1) < Realised.LAST_RETRY  # found at the next retry (spaced by its losses) ..
+    assert sum(1 for k in later[Realised.LAST_RETRY:] if k) > 0.95 * Realised.LAST_RETRY  # .. then kept
+
+
+def test_measurements_outlive_a_policy_swap():
+    measured: dict[int, Realised] = {}
+    first = make_controller(policy(), "p", costs(0.010, 0.00001), measured)
+    run_steps(first, 1, 100, lambda k: 450.0 if k else 300.0)
+    second = make_controller(policy(max_speculative_tokens=2), "p", first.costs, measured)
+    assert second.plan(rows([0.9]), 1)[0] != [0]
+    assert make_controller(policy(mode="static"), "p", first.costs, measured).realised_rates() == {}
 
 
 def test_static_mode_follows_the_seed_rules():

@@ -2,7 +2,9 @@
 
 Three workloads (repetitive rewrite, code continuation, adversarial random
 tokens) at several concurrencies, on the demo pair with a draft-model
-pairing, in process.  For each cell: aggregate output tokens/s (median of
+pairing, in process.  Concurrency c is c clients, each sending its requests
+one after another (at c = 1 several, so a run is more than one request).
+For each cell: aggregate output tokens/s (median of
 runs, taken round-robin over the configurations so that the machine's slow
 spells hit every one alike) of spec-off, static k = 1..K (no policy: every request speculates k),
 the seed policy (``mode: static``) and ``mode: goodput``, then the ratios
@@ -54,8 +56,8 @@ def workloads(tokenizer, vocab: int) -> dict[str, list[list[int]]]:
             "adversarial": noise + shuffled}
 
 
-async def serve(engine: Engine, prompts: list[list[int]], k: int, max_tokens: int) -> float:
-    """All prompts at once; aggregate output tokens/s."""
+async def serve(engine: Engine, clients: list[list[list[int]]], k: int, max_tokens: int) -> float:
+    """Each client sends its prompts one after another, all clients at once; aggregate output tokens/s."""
     spec = SpeculationConfig("draft", k) if k else SpeculationConfig("none")
 
     async def one(i, prompt):
@@ -63,8 +65,11 @@ async def serve(engine: Engine, prompts: list[list[int]], k: int, max_tokens: in
                                     max_tokens, speculation=spec)
         return sum([len(out.tokens) async for out in engine.generate(request)])
 
+    async def client(i, prompts):
+        return sum([await one(i, p) for p in prompts])
+
     start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    tokens = sum(await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients))))
     return tokens / (time.perf_counter() - start)
 
 
@@ -87,10 +92,11 @@ async def bench(args) -> dict[str, Any]:
     try:
         await set_policy(engine, GOODPUT_POLICY)  # warm-up: let the cost model see every width
         for k in range(args.max_k + 1):
-            await serve(engine, loads["code"][:4], k, 16)
+            await serve(engine, [[p] for p in loads["code"][:4]], k, 16)
         for name, prompts in loads.items():
             for conc in args.concurrency:
-                batch = [prompts[i % len(prompts)] for i in range(conc)]
+                per_client = max(1, args.min_requests // conc)  # c = 1: several requests, back to back
+                batch = [[prompts[(i + j * conc) % len(prompts)] for j in range(per_client)] for i in range(conc)]
                 runs: dict[str, list[float]] = {label: [] for label, _, _ in configs}
                 for _ in range(args.runs):  # round-robin, so a slow spell of the machine hits every config
                     for label, policy, k in configs:
@@ -125,6 +131,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=4,
+                        help="requests per run; below it each of the c clients sends several, one after another")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--out", default="ops/bench/results/adaptive.json")
     args = parser.parse_args()

@@ -120,7 +120,7 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
 
 @dataclass(frozen=True)
 class DraftPairingSpec:
-    """How a Model speculates: n-gram lookup or a draft model, and how far."""
+    """How a Model speculates: n-gram lookup, a draft model or an EAGLE head, and how far."""
 
     target_ref: str
     method: str
@@ -128,23 +128,28 @@ class DraftPairingSpec:
     num_speculative_tokens: int = 3
     ngram_min: int = 1
     ngram_max: int = 4
+    tree_top_k: int = 1  # EAGLE: children kept per expansion (1: chain drafting)
+    tree_tokens: int = 16  # EAGLE: nodes a tree keeps
 
 
 MAX_SPECULATIVE_TOKENS = 16
+MAX_TREE_TOP_K = 16
+MAX_TREE_TOKENS = 128
 
 
 def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec:
-    _fields(spec, path, {"targetRef", "method", "source", "numSpeculativeTokens", "ngram"},
+    _fields(spec, path, {"targetRef", "method", "source", "numSpeculativeTokens", "ngram", "eagle"},
             {"targetRef", "method"})
     target = _check_type(spec["targetRef"], str, f"{path}.targetRef")
     method = _check_type(spec["method"], str, f"{path}.method")
-    if method not in ("ngram", "draft"):
-        raise ManifestError(f'must be "ngram" or "draft", got "{method}"', f"{path}.method")
+    if method not in ("ngram", "draft", "eagle"):
+        raise ManifestError(f'must be "ngram", "draft" or "eagle", got "{method}"', f"{path}.method")
     source = spec.get("source")
     if source is not None:
         _check_type(source, str, f"{path}.source")
-    if method == "draft" and not source:
-        raise ManifestError("method draft needs the draft model's source", f"{path}.source")
+    if method in ("draft", "eagle") and not source:
+        what = "the draft model's" if method == "draft" else "the EAGLE head's"
+        raise ManifestError(f"method {method} needs {what} source", f"{path}.source")
     k = _positive_int(spec, "numSpeculativeTokens", path, 3)
     if k > MAX_SPECULATIVE_TOKENS:
         raise ManifestError(f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}", f"{path}.numSpeculativeTokens")
@@ -153,7 +158,17 @@ def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec
     n_max = _positive_int(ngram, "max", f"{path}.ngram", max(4, n_min))
     if n_max < n_min:
         raise ManifestError(f"must be at least ngram.min ({n_min}), got {n_max}", f"{path}.ngram.max")
-    return DraftPairingSpec(target, method, source, k, n_min, n_max)
+    if "eagle" in spec and method != "eagle":
+        raise ManifestError("only method eagle drafts trees", f"{path}.eagle")
+    eagle = _fields(spec.get("eagle", {}), f"{path}.eagle", {"topK", "treeTokens"})
+    top_k = _positive_int(eagle, "topK", f"{path}.eagle", 1)
+    if top_k > MAX_TREE_TOP_K:
+        raise ManifestError(f"must be at most {MAX_TREE_TOP_K}, got {top_k}", f"{path}.eagle.topK")
+    tokens = _positive_int(eagle, "treeTokens", f"{path}.eagle", max(16, k))
+    if not k <= tokens <= MAX_TREE_TOKENS:
+        raise ManifestError(f"must be between numSpeculativeTokens ({k}) and {MAX_TREE_TOKENS}, got {tokens}",
+                            f"{path}.eagle.treeTokens")
+    return DraftPairingSpec(target, method, source, k, n_min, n_max, top_k, tokens)
 
 
 def _number(obj: dict, key: str, path: str, lo: float, hi: float, default: float | None) -> float | None:

@@ -233,11 +233,12 @@ class Reconciler:
             served.pairing = None
             return
         current = served.pairing
-        same_draft = (current is not None and current.spec.method == pairing.spec.method == "draft"
-                      and current.spec.source == pairing.spec.source)
-        if pairing.spec.method != "draft" or same_draft:
-            draft = served.engine.speculator.draft.model if same_draft and served.engine.speculator.draft else None
-            served.engine.configure_speculation(pairing.speculation(), draft)
+        method = pairing.spec.method
+        same_drafter = (current is not None and current.spec.method == method
+                        and current.spec.source == pairing.spec.source and not served.pairing_error)
+        if method == "ngram" or same_drafter:
+            drafter = served.engine.speculator.drafter_module if same_drafter else None
+            served.engine.configure_speculation(pairing.speculation(), drafter)
             served.pairing, served.pairing_error = pairing, ""
             return
         served.task = self._spawn(self._attach_draft(served, pairing))

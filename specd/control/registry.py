@@ -16,6 +16,7 @@ import structlog
 from mlx.utils import tree_flatten
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
+from ..spec.eagle.checkpoint import load_head
 from ..engine.engine import Engine, EngineConfig
 from ..engine.loader import load_model
 from ..metrics import Metrics
@@ -41,7 +42,8 @@ class Pairing:
 
     def speculation(self) -> SpeculationConfig:
         s = self.spec
-        return SpeculationConfig(s.method, s.num_speculative_tokens, s.ngram_min, s.ngram_max)
+        return SpeculationConfig(s.method, s.num_speculative_tokens, s.ngram_min, s.ngram_max,
+                                 s.tree_top_k, s.tree_tokens)
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,12 @@ class ModelNotReady(Exception):
 
 
 def load_draft(pairing: Pairing | None, target, tokenizer):
-    """The draft model a pairing needs (None for n-gram), checked against the target."""
-    if pairing is None or pairing.spec.method != "draft":
+    """The drafter a pairing needs: its draft model or EAGLE head (None for
+    n-gram), checked against the target."""
+    if pairing is None or pairing.spec.method == "ngram":
         return None
+    if pairing.spec.method == "eagle":
+        return load_head(pairing.spec.source, target)
     draft, draft_tokenizer = load_model(pairing.spec.source)
     check_draft_pair(target, tokenizer, draft, draft_tokenizer, pairing.name)
     return draft
@@ -121,6 +126,9 @@ async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairin
     """Start a tensor-parallel group for the model; the pairing's draft is replicated on every rank."""
     from ..dist.group import start_group
 
+    if pairing is not None and pairing.spec.method == "eagle":
+        client = await start_group(name, spec, topology, NO_SPECULATION, None)
+        return Built(client, client.weight_bytes, "EAGLE heads are not supported under tensor parallelism yet")
     speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
     draft_source = pairing.spec.source if pairing is not None and pairing.spec.method == "draft" else None
     client = await start_group(name, spec, topology, speculation, draft_source)

@@ -55,7 +55,7 @@ class GroupClient:
         self.tokenizer = tokenizer
         self.max_context: int = info["max_context"]
         self.vocab_size: int = info["vocab_size"]
-        self.has_draft: bool = info["has_draft"]
+        self.drafter: str | None = info["drafter"]
         self.weight_bytes: int = info["weight_bytes"]
         self.speculation = speculation
         self.failure: str | None = None  # set once; the reconciler restarts the group
@@ -80,7 +80,7 @@ class GroupClient:
         return [{"rank": r, "host": hosts[r].name, "pid": p.pid} for r, p in enumerate(self.procs)]
 
     def check_prompt(self, request: GenerationRequest) -> None:
-        check_request(request, self.name, self.has_draft, self.max_context)
+        check_request(request, self.name, self.drafter, self.max_context)
 
     def speculation_status(self) -> dict:
         return self.status.get("speculation", {"default": self.speculation.method})

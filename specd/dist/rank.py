@@ -186,7 +186,7 @@ def run(plan: GroupPlan) -> int:
         engine.run_steps()
         _exit(0)
     return _serve(engine, plan, {"weight_bytes": total, "max_context": engine.max_context,
-                                 "vocab_size": engine.vocab_size, "has_draft": engine.has_draft})
+                                 "vocab_size": engine.vocab_size, "drafter": engine.drafter})
 
 
 def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:

@@ -12,6 +12,7 @@ later squeezed out into left padding (``SpeculativeKVCache``).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
@@ -30,7 +31,9 @@ class SpeculativeKVCache(BatchKVCache):
     left padding, which is the roll done once instead of every step.
 
     ``valid`` (B, _idx) marks the columns a row may attend to beyond its left
-    padding; it is None while there are no holes.
+    padding; it is None while there are no holes.  While a draft tree is
+    verified, ``tree`` restricts the new tokens to their ancestors, and
+    ``forget`` keeps the accepted path's columns (the rest become holes).
     """
 
     COMPACT_FRACTION = 0.25
@@ -38,6 +41,7 @@ class SpeculativeKVCache(BatchKVCache):
     def __init__(self, left_padding: list[int]):
         super().__init__(left_padding)
         self.valid: mx.array | None = None
+        self.tree: mx.array | None = None  # (B, N, N) ancestry of the N tokens being verified as a tree
 
     def update_and_fetch(self, keys, values):
         if self.valid is not None:
@@ -46,14 +50,16 @@ class SpeculativeKVCache(BatchKVCache):
         return super().update_and_fetch(keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        if (not return_array and self.valid is None and self.left_padding.shape[0] == 1
+        if (not return_array and self.valid is None and self.tree is None and self.left_padding.shape[0] == 1
                 and self.left_padding.item() == 0):
             return None if N == 1 else "causal"  # a lone unpadded row needs no mask array (a faster path)
-        mask = super().make_mask(N, return_array=return_array, **kwargs)
-        if self.valid is None:
-            return mask
-        seen = mx.concatenate([self.valid, mx.ones((self.valid.shape[0], N), dtype=mx.bool_)], axis=1)
-        return mask & seen[:, None, None, :]
+        mask = super().make_mask(N, return_array=return_array or self.tree is not None, **kwargs)
+        if self.valid is not None:
+            seen = mx.concatenate([self.valid, mx.ones((self.valid.shape[0], N), dtype=mx.bool_)], axis=1)
+            mask = mask & seen[:, None, None, :]
+        if self.tree is not None:  # each new token sees the context and its own ancestors only
+            mask = mx.concatenate([mask[..., :-N], mask[..., -N:] & self.tree[:, None]], axis=-1)
+        return mask
 
     def trim(self, n):
         n = super().trim(n)
@@ -61,17 +67,21 @@ class SpeculativeKVCache(BatchKVCache):
             self.valid = self.valid[:, : self._idx]
         return n
 
-    def rollback(self, rejected: list[int]) -> None:
-        """Forget the last ``rejected[b]`` tokens of each row b (``needs_compaction``
-        then says whether the holes are worth squeezing out)."""
-        shared = min(rejected)
-        extra = mx.array([r - shared for r in rejected])
-        if max(rejected) > shared:
-            cols = mx.arange(self._idx)[None, :]
-            hole = (cols >= self._idx - shared - extra[:, None]) & (cols < self._idx - shared)
+    def forget(self, drop: np.ndarray) -> None:
+        """Forget, in each row b, the last ``width`` columns where ``drop[b]``
+        (B, width) is set: the ones every row drops at the end are trimmed,
+        the others become holes (a draft tree keeps one path of its nodes)."""
+        width = drop.shape[1]
+        shared = 0
+        while shared < width and drop[:, width - 1 - shared].all():
+            shared += 1
+        inner = drop[:, : width - shared]
+        if inner.any():
+            hole = np.zeros((drop.shape[0], self._idx), dtype=bool)
+            hole[:, self._idx - width: self._idx - shared] = inner
             valid = self.valid if self.valid is not None else mx.ones(hole.shape, dtype=mx.bool_)
-            self.valid = valid & ~hole
-            self.offset = self.offset - extra
+            self.valid = valid & ~mx.array(hole)
+            self.offset = self.offset - mx.array(inner.sum(axis=1))
         self.trim(shared)
 
     def needs_compaction(self) -> bool:
@@ -124,8 +134,16 @@ def rollback(cache: list[SpeculativeKVCache], rejected: list[int]) -> None:
     each row holds exactly its accepted tokens and no row is cut short because
     of another."""
     if any(rejected):
+        width = max(rejected)
+        forget(cache, np.arange(width)[None, :] >= width - np.array(rejected)[:, None])
+
+
+def forget(cache: list[SpeculativeKVCache], drop: np.ndarray) -> None:
+    """Drop, in every layer, the columns ``drop`` (B, width) marks among each
+    row's last ``width`` (see ``SpeculativeKVCache.forget``)."""
+    if drop.any():
         for layer in cache:
-            layer.rollback(rejected)
+            layer.forget(drop)
         if cache[0].needs_compaction():  # every layer has the same holes: decide (and sync) once
             for layer in cache:
                 layer.compact()

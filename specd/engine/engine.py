@@ -85,7 +85,7 @@ class Engine:
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
         self.max_context = _model_context(model, config.max_context)
         self._detokenizer = tokenizer.detokenizer
-        self.speculator = Speculator(name, _vocab_size(model), self.metrics, speculation, draft_model)
+        self.speculator = Speculator(name, model, _vocab_size(model), self.metrics, speculation, draft_model)
         self._updates: list[Callable[[], None]] = []
         self._cv = threading.Condition()
         self._inbox: deque[Sequence] = deque()
@@ -110,7 +110,7 @@ class Engine:
 
     def check_prompt(self, request: GenerationRequest) -> None:
         """Raise ValueError if the request can never be served as asked."""
-        check_request(request, self.name, self.has_draft, self.max_context)
+        check_request(request, self.name, self.drafter, self.max_context)
 
     def submit(self, request: GenerationRequest, emit) -> None:
         """Queue a request; ``emit(StepOutput)`` is called from the engine thread."""
@@ -133,8 +133,9 @@ class Engine:
         return self.speculator.default
 
     @property
-    def has_draft(self) -> bool:
-        return self.speculator.draft is not None
+    def drafter(self) -> str | None:
+        """The method of the pairing's drafter ("draft" model, "eagle" head), if one is attached."""
+        return self.speculator.drafter
 
     @property
     def vocab_size(self) -> int:
@@ -279,6 +280,7 @@ class Engine:
         chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
         end = min(width, group.done + chunk)
         logits = self.model(group.tokens[:, group.done:end], cache=group.cache)
+        self.speculator.observe_prefill(group.seqs, group.done, end, [width - len(s.prompt) for s in group.seqs])
         group.done = end
         if end < width:
             mx.eval([c.state for c in group.cache])
@@ -304,22 +306,26 @@ class Engine:
         step_started = time.perf_counter()
         proposal = self.speculator.propose(batch.seqs, batch.last_tokens, self.max_context)
         width = proposal.width
-        inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
+        if proposal.tree is not None:
+            inputs = mx.array(proposal.tree.inputs)
+        else:
+            inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
         started = time.perf_counter()
-        logits = self.model(inputs, cache=batch.cache)
+        with self.speculator.forward_context(proposal, batch.cache):
+            logits = self.model(inputs, cache=batch.cache)
         if width == 0:
             emitted = [[t] for t in self._sample(batch.seqs, logits[:, -1, :])]
         else:
-            emitted = self.speculator.verify(batch.seqs, logits, proposal, batch.cache)
+            emitted, logits = self.speculator.verify(batch.seqs, logits, proposal, batch.cache)
         # what a step of this shape costs, verification and rollback included (the controller's input)
         elapsed = time.perf_counter() - started
         self.speculator.observe_step(len(batch), width + 1, elapsed)
         self.speculator.observe_emitted(batch.seqs, emitted)
         self._emit(batch.seqs, logits, emitted)
-        self.speculator.observe_outcome(len(batch), width, sum(map(len, emitted)), time.perf_counter() - step_started)
+        self.speculator.observe_outcome(len(batch), sum(map(len, emitted)), time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in emitted]
         batch.keep([i for i, s in enumerate(batch.seqs) if s.finish_reason is None])
-        self.speculator.retain(batch.seqs)
+        self.speculator.retain(batch.seqs + (self._prefill.seqs if self._prefill is not None else []))
 
     def _sample(self, seqs: list[Sequence], logits: mx.array) -> list[int]:
         """One token per row from (B, V) logits, with each row's settings and RNG."""
@@ -373,12 +379,13 @@ class Engine:
         self._update_gauges()
 
 
-def check_request(request: GenerationRequest, model: str, has_draft: bool, max_context: int) -> None:
+def check_request(request: GenerationRequest, model: str, drafter: str | None, max_context: int) -> None:
     """Raise ValueError if the request can never be served as asked."""
     spec = request.speculation
-    if spec is not None and spec.method == "draft" and not has_draft:
-        raise ValueError(f"model {model!r} has no draft model; declare a DraftPairing "
-                         "with method: draft, or ask for ngram")
+    if spec is not None and spec.method in ("draft", "eagle") and drafter != spec.method:
+        what = "draft model" if spec.method == "draft" else "EAGLE head"
+        raise ValueError(f"model {model!r} has no {what}; declare a DraftPairing "
+                         f"with method: {spec.method}, or ask for ngram")
     if not request.prompt_tokens:
         raise ValueError("prompt is empty")
     if len(request.prompt_tokens) >= max_context:

@@ -135,11 +135,14 @@ def speculation_for(engine: Engine, asked: dict | None) -> SpeculationConfig | N
     if asked is None:
         return None
     default = engine.speculation
-    if asked["method"] == "draft" and not engine.has_draft:
-        raise bad_request(f"model '{engine.name}' has no draft model (declare a DraftPairing with "
-                          "method: draft)", "speculation.method")
+    method = asked["method"]
+    if method in ("draft", "eagle") and engine.drafter != method:
+        what = "draft model" if method == "draft" else "EAGLE head"
+        raise bad_request(f"model '{engine.name}' has no {what} (declare a DraftPairing with "
+                          f"method: {method})", "speculation.method")
     k = asked["num_speculative_tokens"] or default.num_speculative_tokens
-    return SpeculationConfig(asked["method"], k, default.ngram_min, default.ngram_max)
+    return SpeculationConfig(method, k, default.ngram_min, default.ngram_max, default.tree_top_k,
+                             default.tree_tokens)
 
 
 def _message_text(content: Any, index: int) -> str:

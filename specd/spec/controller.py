@@ -14,19 +14,20 @@ so the batch shares one width; rows whose expected gain does not pay for
 their drafting are left out, and k = 0 when speculating cannot pay at all.
 
 A model of costs misses whatever it does not model (proposal bookkeeping, a
-lazy draft prefill, cache effects), so its bets are checked against what
-they return: ``Realised`` keeps, per batch-size bucket, the tokens per second
-of whole steps (proposing to emitting) that speculated and that did not.
-Where speculating measurably loses, the bucket decodes plainly and tries
-speculation again (with a shorter k first) after 16, 32 .. steps, spaced so
-that the tries cost at most 1% of the decode time, while a workload that
-turns repetitive is still noticed.
+lazy draft prefill, cache effects), so the k actually used is the one
+measured to pay: ``Realised`` keeps, per batch-size bucket, the tokens per
+second of whole steps (proposing to emitting) at each k, uses the best, and
+now and then tries its neighbours, the first try being the cost model's bet.
+Tries are spaced so that losing ones cost at most 1% of the decode time each,
+while a workload that turns repetitive is still noticed.  What was measured
+outlives a policy swap, like the learned costs.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from ..api.manifest import SpecPolicySpec
 from .costs import CostModel
@@ -66,12 +67,12 @@ class StaticController:
         prior = self.ema if self.ema is not None else 0.5
         return AcceptanceEstimate(prior * self.PRIOR_WEIGHT, (1 - prior) * self.PRIOR_WEIGHT)
 
-    def realised_rates(self) -> dict[str, dict[str, float | None]]:
+    def realised_rates(self) -> dict[str, dict[str, float]]:
         """Measured tokens/s by batch-size bucket (only the goodput controller measures them)."""
         return {}
 
-    def observe_step(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
-        """A whole decode step's outcome, k its longest proposal (only the goodput controller uses it)."""
+    def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
+        """A whole decode step's outcome (only the goodput controller uses it)."""
 
     def observe(self, estimates: list["AcceptanceEstimate"], proposed: list[int], accepted: list[int]) -> None:
         """Fold one step's acceptance into the model's EMA and each request's estimate."""
@@ -124,92 +125,96 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class Realised:
-    """Measured tokens per second of plain and speculative steps in one
-    batch-size bucket, and when speculation may be tried again.
+    """Measured tokens per second of each k (0: plain) in one batch-size
+    bucket, and the k to use next.
 
-    Speculation that is not measured to pay is tried now and then: a try is
-    ``TRIAL`` speculative steps, judged on all but its first (which pays for
-    catching a draft's cache up, a one-off cost a request amortises over its
-    life).  A try that loses sets the next one 16, 32, .. steps away, and never
-    sooner than its cost beyond plain steps allows within ``EXPLORE_BUDGET``
-    of the decode time.  A losing try with k > 1 halves the k the next try may
-    use (the cost model may have bet too far, while a shorter k pays); one
-    that loses at k = 1 lifts the cap again for the (much later) next try."""
+    The k in use is the measured best.  Its neighbours (k - 1 and k + 1) are
+    tried now and then: a try is ``TRY`` steps at the neighbour's k, judged on
+    all but its first (which pays for catching a draft's cache up, a one-off
+    cost a request amortises over its life).  A try that wins makes its k the
+    best (and the old best a neighbour, soon tried again, so one lucky try is
+    undone); one that loses waits 16, 32, .. 1024 steps for the next, and
+    never less than its cost beyond the best allows within ``EXPLORE_BUDGET``
+    of the decode time.  Tokens per second rise with k to one best and fall
+    after it, so climbing from neighbour to neighbour finds the best k
+    without paying for tries of hopeless ones, and the first try goes where
+    the cost model bets."""
 
-    ALPHA = 0.2  # EMA weight of one step
-    TRIAL = 4  # speculative steps per try
-    FIRST_RETRY, LAST_RETRY = 16, 1024  # steps between tries of a losing arm
-    EXPLORE_BUDGET = 0.01  # share of the decode time losing tries may cost
-    REFRESH = 64  # steps between plain steps taken to keep the baseline current
+    ALPHA = 0.1  # EMA weight of one step of the best k
+    TRY = 8  # steps per try
+    FIRST_RETRY, LAST_RETRY = 16, 1024  # steps between tries of a losing k
+    EXPLORE_BUDGET = 0.01  # share of the decode time each neighbour's losing tries may cost
 
     def __init__(self) -> None:
-        self.plain: float | None = None  # tokens/s
-        self.speculative: float | None = None
-        self.plain_step: float | None = None  # seconds
-        self.retry_every = self.FIRST_RETRY  # spacing after a try lost even at k = 1 (doubles)
-        self.wait = self.FIRST_RETRY  # plain steps before the next try
-        self.since_speculative = 0
-        self.since_plain = 0
-        self.tries = 0
-        self.trial = 0  # speculative steps left in the current try
-        self.trial_extra = 0.0  # what the try cost beyond plain steps (seconds)
-        self.trial_k = 0  # the longest proposal the try made
-        self.k_cap: int | None = None  # the most k may be, after losing tries
+        self.rate: dict[int, float] = {}  # tokens/s by k
+        self.step_seconds: float | None = None  # a step of the best k
+        self.best = 0
+        self.steps = 0  # steps decided in this bucket
+        self.next_try: dict[int, int] = {}  # k -> step from which it may be tried (again)
+        self.retry: dict[int, int] = {}  # k -> spacing after its next losing try
+        self.trying: int | None = None
+        self.try_left = 0
+        self.try_tokens = 0
+        self.try_seconds = 0.0  # judged steps
+        self.try_cost = 0.0  # seconds beyond what the best k would have taken, all steps
+        self.pending: int | None = None  # the k decided for the step being run
 
-    def decide(self) -> str | None:
-        """None: the model may speculate (starting a try when one is due); else why this step is plain."""
-        if self.plain is None:
-            return "baseline"
-        if self.trial:
-            return None
-        if self.speculative is not None and self.speculative >= self.plain:
-            return "baseline" if self.since_plain >= self.REFRESH else None
-        if not self.tries or self.since_speculative >= self.wait:
-            self.tries += 1
-            self.trial, self.trial_extra, self.trial_k = self.TRIAL, 0.0, 0
-            return None
-        return "no_gain"
+    def decide(self, max_k: int, bet: Callable[[], int]) -> tuple[int, str | None]:
+        """The k for this step (0: plain, with why): the best, or a neighbour's
+        try when one is due; ``bet`` is the cost model's k for the first try."""
+        self.steps += 1
+        if 0 not in self.rate:
+            return self._run(0), "baseline"
+        if self.trying is None and max_k > 0:
+            due = [k for k in self._neighbours(max_k, bet) if self.steps >= self.next_try.get(k, 0)]
+            if due:
+                self.trying, self.try_left = due[0], self.TRY
+                self.try_tokens, self.try_seconds, self.try_cost = 0, 0.0, 0.0
+        k = self.trying if self.trying is not None else min(self.best, max_k)
+        return self._run(k), None if k else "no_gain"
 
-    def observe(self, k: int, tokens: int, seconds: float) -> None:
-        """One decode step: its longest proposal (0: plain), its tokens and wall time."""
+    def _neighbours(self, max_k: int, bet: Callable[[], int]) -> list[int]:
+        if len(self.rate) == 1:  # only plain measured: the first try is the cost model's bet
+            return [min(max(bet(), 1), max_k)]
+        return [k for k in (self.best + 1, self.best - 1) if 0 <= k <= max_k]
+
+    def _run(self, k: int) -> int:
+        self.pending = k
+        return k
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """The outcome of the step last decided: its tokens and wall time."""
+        k, self.pending = self.pending, None
+        if k is None or seconds <= 0:
+            return
         rate = tokens / seconds
-        if not k:
-            self.plain = _ema(self.plain, rate, self.ALPHA)
-            self.plain_step = _ema(self.plain_step, seconds, self.ALPHA)
-            self.since_plain = 0
-            self.since_speculative += 1
-            if self.trial:  # the cost model declined to go on: the try is over
-                self.trial = 0
-                self._spacing()
+        if k != self.trying:
+            self.rate[k] = _ema(self.rate.get(k), rate, self.ALPHA)
+            if k == self.best:
+                self.step_seconds = _ema(self.step_seconds, seconds, self.ALPHA)
             return
-        self.since_speculative = 0
-        self.since_plain += 1
-        if not self.trial:  # speculating because it pays
-            self.speculative = _ema(self.speculative, rate, self.ALPHA)
-            return
-        self.trial -= 1
-        self.trial_extra += seconds - (self.plain_step or seconds)
-        self.trial_k = max(self.trial_k, k)
-        judged = self.TRIAL - 1 - self.trial  # steps of this try after its first
-        if judged == 1:
-            self.speculative = rate  # fresh evidence replaces what an old try measured
-        elif judged > 1:
-            self.speculative = _ema(self.speculative, rate, 0.5)
-        if self.trial == 0:
-            self._spacing()
+        self.try_left -= 1
+        self.try_cost += seconds - tokens / self.rate[self.best]
+        if self.try_left < self.TRY - 1:  # the first step catches up; judge the rest
+            self.try_tokens += tokens
+            self.try_seconds += seconds
+        if self.try_left == 0:
+            self._judge(k)
 
-    def _spacing(self) -> None:
-        """After a try: speculate on if it paid, else wait as long as the budget asks."""
-        if self.speculative is not None and self.speculative >= self.plain:
-            self.retry_every = self.wait = self.FIRST_RETRY
+    def _judge(self, k: int) -> None:
+        self.trying = None
+        rate = self.try_tokens / self.try_seconds
+        self.rate[k] = rate
+        if rate > self.rate[self.best]:
+            old, self.best = self.best, k
+            self.step_seconds = self.try_seconds / (self.TRY - 1)
+            self.retry[old] = self.FIRST_RETRY
+            self.next_try[old] = self.steps + self.FIRST_RETRY
             return
-        affordable = math.ceil(self.trial_extra / (self.EXPLORE_BUDGET * self.plain_step)) if self.plain_step else 0
-        if self.trial_k > 1:  # perhaps a shorter bet pays: try it as soon as the budget allows
-            self.k_cap = self.trial_k // 2
-            self.wait = min(max(self.FIRST_RETRY, affordable), self.LAST_RETRY)
-            return
-        self.k_cap = None
-        self.retry_every = self.wait = min(max(2 * self.retry_every, affordable), self.LAST_RETRY)
+        spacing = self.retry.get(k, self.FIRST_RETRY)
+        affordable = math.ceil(self.try_cost / (self.EXPLORE_BUDGET * self.step_seconds)) if self.step_seconds else 0
+        self.next_try[k] = self.steps + min(max(spacing, affordable), self.LAST_RETRY)
+        self.retry[k] = min(2 * spacing, self.LAST_RETRY)
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -224,59 +229,63 @@ def batch_bucket(batch_size: int) -> int:
 class GoodputController(StaticController):
     mode = "goodput"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, realised: dict[int, Realised] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.realised: dict[int, Realised] = {}
+        self.realised = {} if realised is None else realised  # by batch-size bucket
 
-    def realised_rates(self) -> dict[str, dict[str, float | None]]:
-        """Measured tokens/s by batch-size bucket, as ``describe`` shows them."""
-        return {f"B<={b}": {"plain": r.plain and round(r.plain, 1),
-                            "speculative": r.speculative and round(r.speculative, 1)}
+    def realised_rates(self) -> dict[str, dict[str, float]]:
+        """Measured tokens/s of each k and the best k by batch-size bucket, as ``describe`` shows them."""
+        return {f"B<={b}": {"best": r.best, **{f"k={k}": round(v, 1) for k, v in sorted(r.rate.items())}}
                 for b, r in sorted(self.realised.items())}
 
-    def observe_step(self, batch_size: int, k: int, tokens: int, seconds: float) -> None:
+    def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
         """A whole decode step's outcome, proposing to emitting."""
-        if seconds > 0:
-            self.realised.setdefault(batch_bucket(batch_size), Realised()).observe(k, tokens, seconds)
+        measured = self.realised.get(batch_bucket(batch_size))
+        if measured is not None:
+            measured.observe(tokens, seconds)
 
     def plan(self, rows: list[Row], batch_size: int) -> tuple[list[int], str | None]:
+        """The measured best k (or a neighbour's try) for the rows whose expected gain pays for it."""
         policy = self.policy
         asked = [r.budget for r in rows]
         if not any(asked):
             return asked, None
         if policy is not None and not policy.enabled:
             return [0] * len(rows), "policy_disabled"
-        realised = self.realised.setdefault(batch_bucket(batch_size), Realised())
-        measured = realised.decide()
-        if measured is not None:
-            return [0] * len(rows), measured
-        ks, reason = self.choose(rows)
-        if realised.k_cap is not None:
-            ks = [min(k, realised.k_cap) for k in ks]
-        return ks, reason
+        measured = self.realised.setdefault(batch_bucket(batch_size), Realised())
+        k, reason = measured.decide(self._cap(rows), lambda: max(self.choose(rows)[0]))
+        if k == 0:
+            return [0] * len(rows), reason
+        return self._for_rows(rows, k, self._worth_it(rows, k))
 
     def choose(self, rows: list[Row]) -> tuple[list[int], str | None]:
         """The cost model's choice: the k (and the rows) with the most expected tokens per second."""
-        policy = self.policy
-        asked = [r.budget for r in rows]
-        cap = max(asked) if policy is None else min(max(asked), policy.max_speculative_tokens)
-        self._steps_off += 1
-        probing = policy is not None and self._steps_off % policy.probe_interval == 0
         best_k, best_rate, best_rows = 0, self._rate(rows, 0, [False] * len(rows)), [False] * len(rows)
-        for k in range(1, cap + 1):
+        for k in range(1, self._cap(rows) + 1):
             use = self._worth_it(rows, k)
             rate = self._rate(rows, k, use)
             if rate > best_rate * 1.0001:
                 best_k, best_rate, best_rows = k, rate, use
-        if best_k == 0 and probing:  # one request at a time, so estimates can recover cheaply
+        return self._for_rows(rows, best_k, best_rows)
+
+    def _cap(self, rows: list[Row]) -> int:
+        longest = max(r.budget for r in rows)
+        return longest if self.policy is None else min(longest, self.policy.max_speculative_tokens)
+
+    def _for_rows(self, rows: list[Row], k: int, use: list[bool]) -> tuple[list[int], str | None]:
+        """k for the rows in ``use``; with none, every ``probeInterval``-th
+        such step still lets one request speculate (in turn), so estimates
+        can recover cheaply when a text turns repetitive."""
+        self._steps_off += 1
+        if k == 0 or not any(use):
+            if self.policy is None or self._steps_off % self.policy.probe_interval:
+                return [0] * len(rows), "no_gain"
             candidates = [i for i, r in enumerate(rows) if r.budget > 0]
             self._probe_cursor += 1
             chosen = candidates[self._probe_cursor % len(candidates)]
-            best_k, best_rows = 1, [i == chosen for i in range(len(rows))]
-        if best_k == 0:
-            return [0] * len(rows), "no_gain"
+            k, use = 1, [i == chosen for i in range(len(rows))]
         self._steps_off = 0
-        return [min(best_k, r.budget) if use else 0 for r, use in zip(rows, best_rows)], None
+        return [min(k, r.budget) if u else 0 for r, u in zip(rows, use)], None
 
     def _worth_it(self, rows: list[Row], k: int) -> list[bool]:
         """Rows whose expected extra tokens pay for the drafting they add."""
@@ -301,6 +310,9 @@ class GoodputController(StaticController):
                      for r, u in zip(rows, use))
         return tokens / seconds
 
-def make_controller(policy: SpecPolicySpec | None, name: str | None, costs: CostModel) -> StaticController:
-    cls = GoodputController if policy is not None and policy.mode == "goodput" else StaticController
-    return cls(policy, name, costs)
+def make_controller(policy: SpecPolicySpec | None, name: str | None, costs: CostModel,
+                    realised: dict[int, Realised]) -> StaticController:
+    """The policy's controller; what was learned (costs, measured rates by k) carries over."""
+    if policy is not None and policy.mode == "goodput":
+        return GoodputController(policy, name, costs, realised=realised)
+    return StaticController(policy, name, costs)

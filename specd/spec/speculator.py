@@ -2,39 +2,50 @@
 
 The engine forwards ``[last, d_1..d_k]`` for every row (right-padded to the
 longest proposal, rows without proposals included) and hands the logits
-here.  Proposers only propose; ``verify`` alone decides what is kept, so new
-proposers (EAGLE) slot in without touching the verifier.
+here.  Proposers only propose; ``verify`` alone decides what is kept.  When
+an EAGLE head proposes a branching tree, every row's proposal is laid out as
+a tree (``tree.py``) and verified in the same single forward.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from ..engine.batch import rollback
+from ..engine.batch import forget, rollback
 from ..engine.sampling import transform_logprobs
 from ..engine.sequence import Sequence
 from ..metrics import Metrics
 from .config import NO_SPECULATION, SpeculationConfig
-from .controller import Row, StaticController, make_controller
+from .controller import Realised, Row, StaticController, make_controller
 from .costs import CostModel
 from .draft import DraftModelProposer
+from .eagle.head import EagleHead
+from .eagle.proposer import EagleProposer
 from .ngram import NgramIndex
+from .tree import DraftTree, TreeLayout, TreePositions, accept, layout, verifying
 from .verify import point_mass, verify
 
 
 @dataclass
 class Proposal:
-    drafts: list[list[int]]  # per row, possibly empty
+    drafts: list[list[int]]  # per row, possibly empty (a tree row: its deepest branch's length in ``depths``)
     draft_probs: mx.array | None  # (len(draft_rows), K_draft, V) q of draft-model rows
     draft_rows: list[int]
+    tree: TreeLayout | None = None  # set when some row proposes a branching tree
+    trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
 
     @property
     def width(self) -> int:
+        """Proposal columns the verify forward adds to each row."""
+        if self.tree is not None:
+            return self.tree.width - 1
         return max((len(d) for d in self.drafts), default=0)
 
 
@@ -43,14 +54,20 @@ class Speculator:
     draft model and its controller (from the SpecPolicy), all replaceable
     between steps without disturbing requests in flight."""
 
-    def __init__(self, model_name: str, vocab_size: int, metrics: Metrics,
+    def __init__(self, model_name: str, target: nn.Module, vocab_size: int, metrics: Metrics,
                  default: SpeculationConfig = NO_SPECULATION, draft_model: nn.Module | None = None):
         self.name = model_name
+        self.target = target
         self.vocab = vocab_size
         self.metrics = metrics
         self.default = default
-        self.draft = DraftModelProposer(draft_model) if draft_model is not None else None
+        self.draft: DraftModelProposer | None = None
+        self.eagle: EagleProposer | None = None
+        self.positions: TreePositions | None = None  # installed on the target at the first draft tree
+        self._kept_columns: list[list[int]] | None = None  # a tree step's kept columns, per row
+        self.configure(default, draft_model)
         self.costs = CostModel()
+        self.realised: dict[int, Realised] = {}  # measured tokens/s by batch bucket and k
         self._chosen_k = metrics.spec_chosen_k.labels(model_name)  # observed per row and step: skip the lookup
         self.controller = StaticController(costs=self.costs)
         self.drafted_total = 0
@@ -75,16 +92,34 @@ class Speculator:
                 "realisedTokensPerSecond": self.controller.realised_rates()}
 
     def configure(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
-        """Attach, change or detach the pairing; a new draft model starts with no rows."""
+        """Attach, change or detach the pairing (``draft_model``: a draft
+        model or an EAGLE head); a new drafter starts with no rows."""
         self.default = default
-        if draft_model is None:
+        head = draft_model if isinstance(draft_model, EagleHead) else None
+        if self.eagle is not None and self.eagle.head is not head:
+            self.eagle.detach()
+            self.eagle = None
+        if head is not None and self.eagle is None:
+            self.eagle = EagleProposer(head, self.target)
+        model = None if head is not None else draft_model
+        if model is None:
             self.draft = None
-        elif self.draft is None or self.draft.model is not draft_model:
-            self.draft = DraftModelProposer(draft_model)
+        elif self.draft is None or self.draft.model is not model:
+            self.draft = DraftModelProposer(model)
+
+    @property
+    def drafter_module(self) -> nn.Module | None:
+        """The attached draft model or EAGLE head (to keep when only the pairing's settings change)."""
+        return self.eagle.head if self.eagle is not None else self.draft.model if self.draft is not None else None
+
+    @property
+    def drafter(self) -> str | None:
+        """The method of the attached drafter: "draft", "eagle" or None."""
+        return "eagle" if self.eagle is not None else "draft" if self.draft is not None else None
 
     def set_policy(self, policy, name: str | None) -> None:
-        """A new controller for the policy; the learned costs carry over."""
-        self.controller = make_controller(policy, name, self.costs)
+        """A new controller for the policy; the learned costs and measured rates carry over."""
+        self.controller = make_controller(policy, name, self.costs, self.realised)
 
     def spec_for(self, seq: Sequence) -> SpeculationConfig:
         return seq.request.speculation or self.default
@@ -93,6 +128,8 @@ class Speculator:
         """The most a request may propose this round: its k, shrunk so the
         round can pass neither the context window nor max_tokens."""
         if not spec.enabled or (spec.method == "draft" and self.draft is None):
+            return 0
+        if spec.method == "eagle" and (self.eagle is None or not self.eagle.tracks(seq)):
             return 0
         room_context = max_context - seq.context_length - 1
         room_tokens = seq.request.max_tokens - len(seq.tokens) - 1
@@ -104,7 +141,7 @@ class Speculator:
         for s, spec, budget in zip(seqs, specs, budgets):
             if s.estimate is None:
                 s.estimate = self.controller.new_estimate()
-            rows.append(Row(budget, spec.method == "draft", s.estimate))
+            rows.append(Row(budget, spec.method in ("draft", "eagle"), s.estimate))
         ks, reason = self.controller.plan(rows, len(seqs))
         if self.agree is not None:
             ks = self.agree(ks)
@@ -155,15 +192,58 @@ class Speculator:
                     picked.append(j)
             probs = proposal.probs[mx.array(picked)]
             self.metrics.spec_propose_seconds.labels(self.name, "draft").observe(time.perf_counter() - started)
+        trees = self._propose_eagle(seqs, specs, ks, drafts)
         for s, spec, k in zip(seqs, specs, ks):
             if k:
                 s.stats.method = spec.method
-        return Proposal(drafts, probs, rows)
+        if trees is None:
+            return Proposal(drafts, probs, rows)
+        trees = [t if t is not None else DraftTree.chain(d) for t, d in zip(trees, drafts)]
+        return Proposal(drafts, probs, rows, layout(trees, last_tokens), trees)
+
+    def _propose_eagle(self, seqs: list[Sequence], specs: list[SpeculationConfig], ks: list[int],
+                       drafts: list[list[int]]) -> list[DraftTree | None] | None:
+        """EAGLE rows' proposals: chains go into ``drafts``; branching trees
+        are returned (None where a row has none; None at all without any)."""
+        if self.eagle is None:
+            return None
+        members = [i for i, s in enumerate(seqs) if specs[i].method == "eagle" and (ks[i] or self.eagle.admitted(s))]
+        if not any(ks[i] for i in members):
+            return None
+        started = time.perf_counter()
+        depth = max(ks[i] for i in members)
+        top_k = max(specs[i].tree_top_k for i in members)
+        budget = max(specs[i].tree_tokens for i in members) if top_k > 1 else depth
+        proposed = self.eagle.propose([seqs[i] for i in members], [ks[i] > 0 for i in members], depth, top_k, budget)
+        trees: list[DraftTree | None] = [None] * len(seqs)
+        for i, tree in zip(members, proposed):
+            if tree is None:
+                continue
+            tree = tree.pruned(ks[i])
+            if all(p == j - 1 for j, p in enumerate(tree.parents)):
+                drafts[i] = tree.tokens
+            else:
+                trees[i] = tree
+        self.metrics.spec_propose_seconds.labels(self.name, "eagle").observe(time.perf_counter() - started)
+        if all(t is None for t in trees):
+            return None
+        if self.positions is None:
+            self.positions = TreePositions(self.target)
+        return trees
+
+    def forward_context(self, proposal: Proposal, cache: list):
+        """Around the verify forward: a tree layout's positions and mask, else nothing."""
+        if proposal.tree is None:
+            return nullcontext()
+        return verifying(self.positions, cache, proposal.tree)
 
     def verify(self, seqs: list[Sequence], logits: mx.array, proposal: Proposal,
-               cache: list) -> list[list[int]]:
+               cache: list) -> tuple[list[list[int]], mx.array]:
         """Keep each row's accepted proposals plus one target token; roll the
-        target (and draft) caches back to exactly that.  Returns the tokens."""
+        target (and draft) caches back to exactly that.  Returns the tokens
+        and, per row, the logits that produced each of them."""
+        if proposal.tree is not None:
+            return self._verify_tree(seqs, logits, proposal, cache)
         started = time.perf_counter()
         width = proposal.width
         params = [s.params for s in seqs]
@@ -182,23 +262,53 @@ class Speculator:
 
         started = time.perf_counter()
         rollback(cache, [width - a for a in verdict.accepted])
+        self._settle(seqs, proposal, [len(d) for d in proposal.drafts], verdict.accepted, verdict.next_tokens)
+        self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
+        return [d[:a] + [t] for d, a, t in zip(proposal.drafts, verdict.accepted, verdict.next_tokens)], logits
+
+    def _verify_tree(self, seqs: list[Sequence], logits: mx.array, proposal: Proposal,
+                     cache: list) -> tuple[list[list[int]], mx.array]:
+        """The tree path: walk every row's tree, keep the accepted path's columns."""
+        started = time.perf_counter()
+        tree, trees = proposal.tree, proposal.trees
+        params = [s.params for s in seqs]
+        target = transform_logprobs(logits, params)
+        uniforms, gumbel = self._randomness(seqs, tree.width)
+        draft_q = dict(zip(proposal.draft_rows, proposal.draft_probs)) if proposal.draft_rows else {}
+        verdict = accept(target, trees, tree, [p.greedy for p in params], uniforms, gumbel, draft_q)
+        self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        kept = [[0] + [tree.columns[b][n] for n in path] for b, path in enumerate(verdict.paths)]
+        drop = np.ones((len(seqs), tree.width), dtype=bool)
+        for b, cols in enumerate(kept):
+            drop[b, cols] = False
+        forget(cache, drop)
+        self._kept_columns = kept
+        depths = [max(t.depths(), default=0) for t in trees]
+        self._settle(seqs, proposal, depths, [len(p) for p in verdict.paths], verdict.next_tokens)
+        self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
+        emitted = [[t.tokens[n] for n in path] + [nxt] for t, path, nxt in zip(trees, verdict.paths, verdict.next_tokens)]
+        width = max(len(c) for c in kept)
+        columns = mx.array([c + [0] * (width - len(c)) for c in kept])
+        return emitted, mx.take_along_axis(logits, columns[..., None], axis=1)
+
+    def _settle(self, seqs: list[Sequence], proposal: Proposal, proposed: list[int], accepted: list[int],
+                next_tokens: list[int]) -> None:
+        """After a verdict: the draft model's rollback, statistics and the controller's estimates
+        (a tree counts as a proposal as long as its deepest branch)."""
         if proposal.draft_rows:
             rows = proposal.draft_rows
-            self.draft.commit([verdict.accepted[i] for i in rows], [proposal.drafts[i] for i in rows],
-                              [verdict.next_tokens[i] for i in rows])
-        self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
-        out = []
-        for s, d, a, t in zip(seqs, proposal.drafts, verdict.accepted, verdict.next_tokens):
-            if d:
-                self._count(s, len(d), a)
-            out.append(d[:a] + [t])
-        proposed = [len(d) for d in proposal.drafts]
+            self.draft.commit([accepted[i] for i in rows], [proposal.drafts[i] for i in rows],
+                              [next_tokens[i] for i in rows])
+        for s, k, a in zip(seqs, proposed, accepted):
+            if k:
+                self._count(s, k, a)
         self.drafted_total += sum(proposed)
-        self.accepted_total += sum(verdict.accepted)
-        self.controller.observe([s.estimate for s in seqs], proposed, verdict.accepted)
+        self.accepted_total += sum(accepted)
+        self.controller.observe([s.estimate for s in seqs], proposed, accepted)
         if self.controller.ema is not None:
             self.metrics.spec_acceptance_ema.labels(self.name).set(self.controller.ema)
-        return out
 
     def _randomness(self, seqs: list[Sequence], width: int) -> tuple[mx.array, mx.array]:
         """Acceptance uniforms and final-draw noise from each sampling row's own key."""
@@ -234,18 +344,36 @@ class Speculator:
             self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
         self.costs.observe_target(rows, width, seconds)
 
-    def observe_outcome(self, rows: int, k: int, tokens: int, seconds: float) -> None:
-        """A whole decode step (k: its longest proposal), proposing to emitting:
-        what the controller's bets returned."""
-        self.controller.observe_step(rows, k, tokens, seconds)
+    def observe_outcome(self, rows: int, tokens: int, seconds: float) -> None:
+        """A whole decode step, proposing to emitting: what the controller's bets returned."""
+        self.controller.observe_step(rows, tokens, seconds)
 
     def observe_emitted(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
-        """Queue what non-drafting rows emitted, so the draft cache catches up
-        lazily instead of being prefilled again when they resume drafting."""
+        """After a decode step: queue what non-drafting rows emitted, so the
+        draft cache catches up lazily instead of being prefilled again when
+        they resume drafting; hand an EAGLE head the target's features of the
+        columns each row kept (a chain's first ones, a tree's path)."""
         if self.draft is not None and self.draft.rows:
             self.draft.observe({id(s): e for s, e in zip(seqs, emitted)})
+        kept, self._kept_columns = self._kept_columns, None
+        if self.eagle is not None:
+            kept = kept or [list(range(len(e))) for e in emitted]
+            self.eagle.observe(seqs, [c if self.eagle.tracks(s) else None for s, c in zip(seqs, kept)])
+
+    def observe_prefill(self, seqs: list[Sequence], start: int, end: int, padding: list[int]) -> None:
+        """A prefill chunk ran prompt columns [start, end) of left-padded rows:
+        an EAGLE head gets the features of each EAGLE sequence's real ones."""
+        if self.eagle is None:
+            return
+        if start == 0:
+            self.eagle.track([s for s in seqs if self.spec_for(s).method == "eagle"])
+        self.eagle.observe(seqs, [list(range(max(0, pad - start), end - start)) if self.eagle.tracks(s) else None
+                                  for s, pad in zip(seqs, padding)])
 
     def retain(self, seqs: list[Sequence]) -> None:
         """Forget proposer state of sequences that left the batch."""
+        alive = {id(s) for s in seqs}
         if self.draft is not None:
-            self.draft.retain({id(s) for s in seqs})
+            self.draft.retain(alive)
+        if self.eagle is not None:
+            self.eagle.retain(alive)

@@ -1,0 +1,150 @@
+"""EAGLE benchmark: a locally trained head vs the draft model vs n-gram, chain vs tree.
+
+On the demo target, in process, side by side: for each configuration (spec
+off, n-gram, the demo's draft model, EAGLE chain, EAGLE trees) and
+concurrency, aggregate output tokens/s (median of runs taken round-robin, so
+the machine's slow spells hit every configuration alike), the mean
+acceptance length (tokens a speculative round yields: 1 + accepted drafts)
+and the acceptance rate (accepted / drafted; a tree counts as deep as its
+deepest branch).  Greedy decoding; the engine's drafter is swapped between
+configurations the way a DraftPairing change swaps it.
+
+    specd train-eagle --target models/demo/target --out models/demo/eagle
+    python ops/bench/eagle.py --pair models/demo --head models/demo/eagle
+
+Run with OpenBLAS preloaded (``source ops/env.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from mlx_lm import load
+
+from specd.engine.engine import Engine, EngineConfig
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import GenerationRequest
+from specd.spec.config import SpeculationConfig
+from specd.spec.eagle.checkpoint import load_head
+
+from spec_decode import CODE_PROMPTS
+
+
+def configs(k: int) -> list[tuple[str, str | None, SpeculationConfig]]:
+    """(label, drafter, speculation): drafter None, "draft" or "eagle"."""
+    return [("off", None, SpeculationConfig("none")),
+            (f"ngram k={k}", None, SpeculationConfig("ngram", k)),
+            (f"draft k={k}", "draft", SpeculationConfig("draft", k)),
+            (f"eagle chain k={k}", "eagle", SpeculationConfig("eagle", k)),
+            (f"eagle chain k={k + 2}", "eagle", SpeculationConfig("eagle", k + 2)),
+            (f"eagle tree k={k + 1} top3 8", "eagle", SpeculationConfig("eagle", k + 1, tree_top_k=3, tree_tokens=8)),
+            (f"eagle tree k={k + 2} top4 16", "eagle", SpeculationConfig("eagle", k + 2, tree_top_k=4,
+                                                                          tree_tokens=16))]
+
+
+async def serve(engine: Engine, clients: list[list[list[int]]], spec: SpeculationConfig,
+                max_tokens: int) -> dict[str, float]:
+    """Each client sends its prompts one after another, all clients at once."""
+    rounds = drafted = accepted = 0
+
+    async def one(i: int, prompt: list[int]) -> int:
+        nonlocal rounds, drafted, accepted
+        request = GenerationRequest(f"e{time.monotonic_ns()}-{i}", prompt, SamplingParams(temperature=0),
+                                    max_tokens, speculation=spec)
+        n = 0
+        async for out in engine.generate(request):
+            n += len(out.tokens)
+            if out.spec is not None:
+                rounds, drafted, accepted = rounds + out.spec.rounds, drafted + out.spec.drafted, \
+                    accepted + out.spec.accepted
+        return n
+
+    async def client(i: int, prompts: list[list[int]]) -> int:
+        return sum([await one(i, p) for p in prompts])
+
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients))))
+    seconds = time.perf_counter() - start
+    return {"tok_s": tokens / seconds,
+            "acceptance_length": 1 + accepted / rounds if rounds else 1.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0}
+
+
+async def use_drafter(engine: Engine, drafter) -> None:
+    """Attach a drafter between steps, as a DraftPairing change does."""
+    if engine.speculator.drafter_module is not drafter:
+        engine.configure_speculation(SpeculationConfig("none"), drafter)
+        await asyncio.sleep(0.05)
+
+
+async def bench(args) -> dict[str, Any]:
+    pair = Path(args.pair)
+    target, tokenizer = load(str(pair / "target"))
+    drafters = {None: None, "draft": load(str(pair / "draft"))[0], "eagle": load_head(args.head, target)}
+    engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=32, max_waiting=256))
+    engine.start()
+    prompts = [tokenizer.encode(p) for p in CODE_PROMPTS]
+    table: dict[str, Any] = {}
+    try:
+        for label, drafter, spec in configs(args.k):  # warm-up: compile every shape once
+            await use_drafter(engine, drafters[drafter])
+            await serve(engine, [[p] for p in prompts[:2]], spec, 16)
+        for conc in args.concurrency:
+            per_client = max(1, args.min_requests // conc)
+            clients = [[prompts[(i + j * conc) % len(prompts)] for j in range(per_client)] for i in range(conc)]
+            runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in configs(args.k)}
+            for _ in range(args.runs):
+                for label, drafter, spec in configs(args.k):
+                    await use_drafter(engine, drafters[drafter])
+                    runs[label].append(await serve(engine, clients, spec, args.max_tokens))
+            cell = {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} | {"runs": rs}
+                    for label, rs in runs.items()}
+            off = cell["off"]["tok_s"]
+            for label in cell:
+                cell[label]["vs_off"] = cell[label]["tok_s"] / off
+            table[str(conc)] = cell
+            print_cell(conc, cell)
+    finally:
+        await engine.shutdown(1)
+    return {"table": table}
+
+
+def print_cell(conc: int, cell: dict) -> None:
+    print(f"\nconcurrency {conc}")
+    print(f"  {'config':<26} {'tok/s':>8} {'vs off':>7} {'accept len':>11} {'accept rate':>12}")
+    for label, row in cell.items():
+        print(f"  {label:<26} {row['tok_s']:8.1f} {row['vs_off']:6.2f}x {row['acceptance_length']:11.2f} "
+              f"{row['acceptance_rate']:12.2f}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="models/demo")
+    parser.add_argument("--head", default="models/demo/eagle")
+    parser.add_argument("--k", type=int, default=3, help="draft/n-gram/chain k (the trees go deeper)")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", default="ops/bench/results/eagle.json")
+    args = parser.parse_args()
+    result = asyncio.run(bench(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(),
+                               "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
+                               **result}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""EAGLE proposals: the head drafts a chain or an EAGLE-2 dynamic tree per row.
+
+The head reads the target's own features, so the target's forwards feed it:
+every prefill chunk and verify step hands over the features of the columns
+the target kept (``observe``), queued per sequence until the head next runs.
+The head's batched KV cache therefore only ever holds accepted context,
+computed from the target's true features: rollback is exact by construction
+(what a step drafted is never written to it, and a row catching up feeds its
+queued pairs right-padded, rolling the padding back like the draft proposer).
+
+Drafting (``propose``): feed every row's queued pairs; the last output
+predicts the root's children.  Then, depth by depth, the ``top_k`` newest
+candidates with the highest cumulative log-probability are expanded by one
+``draft_step`` (each attends to the context and its ancestors), each giving
+its ``top_k`` children; finally all candidates are reranked by cumulative
+log-probability and the best ``budget`` kept (a child never outranks its
+parent, so the kept nodes form a tree).  ``top_k = 1`` is chain drafting.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...engine.batch import SpeculativeKVCache, rollback
+from ...engine.sequence import Sequence
+from ..tree import DraftTree
+from .capture import FeatureCapture
+from .head import EagleHead, target_parts
+
+
+class EagleProposer:
+    method = "eagle"
+
+    def __init__(self, head: EagleHead, target: nn.Module):
+        self.head = head
+        self.embed, self.lm_head = target_parts(target)
+        self.capture = FeatureCapture(target, head.config.feature_layers)
+        self.rows: list[Sequence] = []
+        self.cache: SpeculativeKVCache | None = None
+        self.queued: dict[int, list[mx.array]] = {}  # id(seq) -> fused features not fed to the head yet
+        self.fed: dict[int, int] = {}  # id(seq) -> positions in the head's cache
+
+    def detach(self) -> None:
+        """Unhook the target (the pairing changed)."""
+        self.capture.remove()
+
+    # -- the target's forwards feed the head ----------------------------------
+
+    def observe(self, seqs: list[Sequence], columns: list[list[int] | None]) -> None:
+        """The last target forward kept ``columns[b]`` of row b (None: not an EAGLE row)."""
+        features = self.head.fuse(self.capture.take())
+        for b, (seq, cols) in enumerate(zip(seqs, columns)):
+            if cols:
+                self.queued[id(seq)].append(features[b, mx.array(cols)])
+
+    def track(self, seqs: list[Sequence]) -> None:
+        """Start keeping features for sequences whose prefill begins now."""
+        for s in seqs:
+            self.queued.setdefault(id(s), [])
+
+    def tracks(self, seq: Sequence) -> bool:
+        """Whether the head has seen this sequence's every feature (only those can draft)."""
+        return id(seq) in self.queued
+
+    def admitted(self, seq: Sequence) -> bool:
+        return id(seq) in self.fed
+
+    def retain(self, alive: set[int]) -> None:
+        """Forget sequences (by ``id``) that left."""
+        keep = [i for i, s in enumerate(self.rows) if id(s) in alive]
+        self._select(keep)
+        self.queued = {k: v for k, v in self.queued.items() if k in alive}
+        self.fed = {k: v for k, v in self.fed.items() if k in alive}
+
+    def _select(self, rows: list[int]) -> None:
+        if rows == list(range(len(self.rows))):
+            return
+        self.rows = [self.rows[i] for i in rows]
+        if rows:
+            self.cache.filter(mx.array(rows))
+        else:
+            self.cache = None
+
+    # -- drafting ---------------------------------------------------------------
+
+    def _pairs(self, seq: Sequence) -> tuple[mx.array, list[int]]:
+        """A sequence's queued (feature, next token) pairs."""
+        features = mx.concatenate(self.queued[id(seq)], axis=0)
+        self.queued[id(seq)] = []
+        start = self.fed.get(id(seq), 0)
+        context = seq.prompt + seq.tokens
+        n = features.shape[0]
+        self.fed[id(seq)] = start + n
+        return features, context[start + 1: start + 1 + n]
+
+    def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: SpeculativeKVCache,
+              left: bool) -> mx.array:
+        """Feed each row its pairs, padded on the left (a fresh cache) or on the
+        right (rolled back after); returns each row's last output (B, H)."""
+        width = max(len(t) for _, t in pairs)
+        hidden, tokens = [], []
+        for f, t in pairs:
+            pad = width - len(t)
+            hidden.append(mx.pad(f, [(pad, 0) if left else (0, pad), (0, 0)]))
+            tokens.append([0] * pad + t if left else t + [0] * pad)
+        out = self.head(mx.stack(hidden), self.embed(mx.array(tokens)), cache)
+        if left:
+            return out[:, -1]
+        rollback([cache], [width - len(t) for _, t in pairs])
+        return out[mx.arange(len(pairs)), mx.array([len(t) - 1 for _, t in pairs])]
+
+    def _catch_up(self, seqs: list[Sequence]) -> mx.array:
+        """Make the head's rows exactly ``seqs`` and feed everything queued; (B, H) root outputs."""
+        self.retain({id(s) for s in seqs})
+        known = {id(s) for s in self.rows}
+        new = [s for s in seqs if id(s) not in known]
+        outputs = {}
+        if self.rows:
+            last = self._feed([self._pairs(s) for s in self.rows], self.cache, left=False)
+            outputs.update({id(s): last[i] for i, s in enumerate(self.rows)})
+        if new:
+            pairs = [self._pairs(s) for s in new]
+            cache = SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])
+            last = self._feed(pairs, cache, left=True)
+            outputs.update({id(s): last[i] for i, s in enumerate(new)})
+            if self.rows:
+                self.cache.extend(cache)
+            else:
+                self.cache = cache
+            self.rows += new
+        row_of = {id(s): i for i, s in enumerate(self.rows)}
+        self._select([row_of[id(s)] for s in seqs])
+        return mx.stack([outputs[id(s)] for s in seqs])
+
+    def propose(self, seqs: list[Sequence], drafting: list[bool], depth: int, top_k: int,
+                budget: int) -> list[DraftTree | None]:
+        """Trees (up to ``depth`` deep, ``budget`` nodes) for the ``drafting``
+        rows of ``seqs`` (every EAGLE row of the batch, so the others catch up too).
+
+        The expansion runs on the device without a host round trip per depth:
+        candidates are recorded as (token, parent candidate, score) arrays and
+        read back once, at the end."""
+        outputs = self._catch_up(seqs)[:, None]  # (B, 1, H): the root's
+        B = len(seqs)
+        frontier_ids = mx.full((B, 1), -1, dtype=mx.int32)  # candidate ids (-1: the root)
+        frontier_scores = mx.zeros((B, 1))
+        tokens, parents, scores = [], [], []
+        ancestry = mx.zeros((B, 0, 0), dtype=mx.bool_)  # among drafted slots: ancestor or self
+        nodes = None
+        count = 0
+        for level in range(1, depth + 1):
+            logp = self._logprobs(outputs)  # (B, F, V)
+            F = logp.shape[1]
+            top = mx.argpartition(-logp, kth=top_k - 1, axis=-1)[..., :top_k]  # (B, F, top_k)
+            child_scores = frontier_scores[..., None] + mx.take_along_axis(logp, top, axis=-1)
+            tokens.append(top.reshape(B, F * top_k))
+            parents.append(mx.repeat(frontier_ids, top_k, axis=1))
+            scores.append(child_scores.reshape(B, F * top_k))
+            if level == depth:
+                break
+            # the next frontier: the top_k children by cumulative log-probability, drafted as one step
+            pick = mx.argsort(-scores[-1], axis=-1)[:, :top_k]  # (B, top_k) among this level's children
+            from_slot = pick // top_k  # which frontier node each comes from
+            frontier_ids = (pick + count).astype(mx.int32)
+            frontier_scores = mx.take_along_axis(scores[-1], pick, axis=-1)
+            count += F * top_k
+            parent_out = mx.take_along_axis(outputs, from_slot[..., None], axis=1)
+            slots = ancestry.shape[1]
+            if level == 1:  # children of the root: no drafted ancestors
+                inherited = mx.zeros((B, top_k, slots), dtype=mx.bool_)
+            else:
+                inherited = mx.take_along_axis(ancestry, (slots - F + from_slot)[..., None], axis=1)
+            own = mx.broadcast_to(mx.eye(top_k, dtype=mx.bool_), (B, top_k, top_k))
+            new = mx.concatenate([inherited, own], axis=-1)
+            ancestry = mx.concatenate([mx.pad(ancestry, [(0, 0), (0, 0), (0, top_k)]), new], axis=1)
+            embeds = self.embed(mx.take_along_axis(tokens[-1], pick, axis=-1))
+            outputs, nodes = self.head.draft_step(parent_out, embeds, self.cache, level, nodes, new)
+        tokens, parents, scores = (mx.concatenate(a, axis=1) for a in (tokens, parents, scores))
+        mx.eval(tokens, parents, scores)
+        tokens, parents, scores = tokens.tolist(), parents.tolist(), scores.tolist()
+        return [self._tree(list(zip(tokens[b], parents[b], scores[b])), budget) if drafting[b] else None
+                for b in range(B)]
+
+    def _logprobs(self, out: mx.array) -> mx.array:
+        logits = self.head.logits(out, self.lm_head).astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    @staticmethod
+    def _tree(cand: list[tuple[int, int, float]], budget: int) -> DraftTree:
+        """The ``budget`` best candidates by cumulative log-probability, as a
+        tree in depth order (a child never scores above its parent and comes
+        after it, so the kept ones are closed under parents)."""
+        kept = sorted(range(len(cand)), key=lambda c: -cand[c][2])[:budget]
+        depth: dict[int, int] = {}
+        for c, (_, parent, _) in enumerate(cand):
+            depth[c] = 1 if parent < 0 else depth[parent] + 1
+        order = sorted(kept, key=lambda c: (depth[c], c))
+        index = {c: i for i, c in enumerate(order)}
+        return DraftTree([cand[c][0] for c in order], [index[cand[c][1]] if cand[c][1] >= 0 else -1 for c in order])
