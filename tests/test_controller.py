@@ -114,9 +114,10 @@ def test_measured_losses_turn_speculation_off_with_ever_rarer_retries():
     assert controller.plan(rows([0.9] * 4), 4)[1] == "baseline"  # first, measure plain decoding
     controller.observe_step(4, 4, 0.01)
     used = run_steps(controller, 4, 2000, lambda k: 300.0 if k else 400.0)
-    assert used[0] >= 4  # the first try is the cost model's bet
+    assert used[: Realised.TRY - 1] == [0] * (Realised.TRY - 1)
+    assert used[Realised.TRY - 1] >= 4  # the first try is the cost model's bet
     assert sum(1 for k in used if k) <= 8 * 8  # its try, then tries of k = 1 at 16, 32, .. 1024 steps
-    assert set(used) - {used[0]} <= {0, 1}
+    assert set(used) - {used[Realised.TRY - 1]} <= {0, 1}
     assert controller.realised[4].retry[1] == Realised.LAST_RETRY
     assert controller.plan(rows([0.9] * 4), 4)[1] == "no_gain"
     # another batch-size bucket is measured on its own
@@ -132,14 +133,28 @@ def test_the_best_k_is_found_by_climbing_from_neighbour_to_neighbour():
     assert 6 not in used  # never tried: k = 5 already lost to k = 4
 
 
+def test_when_the_best_k_stops_paying_the_controller_walks_down_without_waiting_for_tries():
+    controller = GoodputController(policy(max_speculative_tokens=4), "p", costs(0.010, 0.01))
+    run_steps(controller, 1, 400, {0: 200.0, 1: 240.0, 2: 260.0, 3: 250.0, 4: 230.0}.get)
+    assert controller.realised[1].best == 2
+    used = run_steps(controller, 1, 120, {0: 230.0, 1: 180.0, 2: 150.0, 3: 140.0, 4: 130.0}.get)
+    # no waiting for rare tries: as each k's rate falls below a neighbour's, the neighbour takes over
+    assert used[-50:].count(0) >= 46
+
+
 def test_costly_tries_are_spaced_to_the_exploration_budget():
     """A try costing 0.075 s more than plain steps waits 0.075 s / (1% of a 10 ms step) = 750 steps."""
     measured = Realised()
-    assert measured.decide(4, lambda: 1) == (0, "baseline")
-    measured.observe(4, 0.01)
+    measure_plain(measured, 4, 0.01)
     try_speculating(measured, first_seconds=0.05, then_seconds=0.015)  # 0.04 + 7 x 0.005 s extra
     assert measured.next_try[1] - measured.steps == pytest.approx(750, abs=1)
     assert measured.decide(4, lambda: 1) == (0, "no_gain")
+
+
+def measure_plain(measured: Realised, tokens: int, seconds: float) -> None:
+    for _ in range(Realised.TRY):
+        assert measured.decide(4, lambda: 1) == (0, "baseline")
+        measured.observe(tokens, seconds)
 
 
 def try_speculating(measured: Realised, first_seconds: float, then_seconds: float, tokens: int = 4) -> None:
@@ -151,8 +166,7 @@ def try_speculating(measured: Realised, first_seconds: float, then_seconds: floa
 
 def test_a_try_is_judged_on_its_steady_steps_not_its_catch_up():
     measured = Realised()
-    measured.decide(4, lambda: 1)
-    measured.observe(4, 0.01)  # 400 tokens/s plain
+    measure_plain(measured, 4, 0.01)  # 400 tokens/s
     try_speculating(measured, first_seconds=0.10, then_seconds=0.0075, tokens=6)  # 800 tokens/s once caught up
     assert measured.rate[1] == pytest.approx(800)
     assert measured.best == 1

@@ -116,3 +116,68 @@ def test_draft_steps_see_the_context_and_their_own_ancestors_only(target, versio
 
     for got, branch in [(siblings[0, 0], [5]), (siblings[0, 1], [6]), (child[0, 0], [6, 7])]:
         assert mx.abs(got - alone([0, 1, 2, 3, 4] + branch)).max().item() < 1e-4
+
+
+def test_rows_that_sit_out_keep_their_features_and_draft_later(target, prompts):
+    """Under a policy that stops speculation while 3 or more requests decode,
+    EAGLE rows start drafting only when the batch shrinks: the head must then
+    have every feature of their context (each request drafts), and output stays identical."""
+    from specd.api.manifest import SpecPolicySpec
+
+    model, tokenizer = target
+    head = head_for(model, 1)
+    policy = SpecPolicySpec(match_labels={}, mode="static", disable_by_batch_size=3, max_speculative_tokens=4)
+
+    async def with_rounds(engine, prompt, spec, max_tokens, delay):
+        await asyncio.sleep(delay)
+        request = GenerationRequest(f"e{next(_ids)}", prompt, GREEDY, max_tokens, (), spec)
+        tokens, rounds = [], 0
+        async for out in engine.generate(request):
+            tokens += out.tokens
+            rounds = out.spec.rounds if out.spec is not None else rounds
+        return tokens, rounds
+
+    async def both(engine):
+        plain = await asyncio.gather(*(generate(engine, p, max_tokens=24 + 8 * i) for i, p in enumerate(prompts)))
+        engine.set_policy(policy, "p")
+        await asyncio.sleep(0.05)
+        specs = [CHAIN, TREE, CHAIN, WIDE]
+        spec = await asyncio.gather(*(with_rounds(engine, p, specs[i % 4], 24 + 8 * i, 0.02 * i)
+                                      for i, p in enumerate(prompts)))
+        return plain, spec
+
+    plain, spec = run_engine(model, tokenizer, both, draft_model=head, max_batch_size=8)
+    assert [tokens for tokens, _ in spec] == plain
+    assert all(rounds > 0 for _, rounds in spec[-2:]), [r for _, r in spec]  # drafted once the batch was small
+
+
+def test_a_row_that_has_not_drafted_yet_keeps_its_features_while_others_draft(target, prompts):
+    """The head is fed each sequence's whole context exactly once, whenever it first drafts."""
+    import copy
+
+    from specd.engine.batch import make_batch_cache
+    from specd.engine.sequence import Sequence
+    from specd.spec.eagle.proposer import EagleProposer
+
+    model, tokenizer = target
+    proposer = EagleProposer(head_for(model, 1), model)
+    seqs = [Sequence(GenerationRequest(f"e{next(_ids)}", p, GREEDY, 16), lambda out: None,
+                     copy.copy(tokenizer.detokenizer), frozenset(tokenizer.eos_token_ids), 2048)
+            for p in prompts[:2]]
+    width = max(len(s.prompt) for s in seqs)
+    padding = [width - len(s.prompt) for s in seqs]
+    proposer.track(seqs)
+    cache = make_batch_cache(model, padding)
+    model(mx.array([[0] * p + s.prompt for p, s in zip(padding, seqs)]), cache=cache)
+    proposer.observe(seqs, [list(range(p, width)) for p in padding])
+    for s in seqs:
+        s.tokens.append(7)  # the prefill's sampled token
+    first, second = seqs
+    proposer.propose([first], [True], 3, 2, 4)
+    assert proposer.fed[id(first)] == len(first.prompt) and proposer.tracks(second)
+    model(mx.array([[7], [7]]), cache=cache)  # a decode step in which neither kept a proposal
+    proposer.observe(seqs, [[0], [0]])
+    for s in seqs:
+        s.tokens.append(8)
+    trees = proposer.propose([first, second], [True, True], 3, 2, 4)
+    assert proposer.fed[id(second)] == len(second.prompt) + 1 and len(trees[1].tokens) == 4

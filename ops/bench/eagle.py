@@ -6,8 +6,10 @@ concurrency, aggregate output tokens/s (median of runs taken round-robin, so
 the machine's slow spells hit every configuration alike), the mean
 acceptance length (tokens a speculative round yields: 1 + accepted drafts)
 and the acceptance rate (accepted / drafted; a tree counts as deep as its
-deepest branch).  Greedy decoding; the engine's drafter is swapped between
-configurations the way a DraftPairing change swaps it.
+deepest branch).  Greedy decoding, so every configuration's outputs must
+equal spec-off's (checked, and once more in a batch mixing the methods).
+The engine's drafter is swapped between configurations the way a
+DraftPairing change swaps it.
 
     specd train-eagle --target models/demo/target --out models/demo/eagle
     python ops/bench/eagle.py --pair models/demo --head models/demo/eagle
@@ -50,32 +52,33 @@ def configs(k: int) -> list[tuple[str, str | None, SpeculationConfig]]:
                                                                           tree_tokens=16))]
 
 
-async def serve(engine: Engine, clients: list[list[list[int]]], spec: SpeculationConfig,
-                max_tokens: int) -> dict[str, float]:
-    """Each client sends its prompts one after another, all clients at once."""
+async def serve(engine: Engine, clients: list[list[list[int]]], specs: list[SpeculationConfig],
+                max_tokens: int) -> dict[str, Any]:
+    """Client i sends its prompts one after another with ``specs[i]``, all clients at once."""
     rounds = drafted = accepted = 0
 
-    async def one(i: int, prompt: list[int]) -> int:
+    async def one(i: int, prompt: list[int]) -> list[int]:
         nonlocal rounds, drafted, accepted
         request = GenerationRequest(f"e{time.monotonic_ns()}-{i}", prompt, SamplingParams(temperature=0),
-                                    max_tokens, speculation=spec)
-        n = 0
+                                    max_tokens, speculation=specs[i])
+        tokens = []
         async for out in engine.generate(request):
-            n += len(out.tokens)
+            tokens += out.tokens
             if out.spec is not None:
                 rounds, drafted, accepted = rounds + out.spec.rounds, drafted + out.spec.drafted, \
                     accepted + out.spec.accepted
-        return n
+        return tokens
 
-    async def client(i: int, prompts: list[list[int]]) -> int:
-        return sum([await one(i, p) for p in prompts])
+    async def client(i: int, prompts: list[list[int]]) -> list[list[int]]:
+        return [await one(i, p) for p in prompts]
 
     start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients))))
+    outputs = await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients)))
     seconds = time.perf_counter() - start
-    return {"tok_s": tokens / seconds,
+    return {"tok_s": sum(len(t) for ts in outputs for t in ts) / seconds,
             "acceptance_length": 1 + accepted / rounds if rounds else 1.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0}
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "outputs": outputs}
 
 
 async def use_drafter(engine: Engine, drafter) -> None:
@@ -96,33 +99,54 @@ async def bench(args) -> dict[str, Any]:
     try:
         for label, drafter, spec in configs(args.k):  # warm-up: compile every shape once
             await use_drafter(engine, drafters[drafter])
-            await serve(engine, [[p] for p in prompts[:2]], spec, 16)
+            await serve(engine, [[p] for p in prompts[:2]], [spec] * 2, 16)
+        reference: dict[int, Any] = {}
         for conc in args.concurrency:
             per_client = max(1, args.min_requests // conc)
             clients = [[prompts[(i + j * conc) % len(prompts)] for j in range(per_client)] for i in range(conc)]
-            runs: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in configs(args.k)}
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs(args.k)}
             for _ in range(args.runs):
                 for label, drafter, spec in configs(args.k):
                     await use_drafter(engine, drafters[drafter])
-                    runs[label].append(await serve(engine, clients, spec, args.max_tokens))
-            cell = {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} | {"runs": rs}
+                    runs[label].append(await serve(engine, clients, [spec] * conc, args.max_tokens))
+            reference[conc] = runs["off"][0]["outputs"]
+            cell = {label: {key: statistics.median(r[key] for r in rs) for key in ("tok_s", "acceptance_length",
+                                                                                 "acceptance_rate")}
+                    | {"identical_to_off": all(r["outputs"] == reference[conc] for r in rs),
+                       "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in rs]}
                     for label, rs in runs.items()}
             off = cell["off"]["tok_s"]
             for label in cell:
                 cell[label]["vs_off"] = cell[label]["tok_s"] / off
             table[str(conc)] = cell
             print_cell(conc, cell)
+        table["mixed"] = await mixed_parity(engine, drafters["eagle"], prompts, args, reference)
     finally:
         await engine.shutdown(1)
     return {"table": table}
 
 
+async def mixed_parity(engine: Engine, head, prompts: list[list[int]], args, reference: dict) -> dict:
+    """Greedy parity in mixed batches: 8 clients, each with another method
+    (off, n-gram, EAGLE chains and trees), against the spec-off outputs."""
+    if 8 not in reference:
+        return {}
+    await use_drafter(engine, head)
+    specs = [spec for _, drafter, spec in configs(args.k) if drafter != "draft"]
+    specs = [specs[i % len(specs)] for i in range(8)]
+    clients = [[prompts[i % len(prompts)]] for i in range(8)]
+    outputs = (await serve(engine, clients, specs, args.max_tokens))["outputs"]
+    same = sum(o == r for o, r in zip(outputs, reference[8]))
+    print(f"\nmixed batch (off, n-gram, EAGLE chains and trees together): {same}/8 requests identical to spec off")
+    return {"identical": same, "requests": 8}
+
+
 def print_cell(conc: int, cell: dict) -> None:
     print(f"\nconcurrency {conc}")
-    print(f"  {'config':<26} {'tok/s':>8} {'vs off':>7} {'accept len':>11} {'accept rate':>12}")
+    print(f"  {'config':<26} {'tok/s':>8} {'vs off':>7} {'accept len':>11} {'accept rate':>12} {'same as off':>12}")
     for label, row in cell.items():
         print(f"  {label:<26} {row['tok_s']:8.1f} {row['vs_off']:6.2f}x {row['acceptance_length']:11.2f} "
-              f"{row['acceptance_rate']:12.2f}", flush=True)
+              f"{row['acceptance_rate']:12.2f} {str(row['identical_to_off']):>12}", flush=True)
 
 
 def main() -> int:

@@ -128,17 +128,19 @@ class Realised:
     """Measured tokens per second of each k (0: plain) in one batch-size
     bucket, and the k to use next.
 
-    The k in use is the measured best.  Its neighbours (k - 1 and k + 1) are
-    tried now and then: a try is ``TRY`` steps at the neighbour's k, judged on
+    Plain decoding is measured first (``TRY`` steps), and the k in use is
+    the measured best.  Its neighbours (k - 1 and k + 1) are tried now and then: a try is ``TRY`` steps at the neighbour's k, judged on
     all but its first (which pays for catching a draft's cache up, a one-off
     cost a request amortises over its life).  A try that wins makes its k the
     best (and the old best a neighbour, soon tried again, so one lucky try is
     undone); one that loses waits 16, 32, .. 1024 steps for the next, and
     never less than its cost beyond the best allows within ``EXPLORE_BUDGET``
-    of the decode time.  Tokens per second rise with k to one best and fall
-    after it, so climbing from neighbour to neighbour finds the best k
-    without paying for tries of hopeless ones, and the first try goes where
-    the cost model bets."""
+    of the decode time.  The best k's rate follows every step it runs, so
+    when the text stops paying (a new workload) and it falls below a
+    neighbour's last measurement, the neighbour takes over at once.  Tokens
+    per second rise with k to one best and fall after it, so climbing from
+    neighbour to neighbour finds the best k without paying for tries of
+    hopeless ones, and the first try goes where the cost model bets."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
     TRY = 8  # steps per try
@@ -163,15 +165,20 @@ class Realised:
         """The k for this step (0: plain, with why): the best, or a neighbour's
         try when one is due; ``bet`` is the cost model's k for the first try."""
         self.steps += 1
-        if 0 not in self.rate:
+        if 0 not in self.rate:  # plain decoding is measured first, like a try
+            if self.trying is None:
+                self._start(0)
             return self._run(0), "baseline"
         if self.trying is None and max_k > 0:
             due = [k for k in self._neighbours(max_k, bet) if self.steps >= self.next_try.get(k, 0)]
             if due:
-                self.trying, self.try_left = due[0], self.TRY
-                self.try_tokens, self.try_seconds, self.try_cost = 0, 0.0, 0.0
+                self._start(due[0])
         k = self.trying if self.trying is not None else min(self.best, max_k)
         return self._run(k), None if k else "no_gain"
+
+    def _start(self, k: int) -> None:
+        self.trying, self.try_left = k, self.TRY
+        self.try_tokens, self.try_seconds, self.try_cost = 0, 0.0, 0.0
 
     def _neighbours(self, max_k: int, bet: Callable[[], int]) -> list[int]:
         if len(self.rate) == 1:  # only plain measured: the first try is the cost model's bet
@@ -192,18 +199,31 @@ class Realised:
             self.rate[k] = _ema(self.rate.get(k), rate, self.ALPHA)
             if k == self.best:
                 self.step_seconds = _ema(self.step_seconds, seconds, self.ALPHA)
+                self._follow()
             return
         self.try_left -= 1
-        self.try_cost += seconds - tokens / self.rate[self.best]
+        if self.best in self.rate:
+            self.try_cost += seconds - tokens / self.rate[self.best]
         if self.try_left < self.TRY - 1:  # the first step catches up; judge the rest
             self.try_tokens += tokens
             self.try_seconds += seconds
         if self.try_left == 0:
             self._judge(k)
 
+    def _follow(self) -> None:
+        """The best k's rate moves with every step (the workload changed):
+        once it falls below a neighbour's last measurement, use the neighbour."""
+        better = [n for n in (self.best - 1, self.best + 1) if self.rate.get(n, 0.0) > self.rate[self.best]]
+        if better:
+            self.best = max(better, key=self.rate.get)
+
     def _judge(self, k: int) -> None:
         self.trying = None
         rate = self.try_tokens / self.try_seconds
+        if k == self.best:  # the baseline
+            self.rate[k] = rate
+            self.step_seconds = self.try_seconds / (self.TRY - 1)
+            return
         self.rate[k] = rate
         if rate > self.rate[self.best]:
             old, self.best = self.best, k

@@ -112,7 +112,8 @@ class EagleProposer:
 
     def _catch_up(self, seqs: list[Sequence]) -> mx.array:
         """Make the head's rows exactly ``seqs`` and feed everything queued; (B, H) root outputs."""
-        self.retain({id(s) for s in seqs})
+        wanted = {id(s) for s in seqs}
+        self._select([i for i, s in enumerate(self.rows) if id(s) in wanted])
         known = {id(s) for s in self.rows}
         new = [s for s in seqs if id(s) not in known]
         outputs = {}
