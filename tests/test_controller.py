@@ -133,15 +133,6 @@ def test_the_best_k_is_found_by_climbing_from_neighbour_to_neighbour():
     assert 6 not in used  # never tried: k = 5 already lost to k = 4
 
 
-def test_when_the_best_k_stops_paying_the_controller_walks_down_without_waiting_for_tries():
-    controller = GoodputController(policy(max_speculative_tokens=4), "p", costs(0.010, 0.01))
-    run_steps(controller, 1, 400, {0: 200.0, 1: 240.0, 2: 260.0, 3: 250.0, 4: 230.0}.get)
-    assert controller.realised[1].best == 2
-    used = run_steps(controller, 1, 120, {0: 230.0, 1: 180.0, 2: 150.0, 3: 140.0, 4: 130.0}.get)
-    # no waiting for rare tries: as each k's rate falls below a neighbour's, the neighbour takes over
-    assert used[-50:].count(0) >= 46
-
-
 def test_costly_tries_are_spaced_to_the_exploration_budget():
     """A try costing 0.075 s more than plain steps waits 0.075 s / (1% of a 10 ms step) = 750 steps."""
     measured = Realised()

@@ -135,12 +135,13 @@ class Realised:
     best (and the old best a neighbour, soon tried again, so one lucky try is
     undone); one that loses waits 16, 32, .. 1024 steps for the next, and
     never less than its cost beyond the best allows within ``EXPLORE_BUDGET``
-    of the decode time.  The best k's rate follows every step it runs, so
-    when the text stops paying (a new workload) and it falls below a
-    neighbour's last measurement, the neighbour takes over at once.  Tokens
-    per second rise with k to one best and fall after it, so climbing from
-    neighbour to neighbour finds the best k without paying for tries of
-    hopeless ones, and the first try goes where the cost model bets."""
+    of the decode time.  A try is judged against the best k's rate of the
+    steps just before it, never against an old measurement: this machine's
+    speed drifts by tens of percent over minutes, more than the differences
+    between neighbouring k.  Tokens per second rise with k to one best and
+    fall after it, so climbing from neighbour to neighbour finds the best k
+    without paying for tries of hopeless ones, and the first try goes where
+    the cost model bets."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
     TRY = 8  # steps per try
@@ -199,7 +200,6 @@ class Realised:
             self.rate[k] = _ema(self.rate.get(k), rate, self.ALPHA)
             if k == self.best:
                 self.step_seconds = _ema(self.step_seconds, seconds, self.ALPHA)
-                self._follow()
             return
         self.try_left -= 1
         if self.best in self.rate:
@@ -209,13 +209,6 @@ class Realised:
             self.try_seconds += seconds
         if self.try_left == 0:
             self._judge(k)
-
-    def _follow(self) -> None:
-        """The best k's rate moves with every step (the workload changed):
-        once it falls below a neighbour's last measurement, use the neighbour."""
-        better = [n for n in (self.best - 1, self.best + 1) if self.rate.get(n, 0.0) > self.rate[self.best]]
-        if better:
-            self.best = max(better, key=self.rate.get)
 
     def _judge(self, k: int) -> None:
         self.trying = None
