@@ -86,6 +86,7 @@ class Speculator:
         ema = self.controller.ema
         rate = self.acceptance_rate
         return {"default": self.default.method,
+                "drafter": self.drafter if self.eagle is None else f"eagle-{self.eagle.head.config.version}",
                 "acceptanceEMA": None if ema is None else round(ema, 4),
                 "acceptanceRate": None if rate is None else round(rate, 4),
                 "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()},

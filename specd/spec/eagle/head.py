@@ -21,7 +21,7 @@ and a draft node at depth j (j >= 1) sits at ``offset + j - 1``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,9 +58,6 @@ class EagleConfig:
                 set(self.feature_layers))):
             raise ValueError("an EAGLE-3 head fuses exactly three distinct target layers, in layer order "
                              f"(feature_layers), not {list(self.feature_layers)}")
-
-    def to_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 class EagleAttention(nn.Module):
