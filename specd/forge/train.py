@@ -63,7 +63,7 @@ def windows(data: np.ndarray, seq: int, count: int) -> np.ndarray:
     return np.stack([data[s : s + seq + 1] for s in starts])
 
 
-def _lr_at(cfg: TrainConfig, progress: float, step: int) -> float:
+def lr_at(cfg: TrainConfig, progress: float, step: int) -> float:
     warm = min(1.0, (step + 1) / cfg.warmup)
     cos = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return cfg.lr * warm * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * cos)
@@ -130,7 +130,7 @@ def train(
         progress = max(n / cfg.max_steps, elapsed / cfg.budget_s)
         if progress >= 1.0:
             break
-        opt.learning_rate = _lr_at(cfg, progress, n)
+        opt.learning_rate = lr_at(cfg, progress, n)
         starts = rng.integers(0, hi, size=cfg.batch)
         batch = mx.array(np.stack([data[s : s + cfg.seq + 1] for s in starts]))
         x, y = batch[:, :-1], batch[:, 1:]

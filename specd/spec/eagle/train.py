@@ -43,7 +43,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ...forge.tokenizer import stdlib_sources
-from ...forge.train import TrainConfig, _lr_at, encode_corpus, windows
+from ...forge.train import TrainConfig, encode_corpus, lr_at, windows
 from .capture import FeatureCapture
 from .checkpoint import default_feature_layers, save_head
 from .head import EagleConfig, EagleHead, target_parts
@@ -335,7 +335,7 @@ def _train(head: EagleHead, model: nn.Module, capture: FeatureCapture, loss_fn: 
         progress = max(n / cfg.max_steps, (time.monotonic() - start) / cfg.budget_s)
         if progress >= 1.0:
             break
-        opt.learning_rate = _lr_at(cfg, progress, n)
+        opt.learning_rate = lr_at(cfg, progress, n)
         starts = rng.integers(0, len(data) - cfg.seq + 1, size=cfg.batch)
         loss = step(mx.array(np.stack([data[s : s + cfg.seq] for s in starts])))
         mx.eval(loss, state)
