@@ -16,11 +16,11 @@ import structlog
 from mlx.utils import tree_flatten
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
-from ..spec.eagle.checkpoint import load_head
 from ..engine.engine import Engine, EngineConfig
 from ..engine.loader import load_model
 from ..metrics import Metrics
 from ..spec.config import NO_SPECULATION, SpeculationConfig
+from ..spec.eagle.checkpoint import load_head
 
 log = structlog.get_logger(__name__)
 

@@ -35,7 +35,7 @@ from .verify import point_mass, verify
 
 @dataclass
 class Proposal:
-    drafts: list[list[int]]  # per row, possibly empty (a tree row: its deepest branch's length in ``depths``)
+    drafts: list[list[int]]  # per row, possibly empty (a branching tree row: empty, see ``trees``)
     draft_probs: mx.array | None  # (len(draft_rows), K_draft, V) q of draft-model rows
     draft_rows: list[int]
     tree: TreeLayout | None = None  # set when some row proposes a branching tree
