@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +28,9 @@ from mlx_lm import load
 
 from specd.api.manifest import SpecPolicySpec
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.sampling import SamplingParams
-from specd.engine.sequence import GenerationRequest
 from specd.spec.config import SpeculationConfig
 
-from spec_decode import CODE_PROMPTS, rewrite_prompts
+from spec_decode import CODE_PROMPTS, closed_loop, machine_info, rewrite_prompts, serve_clients, write_result
 
 SEED_POLICY = SpecPolicySpec(match_labels={}, mode="static", max_speculative_tokens=4, disable_by_batch_size=4,
                              acceptance_rate_threshold=0.3, ema_alpha=0.1)
@@ -56,21 +50,13 @@ def workloads(tokenizer, vocab: int) -> dict[str, list[list[int]]]:
             "adversarial": noise + shuffled}
 
 
+def speculating(k: int) -> SpeculationConfig:
+    return SpeculationConfig("draft", k) if k else SpeculationConfig("none")
+
+
 async def serve(engine: Engine, clients: list[list[list[int]]], k: int, max_tokens: int) -> float:
-    """Each client sends its prompts one after another, all clients at once; aggregate output tokens/s."""
-    spec = SpeculationConfig("draft", k) if k else SpeculationConfig("none")
-
-    async def one(i, prompt):
-        request = GenerationRequest(f"a{time.monotonic_ns()}-{i}", prompt, SamplingParams(temperature=0),
-                                    max_tokens, speculation=spec)
-        return sum([len(out.tokens) async for out in engine.generate(request)])
-
-    async def client(i, prompts):
-        return sum([await one(i, p) for p in prompts])
-
-    start = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients))))
-    return tokens / (time.perf_counter() - start)
+    """Aggregate output tokens/s, every request asking for k draft tokens."""
+    return (await serve_clients(engine, clients, [speculating(k)] * len(clients), max_tokens))["tok_s"]
 
 
 async def set_policy(engine: Engine, policy: SpecPolicySpec | None) -> None:
@@ -95,8 +81,7 @@ async def bench(args) -> dict[str, Any]:
             await serve(engine, [[p] for p in loads["code"][:4]], k, 16)
         for name, prompts in loads.items():
             for conc in args.concurrency:
-                per_client = max(1, args.min_requests // conc)  # c = 1: several requests, back to back
-                batch = [[prompts[(i + j * conc) % len(prompts)] for j in range(per_client)] for i in range(conc)]
+                batch = closed_loop(prompts, conc, args.min_requests)
                 runs: dict[str, list[float]] = {label: [] for label, _, _ in configs}
                 for _ in range(args.runs):  # round-robin, so a slow spell of the machine hits every config
                     for label, policy, k in configs:
@@ -143,13 +128,8 @@ def main() -> int:
              if cell["summary"]["goodput_vs_best_static"] > 1.0]
     print(f"\nworst goodput/off {worst_off:.2f}x (goal >= 0.95), worst goodput/best-static {worst_best:.2f}x "
           f"(goal >= 0.95); goodput beats the best static k at {beats}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(),
-                               "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
-                               "worst_goodput_vs_off": worst_off, "worst_goodput_vs_best_static": worst_best,
-                               **result}, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, {**machine_info(args), "worst_goodput_vs_off": worst_off,
+                            "worst_goodput_vs_best_static": worst_best, **result})
     return 0
 
 

@@ -21,23 +21,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from mlx_lm import load
 
 from specd.engine.engine import Engine, EngineConfig
-from specd.engine.sampling import SamplingParams
-from specd.engine.sequence import GenerationRequest
 from specd.spec.config import SpeculationConfig
 from specd.spec.eagle.checkpoint import load_head
 
-from spec_decode import CODE_PROMPTS
+from spec_decode import CODE_PROMPTS, closed_loop, machine_info, serve_clients, write_result
 
 
 def configs(k: int) -> list[tuple[str, str | None, SpeculationConfig]]:
@@ -50,35 +44,6 @@ def configs(k: int) -> list[tuple[str, str | None, SpeculationConfig]]:
             (f"eagle tree k={k + 1} top3 8", "eagle", SpeculationConfig("eagle", k + 1, tree_top_k=3, tree_tokens=8)),
             (f"eagle tree k={k + 2} top4 16", "eagle", SpeculationConfig("eagle", k + 2, tree_top_k=4,
                                                                           tree_tokens=16))]
-
-
-async def serve(engine: Engine, clients: list[list[list[int]]], specs: list[SpeculationConfig],
-                max_tokens: int) -> dict[str, Any]:
-    """Client i sends its prompts one after another with ``specs[i]``, all clients at once."""
-    rounds = drafted = accepted = 0
-
-    async def one(i: int, prompt: list[int]) -> list[int]:
-        nonlocal rounds, drafted, accepted
-        request = GenerationRequest(f"e{time.monotonic_ns()}-{i}", prompt, SamplingParams(temperature=0),
-                                    max_tokens, speculation=specs[i])
-        tokens = []
-        async for out in engine.generate(request):
-            tokens += out.tokens
-            if out.spec is not None:
-                rounds, drafted, accepted = rounds + out.spec.rounds, drafted + out.spec.drafted, \
-                    accepted + out.spec.accepted
-        return tokens
-
-    async def client(i: int, prompts: list[list[int]]) -> list[list[int]]:
-        return [await one(i, p) for p in prompts]
-
-    start = time.perf_counter()
-    outputs = await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients)))
-    seconds = time.perf_counter() - start
-    return {"tok_s": sum(len(t) for ts in outputs for t in ts) / seconds,
-            "acceptance_length": 1 + accepted / rounds if rounds else 1.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "outputs": outputs}
 
 
 async def use_drafter(engine: Engine, drafter) -> None:
@@ -99,16 +64,15 @@ async def bench(args) -> dict[str, Any]:
     try:
         for label, drafter, spec in configs(args.k):  # warm-up: compile every shape once
             await use_drafter(engine, drafters[drafter])
-            await serve(engine, [[p] for p in prompts[:2]], [spec] * 2, 16)
+            await serve_clients(engine, [[p] for p in prompts[:2]], [spec] * 2, 16)
         reference: dict[int, Any] = {}
         for conc in args.concurrency:
-            per_client = max(1, args.min_requests // conc)
-            clients = [[prompts[(i + j * conc) % len(prompts)] for j in range(per_client)] for i in range(conc)]
+            clients = closed_loop(prompts, conc, args.min_requests)
             runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in configs(args.k)}
             for _ in range(args.runs):
                 for label, drafter, spec in configs(args.k):
                     await use_drafter(engine, drafters[drafter])
-                    runs[label].append(await serve(engine, clients, [spec] * conc, args.max_tokens))
+                    runs[label].append(await serve_clients(engine, clients, [spec] * conc, args.max_tokens))
             reference[conc] = runs["off"][0]["outputs"]
             cell = {label: {key: statistics.median(r[key] for r in rs) for key in ("tok_s", "acceptance_length",
                                                                                  "acceptance_rate")}
@@ -135,7 +99,7 @@ async def mixed_parity(engine: Engine, head, prompts: list[list[int]], args, ref
     specs = [spec for _, drafter, spec in configs(args.k) if drafter != "draft"]
     specs = [specs[i % len(specs)] for i in range(8)]
     clients = [[prompts[i % len(prompts)]] for i in range(8)]
-    outputs = (await serve(engine, clients, specs, args.max_tokens))["outputs"]
+    outputs = (await serve_clients(engine, clients, specs, args.max_tokens))["outputs"]
     same = sum(o == r for o, r in zip(outputs, reference[8]))
     print(f"\nmixed batch (off, n-gram, EAGLE chains and trees together): {same}/8 requests identical to spec off")
     return {"identical": same, "requests": 8}
@@ -160,13 +124,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--out", default="ops/bench/results/eagle.json")
     args = parser.parse_args()
-    result = asyncio.run(bench(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(),
-                               "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
-                               **result}, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, {**machine_info(args), **asyncio.run(bench(args))})
     return 0
 
 

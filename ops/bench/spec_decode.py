@@ -156,6 +156,57 @@ async def run_requests(engine: Engine, prompts: list[list[int]], spec: Speculati
             "accepted": accepted, "rounds": rounds, "steps": steps}
 
 
+def closed_loop(prompts: list[list[int]], concurrency: int, min_requests: int) -> list[list[list[int]]]:
+    """``concurrency`` clients' prompts, so that a run has at least
+    ``min_requests`` requests (at concurrency 1 a client sends several, one after another)."""
+    per_client = max(1, min_requests // concurrency)
+    return [[prompts[(i + j * concurrency) % len(prompts)] for j in range(per_client)] for i in range(concurrency)]
+
+
+async def serve_clients(engine: Engine, clients: list[list[list[int]]], specs: list[SpeculationConfig],
+                        max_tokens: int) -> dict[str, Any]:
+    """Client i sends its prompts one after another with ``specs[i]``, all
+    clients at once (greedy): aggregate output tokens/s, the acceptance
+    length and rate, and every request's tokens."""
+    rounds = drafted = accepted = 0
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        nonlocal rounds, drafted, accepted
+        request = GenerationRequest(f"c{next(_ids)}", prompt, SamplingParams(temperature=0), max_tokens,
+                                    speculation=specs[i])
+        tokens = []
+        async for out in engine.generate(request):
+            tokens += out.tokens
+            if out.spec is not None:
+                rounds, drafted, accepted = rounds + out.spec.rounds, drafted + out.spec.drafted, \
+                    accepted + out.spec.accepted
+        return tokens
+
+    async def client(i: int, prompts: list[list[int]]) -> list[list[int]]:
+        return [await one(i, p) for p in prompts]
+
+    start = time.perf_counter()
+    outputs = await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients)))
+    seconds = time.perf_counter() - start
+    return {"tok_s": sum(len(t) for ts in outputs for t in ts) / seconds,
+            "acceptance_length": 1 + accepted / rounds if rounds else 1.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "outputs": outputs}
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    """What a result file records about the run and the machine."""
+    return {"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", "")}
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\nwrote {out}")
+
+
 async def measure(engine: Engine, prompts: list[list[int]], spec, max_tokens: int, runs: int,
                   concurrency: int) -> dict[str, Any]:
     """Median over ``runs`` of serving ``prompts`` in groups of ``concurrency``."""
@@ -274,16 +325,11 @@ def main() -> int:
     parser.add_argument("--out", default="ops/bench/results/spec_decode.json")
     args = parser.parse_args()
     forge_json = Path(args.pair) / "forge.json"
-    info = {"args": vars(args), "platform": platform.platform(), "cpus": os.cpu_count(),
-            "openblas_preloaded": "openblas" in os.environ.get("LD_PRELOAD", ""),
-            "forge": json.loads(forge_json.read_text()) if forge_json.exists() else None}
+    info = {**machine_info(args), "forge": json.loads(forge_json.read_text()) if forge_json.exists() else None}
     if not info["openblas_preloaded"] and platform.system() == "Linux":
         print("warning: OpenBLAS is not preloaded; run `source ops/env.sh` first")
     result = asyncio.run(bench(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**info, **result}, indent=2, default=str))
-    print(f"\nwrote {out}")
+    write_result(args.out, {**info, **result})
     return 0
 
 

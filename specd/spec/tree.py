@@ -188,7 +188,7 @@ def accept(logprobs: mx.array, trees: list[DraftTree], tree: TreeLayout, greedy:
     paths, final_cols, removed, q_depth = [], [], [], {}
     at = 0
     for b, t in enumerate(trees):
-        p_of = dict(zip(range(len(t.tokens)), p_child[at: at + len(t.tokens)]))
+        p_of = p_child[at: at + len(t.tokens)]  # by node
         at += len(t.tokens)
         children: dict[int, list[int]] = {}
         for i, parent in enumerate(t.parents):
