@@ -322,7 +322,7 @@ class Engine:
         self.speculator.observe_step(len(batch), width + 1, elapsed)
         self.speculator.observe_emitted(batch.seqs, emitted)
         self._emit(batch.seqs, logits, emitted)
-        self.speculator.observe_outcome(len(batch), sum(map(len, emitted)), time.perf_counter() - step_started)
+        self.speculator.observe_outcome(len(batch), time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in emitted]
         batch.keep([i for i, s in enumerate(batch.seqs) if s.finish_reason is None])
         self.speculator.retain(batch.seqs + (self._prefill.seqs if self._prefill is not None else []))

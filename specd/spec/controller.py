@@ -13,20 +13,21 @@ each request's own acceptance estimate and from step costs measured online
 so the batch shares one width; rows whose expected gain does not pay for
 their drafting are left out, and k = 0 when speculating cannot pay at all.
 
-A model of costs misses whatever it does not model (proposal bookkeeping, a
-lazy draft prefill, cache effects), so the k actually used is the one
-measured to pay: ``Realised`` keeps, per batch-size bucket, the tokens per
-second of whole steps (proposing to emitting) at each k, uses the best, and
-now and then tries its neighbours, the first try being the cost model's bet.
-Tries are spaced so that losing ones cost at most 1% of the decode time each,
-while a workload that turns repetitive is still noticed.  What was measured
-outlives a policy swap, like the learned costs.
+A model of costs misses whatever it does not model (proposal bookkeeping,
+cache effects), so the seconds the choice divides by are measured:
+``Realised`` keeps, per batch-size bucket, the wall time of whole steps
+(proposing to emitting) at each k, uses the k with the most expected tokens
+per second, and now and then tries its neighbours to measure them (plain
+decoding's neighbour being the cost model's bet). Tries are spaced so that
+losing ones cost at most 1% of the decode time each, while a workload that
+turns repetitive is still noticed. What was measured outlives a policy swap,
+like the learned costs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..api.manifest import SpecPolicySpec
@@ -34,7 +35,7 @@ from .costs import CostModel
 
 class StaticController:
     mode = "static"
-    PRIOR_WEIGHT = 4.0  # how many positions the model's history counts for a new request
+    PRIOR_WEIGHT = 4.0  # how many rounds the model's history counts for a new request
 
     def __init__(self, policy: SpecPolicySpec | None = None, name: str | None = None,
                  costs: CostModel | None = None):
@@ -64,15 +65,14 @@ class StaticController:
 
     def new_estimate(self) -> "AcceptanceEstimate":
         """A request's starting estimate: the model's recent acceptance, weakly held."""
-        prior = self.ema if self.ema is not None else 0.5
-        return AcceptanceEstimate(prior * self.PRIOR_WEIGHT, (1 - prior) * self.PRIOR_WEIGHT)
+        return AcceptanceEstimate(self.ema if self.ema is not None else 0.5, self.PRIOR_WEIGHT)
 
-    def realised_rates(self) -> dict[str, dict[str, float]]:
-        """Measured tokens/s by batch-size bucket (only the goodput controller measures them)."""
+    def measured_steps(self) -> dict[str, dict[str, float]]:
+        """Measured step times by batch-size bucket (only the goodput controller measures them)."""
         return {}
 
-    def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
-        """A whole decode step's outcome (only the goodput controller uses it)."""
+    def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False) -> None:
+        """A whole decode step's wall time (only the goodput controller uses it)."""
 
     def observe(self, estimates: list["AcceptanceEstimate"], proposed: list[int], accepted: list[int]) -> None:
         """Fold one step's acceptance into the model's EMA and each request's estimate."""
@@ -89,21 +89,44 @@ class StaticController:
 
 @dataclass
 class AcceptanceEstimate:
-    """A request's per-token acceptance probability, as decayed success and
-    failure counts over proposal positions (a round accepting a of k is a
-    successes and, if a < k, one failure), started from a prior."""
+    """A request's acceptance by proposal position: for each position, decayed
+    counts of the rounds that reached it and of those that accepted it,
+    started from a prior worth ``weight`` rounds that fades like any round.
+    Acceptance is often bursty (a copied span is taken whole or not at all,
+    so a proposal that got past its first token tends to go on), and one rate
+    for every position would overestimate what long proposals yield."""
 
-    successes: float
-    failures: float
+    prior: float  # acceptance of a position not observed yet
+    weight: float  # how many rounds the prior counts for
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
 
-    @property
-    def alpha(self) -> float:
-        return self.successes / (self.successes + self.failures)
+    def at(self, position: int) -> float:
+        """The chance that a proposal reaching ``position`` (0-based) has it accepted."""
+        if position >= len(self.reached):
+            return self.prior
+        return self.accepted[position] / self.reached[position]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round with k proposals yields: the target's own, plus each
+        proposal whose predecessors and itself were accepted."""
+        tokens, chain = 1.0, 1.0
+        for position in range(k):
+            chain *= self.at(position)
+            tokens += chain
+        return tokens
 
     def update(self, k: int, accepted: int, decay: float) -> None:
+        """A round that proposed k and had ``accepted`` of them accepted: the
+        positions it reached (the accepted ones and the first rejected) move."""
+        grow = k - len(self.reached)
+        if grow > 0:
+            self.reached += [self.weight] * grow
+            self.accepted += [self.prior * self.weight] * grow
         keep = 1.0 - decay
-        self.successes = keep * self.successes + accepted
-        self.failures = keep * self.failures + (1 if accepted < k else 0)
+        for position in range(min(accepted + 1, k)):
+            self.reached[position] = keep * self.reached[position] + 1
+            self.accepted[position] = keep * self.accepted[position] + (position < accepted)
 
 
 @dataclass
@@ -115,33 +138,36 @@ class Row:
     estimate: AcceptanceEstimate
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round yields with k proposals, each accepted with probability alpha."""
-    if k == 0:
-        return 1.0
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 class Realised:
-    """Measured tokens per second of each k (0: plain) in one batch-size
-    bucket, and the k to use next.
+    """Measured seconds of whole decode steps (proposing to emitting) at each
+    k (0: plain) in one batch-size bucket, and the k to use next.
 
-    Plain decoding is measured first (``TRY`` steps), and the k in use is
-    the measured best.  Its neighbours (k - 1 and k + 1) are tried now and then: a try is ``TRY`` steps at the neighbour's k, judged on
-    all but its first (which pays for catching a draft's cache up, a one-off
-    cost a request amortises over its life).  A try that wins makes its k the
-    best (and the old best a neighbour, soon tried again, so one lucky try is
-    undone); one that loses waits 16, 32, .. 1024 steps for the next, and
-    never less than its cost beyond the best allows within ``EXPLORE_BUDGET``
-    of the decode time.  A try is judged against the best k's rate of the
-    steps just before it, never against an old measurement: this machine's
-    speed drifts by tens of percent over minutes, more than the differences
-    between neighbouring k.  Tokens per second rise with k to one best and
-    fall after it, so climbing from neighbour to neighbour finds the best k
-    without paying for tries of hopeless ones, and the first try goes where
-    the cost model bets."""
+    The k in use is the one with the most expected tokens per second: the
+    rows' expected tokens at k (``tokens``, from each request's acceptance
+    estimate) over the measured seconds of a step at k.  Tokens are expected,
+    not counted: a try's few steps yield 1 to k + 1 tokens a row by chance,
+    which would decide more tries than k does, while the estimates pool every
+    round the requests ran.  Seconds are measured, not modelled: they include
+    whatever the cost model misses (proposal bookkeeping, cache effects).
+
+    Plain decoding is measured first (``TRY`` steps).  The best k's
+    neighbours are tried now and then: k - 1, k + 1 and plain decoding while
+    speculating, the cost model's best k >= 1 while not (speculating pays a
+    fixed overhead first, so k = 1 can lose to plain decoding where k = 2
+    wins).  A try is ``TRY`` steps at the neighbour's k.  Steps whose draft
+    caught rows up (a new request's prefill, or the backlog of a request that
+    was not drafting) are left out of every measurement: a request pays that
+    once in its life.  A try that wins makes its k the best (and the old best
+    a neighbour, soon tried again); one that loses waits 16, 32, .. 1024
+    steps for the next, and never less than its cost beyond the best allows
+    within ``EXPLORE_BUDGET`` of the decode time (at a large batch, where a
+    try's draft prefill and wide verify steps cost most, that is the longer
+    wait).  A try is judged against the best k's seconds of the steps just
+    before it, never against an old measurement: this machine's speed drifts
+    by tens of percent over minutes, more than the differences between
+    neighbouring k.  Among k >= 1, tokens per second rise with k to one best
+    and fall after it, so climbing from neighbour to neighbour finds the best
+    k without paying for tries of hopeless ones."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
     TRY = 8  # steps per try
@@ -149,84 +175,89 @@ class Realised:
     EXPLORE_BUDGET = 0.01  # share of the decode time each neighbour's losing tries may cost
 
     def __init__(self) -> None:
-        self.rate: dict[int, float] = {}  # tokens/s by k
-        self.step_seconds: float | None = None  # a step of the best k
+        self.seconds: dict[int, float] = {}  # a step's seconds by k
         self.best = 0
         self.steps = 0  # steps decided in this bucket
         self.next_try: dict[int, int] = {}  # k -> step from which it may be tried (again)
         self.retry: dict[int, int] = {}  # k -> spacing after its next losing try
         self.trying: int | None = None
         self.try_left = 0
-        self.try_tokens = 0
-        self.try_seconds = 0.0  # judged steps
+        self.try_seconds = 0.0  # measured steps
         self.try_cost = 0.0  # seconds beyond what the best k would have taken, all steps
         self.pending: int | None = None  # the k decided for the step being run
+        self.tokens: Callable[[int], float] = lambda k: 1.0  # expected tokens by k, rows of the latest step
 
-    def decide(self, max_k: int, bet: Callable[[], int]) -> tuple[int, str | None]:
+    def decide(self, max_k: int, bet: Callable[[], int], tokens: Callable[[int], float]) -> tuple[int, str | None]:
         """The k for this step (0: plain, with why): the best, or a neighbour's
-        try when one is due; ``bet`` is the cost model's k for the first try."""
+        try when one is due; ``bet`` is the cost model's best k >= 1,
+        ``tokens`` the rows' expected tokens at a k."""
         self.steps += 1
-        if 0 not in self.rate:  # plain decoding is measured first, like a try
+        self.tokens = tokens
+        if 0 not in self.seconds:  # plain decoding is measured first, like a try
             if self.trying is None:
                 self._start(0)
             return self._run(0), "baseline"
         if self.trying is None and max_k > 0:
-            due = [k for k in self._neighbours(max_k, bet) if self.steps >= self.next_try.get(k, 0)]
-            if due:
-                self._start(due[0])
+            due = self._due_neighbour(max_k, bet)
+            if due is not None:
+                self._start(due)
         k = self.trying if self.trying is not None else min(self.best, max_k)
         return self._run(k), None if k else "no_gain"
 
+    def rate(self, k: int) -> float:
+        """Expected tokens per second at k for the rows of the latest step."""
+        return self.tokens(k) / self.seconds[k]
+
     def _start(self, k: int) -> None:
         self.trying, self.try_left = k, self.TRY
-        self.try_tokens, self.try_seconds, self.try_cost = 0, 0.0, 0.0
+        self.try_seconds, self.try_cost = 0.0, 0.0
 
-    def _neighbours(self, max_k: int, bet: Callable[[], int]) -> list[int]:
-        if len(self.rate) == 1:  # only plain measured: the first try is the cost model's bet
-            return [min(max(bet(), 1), max_k)]
-        return [k for k in (self.best + 1, self.best - 1) if 0 <= k <= max_k]
+    def _due_neighbour(self, max_k: int, bet: Callable[[], int]) -> int | None:
+        """The neighbour whose try is due, if any.  From plain decoding the
+        neighbour is the bet, on one schedule whatever k it names: the bet
+        moves with the acceptance estimates, and a schedule per k would
+        multiply the tries."""
+        if self.best == 0:
+            due = self.steps >= max((step for k, step in self.next_try.items() if k), default=0)
+            return min(bet(), max_k) if due else None
+        return next((k for k in dict.fromkeys((self.best + 1, self.best - 1, 0))
+                     if k <= max_k and self.steps >= self.next_try.get(k, 0)), None)
 
     def _run(self, k: int) -> int:
         self.pending = k
         return k
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """The outcome of the step last decided: its tokens and wall time."""
+    def observe(self, seconds: float, caught_up: bool = False) -> None:
+        """The wall time of the step last decided; ``caught_up``: its draft
+        also prefilled rows or fed them a backlog."""
         k, self.pending = self.pending, None
         if k is None or seconds <= 0:
             return
-        rate = tokens / seconds
+        if k == self.trying and self.best in self.seconds:
+            self.try_cost += seconds - self.tokens(k) / self.rate(self.best)
+        if caught_up:
+            return
         if k != self.trying:
-            self.rate[k] = _ema(self.rate.get(k), rate, self.ALPHA)
-            if k == self.best:
-                self.step_seconds = _ema(self.step_seconds, seconds, self.ALPHA)
+            self.seconds[k] = _ema(self.seconds.get(k), seconds, self.ALPHA)
             return
         self.try_left -= 1
-        if self.best in self.rate:
-            self.try_cost += seconds - tokens / self.rate[self.best]
-        if self.try_left < self.TRY - 1:  # the first step catches up; judge the rest
-            self.try_tokens += tokens
-            self.try_seconds += seconds
+        self.try_seconds += seconds
         if self.try_left == 0:
             self._judge(k)
 
     def _judge(self, k: int) -> None:
         self.trying = None
-        rate = self.try_tokens / self.try_seconds
+        self.seconds[k] = self.try_seconds / self.TRY
         if k == self.best:  # the baseline
-            self.rate[k] = rate
-            self.step_seconds = self.try_seconds / (self.TRY - 1)
             return
-        self.rate[k] = rate
-        if rate > self.rate[self.best]:
+        if self.rate(k) > self.rate(self.best):
             old, self.best = self.best, k
-            self.step_seconds = self.try_seconds / (self.TRY - 1)
             self.retry[old] = self.FIRST_RETRY
             self.next_try[old] = self.steps + self.FIRST_RETRY
             return
         spacing = self.retry.get(k, self.FIRST_RETRY)
-        affordable = math.ceil(self.try_cost / (self.EXPLORE_BUDGET * self.step_seconds)) if self.step_seconds else 0
-        self.next_try[k] = self.steps + min(max(spacing, affordable), self.LAST_RETRY)
+        affordable = math.ceil(self.try_cost / (self.EXPLORE_BUDGET * self.seconds[self.best]))
+        self.next_try[k] = self.steps + max(min(spacing, self.LAST_RETRY), affordable)
         self.retry[k] = min(2 * spacing, self.LAST_RETRY)
 
 
@@ -246,16 +277,18 @@ class GoodputController(StaticController):
         super().__init__(*args, **kwargs)
         self.realised = {} if realised is None else realised  # by batch-size bucket
 
-    def realised_rates(self) -> dict[str, dict[str, float]]:
-        """Measured tokens/s of each k and the best k by batch-size bucket, as ``describe`` shows them."""
-        return {f"B<={b}": {"best": r.best, **{f"k={k}": round(v, 1) for k, v in sorted(r.rate.items())}}
+    def measured_steps(self) -> dict[str, dict[str, float]]:
+        """Measured milliseconds of a whole step at each k and the best k by
+        batch-size bucket, as ``describe`` shows them."""
+        return {f"B<={b}": {"best": r.best, **{f"k={k}": round(1000 * v, 2) for k, v in sorted(r.seconds.items())}}
                 for b, r in sorted(self.realised.items())}
 
-    def observe_step(self, batch_size: int, tokens: int, seconds: float) -> None:
-        """A whole decode step's outcome, proposing to emitting."""
+    def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False) -> None:
+        """A whole decode step's wall time, proposing to emitting; ``caught_up``:
+        its draft also prefilled rows or fed them a backlog."""
         measured = self.realised.get(batch_bucket(batch_size))
         if measured is not None:
-            measured.observe(tokens, seconds)
+            measured.observe(seconds, caught_up)
 
     def plan(self, rows: list[Row], batch_size: int) -> tuple[list[int], str | None]:
         """The measured best k (or a neighbour's try) for the rows whose expected gain pays for it."""
@@ -266,7 +299,8 @@ class GoodputController(StaticController):
         if policy is not None and not policy.enabled:
             return [0] * len(rows), "policy_disabled"
         measured = self.realised.setdefault(batch_bucket(batch_size), Realised())
-        k, reason = measured.decide(self._cap(rows), lambda: max(self.choose(rows)[0]))
+        k, reason = measured.decide(self._cap(rows), lambda: self.bet(rows),
+                                    lambda k: self._tokens(rows, k, self._worth_it(rows, k)))
         if k == 0:
             return [0] * len(rows), reason
         return self._for_rows(rows, k, self._worth_it(rows, k))
@@ -280,6 +314,13 @@ class GoodputController(StaticController):
             if rate > best_rate * 1.0001:
                 best_k, best_rate, best_rows = k, rate, use
         return self._for_rows(rows, best_k, best_rows)
+
+    def bet(self, rows: list[Row]) -> int:
+        """The cost model's best k >= 1: where speculating would pay most, if it pays at all."""
+        def rate(k: int) -> float:
+            use = self._worth_it(rows, k)
+            return self._rate(rows, k, use if any(use) else [r.budget > 0 for r in rows])
+        return max(range(1, self._cap(rows) + 1), key=rate)
 
     def _cap(self, rows: list[Row]) -> int:
         longest = max(r.budget for r in rows)
@@ -309,7 +350,7 @@ class GoodputController(StaticController):
             if r.budget == 0:
                 use.append(False)
                 continue
-            gain = expected_tokens(r.estimate.alpha, min(k, r.budget)) - 1.0
+            gain = r.estimate.expected_tokens(min(k, r.budget)) - 1.0
             cost = per_row_draft * tokens_per_second if r.drafts_with_model else 0.0
             use.append(gain > cost)
         return use
@@ -319,9 +360,12 @@ class GoodputController(StaticController):
         width = 1 + (k if any(use) else 0)
         drafting = sum(1 for r, u in zip(rows, use) if u and r.drafts_with_model)
         seconds = self.costs.target_seconds(len(rows), width) + self.costs.draft_seconds(drafting, k)
-        tokens = sum(expected_tokens(r.estimate.alpha, min(k, r.budget)) if u else 1.0
-                     for r, u in zip(rows, use))
-        return tokens / seconds
+        return self._tokens(rows, k, use) / seconds
+
+    @staticmethod
+    def _tokens(rows: list[Row], k: int, use: list[bool]) -> float:
+        """Expected tokens a step yields for the batch if ``use`` rows propose up to k."""
+        return sum(r.estimate.expected_tokens(min(k, r.budget)) if u else 1.0 for r, u in zip(rows, use))
 
 def make_controller(policy: SpecPolicySpec | None, name: str | None, costs: CostModel,
                     realised: dict[int, Realised]) -> StaticController:

@@ -40,7 +40,7 @@ class DraftModelProposer:
         self.pending: list[list[int]] = []
         self._drafted = 0
         self._drafting: list[bool] = []  # rows that drafted in the current step
-        self.admitted = 0  # rows prefilled by the last propose (their prefill is in its time)
+        self.caught_up = False  # the last propose prefilled rows or fed a backlog: a one-off cost in its time
 
     def _forward(self, tokens: list[list[int]]) -> mx.array:
         """Feed each row its tokens (right-padded); return each row's last logits."""
@@ -92,7 +92,6 @@ class DraftModelProposer:
         self.retain({id(s) for s in seqs})
         known = {id(s) for s in self.rows}
         new = [(s, t) for s, t in zip(seqs, last_tokens) if id(s) not in known]
-        self.admitted = len(new)
         if new:
             self._admit([s for s, _ in new], [t for _, t in new])
         row_of = {id(s): i for i, s in enumerate(self.rows)}
@@ -110,7 +109,10 @@ class DraftModelProposer:
         the first forward (so resuming later needs no new prefill); their draft
         steps are discarded and do not consume their RNG.
         """
+        known = self.known
         self._sync_rows(seqs, last_tokens)
+        # a normal round feeds a row one or two pending tokens; more is a prefill or a backlog
+        self.caught_up = any(id(s) not in known for s in seqs) or max(map(len, self.pending)) > 2
         self._drafting = list(drafting)
         params = [p if d else GREEDY for p, d in zip(params, drafting)]
         new_keys = list(keys)

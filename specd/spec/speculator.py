@@ -65,9 +65,10 @@ class Speculator:
         self.eagle: EagleProposer | None = None
         self.positions: TreePositions | None = None  # installed on the target at the first draft tree
         self._kept_columns: list[list[int]] | None = None  # a tree step's kept columns, per row
+        self._caught_up = False  # this step's draft caught rows up (a prefill or a backlog)
         self.configure(default, draft_model)
         self.costs = CostModel()
-        self.realised: dict[int, Realised] = {}  # measured tokens/s by batch bucket and k
+        self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
         self._chosen_k = metrics.spec_chosen_k.labels(model_name)  # observed per row and step: skip the lookup
         self.controller = StaticController(costs=self.costs)
         self.drafted_total = 0
@@ -90,7 +91,7 @@ class Speculator:
                 "acceptanceEMA": None if ema is None else round(ema, 4),
                 "acceptanceRate": None if rate is None else round(rate, 4),
                 "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()},
-                "realisedTokensPerSecond": self.controller.realised_rates()}
+                "measuredStepMs": self.controller.measured_steps()}
 
     def configure(self, default: SpeculationConfig, draft_model: nn.Module | None) -> None:
         """Attach, change or detach the pairing (``draft_model``: a draft
@@ -182,7 +183,8 @@ class Speculator:
                                           [ks[i] > 0 for i in members], k, [seqs[i].params for i in members],
                                           [seqs[i].key for i in members])
             mx.eval(proposal.drafts, proposal.probs, proposal.keys)
-            if self.draft.admitted == 0:  # a lazy prefill would distort the step cost
+            self._caught_up = self.draft.caught_up
+            if not self._caught_up:  # a lazy prefill or a backlog would distort the step cost
                 self.costs.observe_draft(len(members), k, time.perf_counter() - started)
             tokens = proposal.drafts.tolist()
             picked = []
@@ -345,9 +347,10 @@ class Speculator:
             self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
         self.costs.observe_target(rows, width, seconds)
 
-    def observe_outcome(self, rows: int, tokens: int, seconds: float) -> None:
-        """A whole decode step, proposing to emitting: what the controller's bets returned."""
-        self.controller.observe_step(rows, tokens, seconds)
+    def observe_outcome(self, rows: int, seconds: float) -> None:
+        """A whole decode step's wall time, proposing to emitting: what the controller's bet cost."""
+        caught_up, self._caught_up = self._caught_up, False
+        self.controller.observe_step(rows, seconds, caught_up)
 
     def observe_emitted(self, seqs: list[Sequence], emitted: list[list[int]]) -> None:
         """After a decode step: queue what non-drafting rows emitted, so the
