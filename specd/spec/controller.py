@@ -291,7 +291,8 @@ class GoodputController(StaticController):
             measured.observe(seconds, caught_up)
 
     def plan(self, rows: list[Row], batch_size: int) -> tuple[list[int], str | None]:
-        """The measured best k (or a neighbour's try) for the rows whose expected gain pays for it."""
+        """The k with the most expected tokens per second over measured step
+        times (or a neighbour's try), for the rows whose expected gain pays for it."""
         policy = self.policy
         asked = [r.budget for r in rows]
         if not any(asked):
@@ -306,7 +307,8 @@ class GoodputController(StaticController):
         return self._for_rows(rows, k, self._worth_it(rows, k))
 
     def choose(self, rows: list[Row]) -> tuple[list[int], str | None]:
-        """The cost model's choice: the k (and the rows) with the most expected tokens per second."""
+        """The cost model's plan alone (what ``bet`` looks for among k >= 1):
+        the k (and the rows) with the most expected tokens per second by modelled costs."""
         best_k, best_rate, best_rows = 0, self._rate(rows, 0, [False] * len(rows)), [False] * len(rows)
         for k in range(1, self._cap(rows) + 1):
             use = self._worth_it(rows, k)
