@@ -262,7 +262,7 @@ def test_static_mode_follows_the_seed_rules():
                                          acceptance_rate_threshold=0.3, probe_interval=4), "p")
     assert controller.plan(rows([0.5] * 2, budget=5), 2) == ([3, 3], None)
     assert controller.plan(rows([0.5] * 4, budget=5), 4) == ([0] * 4, "batch_size")
-    controller.observe([iid(0.5)], [4], [0])  # EMA 0: below the threshold
+    controller.observe([iid(0.5)], [4], [0], [4])  # EMA 0: below the threshold
     offs = [controller.plan(rows([0.5], budget=5), 1)[1] for _ in range(4)]
     assert offs == ["low_acceptance"] * 3 + [None]  # the 4th step probes
 
@@ -272,6 +272,19 @@ def test_estimates_move_towards_what_is_observed():
     estimate = controller.new_estimate()
     assert estimate.at(0) == pytest.approx(0.5)
     for _ in range(10):
-        controller.observe([estimate], [4], [4])
+        controller.observe([estimate], [4], [4], [4])
     assert estimate.at(0) > 0.9 and estimate.at(3) > 0.9
     assert controller.new_estimate().at(0) > 0.9  # new requests start from the model's history
+
+
+def test_a_lookup_that_finds_nothing_counts_against_the_k_chosen():
+    """n-gram rows planned k = 3 that found no match half the time (and were always right
+    otherwise) yield 1 + 0.5 x 3 tokens per step at k = 3, and the estimate says so;
+    the model's acceptance rate counts only tokens proposed."""
+    controller = GoodputController(policy(ema_alpha=0.05), "p", costs(0.01, 0.0))
+    estimate = controller.new_estimate()
+    for _ in range(200):
+        controller.observe([estimate], [3], [3], [3])
+        controller.observe([estimate], [0], [0], [3])
+    assert estimate.expected_tokens(3) == pytest.approx(2.5, abs=0.15)
+    assert controller.ema == pytest.approx(1.0)

@@ -211,3 +211,23 @@ def test_greedy_parity_while_a_policy_toggles_speculation(pair, prompts, referen
                                       for i, p in enumerate(prompts)))
     results = serve(pair, go, max_batch_size=6)
     assert [r[0] for r in results] == reference
+
+
+def test_empty_lookups_still_teach_the_estimates(pair):
+    """An n-gram row planned to speculate whose lookup finds nothing (so the step verifies
+    nothing) still counts against the k chosen: the goodput controller sees the round."""
+    rounds = []
+
+    async def go(engine):
+        engine.set_policy(SpecPolicySpec(match_labels={}, mode="goodput", max_speculative_tokens=4), "p")
+        await asyncio.sleep(0.05)  # swapped in between steps; the engine is idle
+        controller = engine.speculator.controller
+        observe = controller.observe
+
+        def record(estimates, proposed, accepted, planned):
+            rounds.append((list(proposed), list(planned)))
+            observe(estimates, proposed, accepted, planned)
+        controller.observe = record
+        await generate(engine, list(range(5, 45)), NGRAM, max_tokens=64)  # no repeats to look up at first
+    serve(pair, go, draft_model=None)
+    assert any(not any(proposed) and any(planned) for proposed, planned in rounds)

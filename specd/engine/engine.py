@@ -315,6 +315,7 @@ class Engine:
             logits = self.model(inputs, cache=batch.cache)
         if width == 0:
             emitted = [[t] for t in self._sample(batch.seqs, logits[:, -1, :])]
+            self.speculator.nothing_proposed(batch.seqs, proposal)
         else:
             emitted, logits = self.speculator.verify(batch.seqs, logits, proposal, batch.cache)
         # what a step of this shape costs, verification and rollback included (the controller's input)

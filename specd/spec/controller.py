@@ -74,15 +74,20 @@ class StaticController:
     def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False) -> None:
         """A whole decode step's wall time (only the goodput controller uses it)."""
 
-    def observe(self, estimates: list["AcceptanceEstimate"], proposed: list[int], accepted: list[int]) -> None:
-        """Fold one step's acceptance into the model's EMA and each request's estimate."""
+    def observe(self, estimates: list["AcceptanceEstimate"], proposed: list[int], accepted: list[int],
+                planned: list[int]) -> None:
+        """Fold one step's acceptance into the model's EMA (of the tokens
+        proposed) and each request's estimate (of the k planned: an n-gram
+        lookup that found fewer tokens fails at the first one it lacked, so
+        the estimate says what choosing k yields)."""
         drafted = sum(proposed)
-        if drafted == 0:
+        if drafted == 0 and not any(planned):
             return
-        rate = sum(accepted) / drafted
         alpha = self.policy.ema_alpha if self.policy is not None else 0.1
-        self.ema = rate if self.ema is None else (1 - alpha) * self.ema + alpha * rate
-        for estimate, k, a in zip(estimates, proposed, accepted):
+        if drafted:
+            rate = sum(accepted) / drafted
+            self.ema = rate if self.ema is None else (1 - alpha) * self.ema + alpha * rate
+        for estimate, k, a in zip(estimates, planned, accepted):
             if k:
                 estimate.update(k, a, alpha)
 

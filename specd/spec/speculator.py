@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import mlx.core as mx
@@ -40,6 +40,7 @@ class Proposal:
     draft_rows: list[int]
     tree: TreeLayout | None = None  # set when some row proposes a branching tree
     trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
+    planned: list[int] = field(default_factory=list)  # the k chosen per row (an n-gram lookup may find fewer)
 
     @property
     def width(self) -> int:
@@ -200,9 +201,9 @@ class Speculator:
             if k:
                 s.stats.method = spec.method
         if trees is None:
-            return Proposal(drafts, probs, rows)
+            return Proposal(drafts, probs, rows, planned=ks)
         trees = [t if t is not None else DraftTree.chain(d) for t, d in zip(trees, drafts)]
-        return Proposal(drafts, probs, rows, layout(trees, last_tokens), trees)
+        return Proposal(drafts, probs, rows, layout(trees, last_tokens), trees, planned=ks)
 
     def _propose_eagle(self, seqs: list[Sequence], specs: list[SpeculationConfig], ks: list[int],
                        drafts: list[list[int]]) -> list[DraftTree | None] | None:
@@ -296,6 +297,13 @@ class Speculator:
         columns = mx.array([c + [0] * (width - len(c)) for c in kept])
         return emitted, mx.take_along_axis(logits, columns[..., None], axis=1)
 
+    def nothing_proposed(self, seqs: list[Sequence], proposal: Proposal) -> None:
+        """A step planned to speculate whose lookups all came back empty: the
+        requests' estimates learn what choosing k yielded."""
+        if any(proposal.planned):
+            none = [0] * len(seqs)
+            self.controller.observe([s.estimate for s in seqs], none, none, proposal.planned)
+
     def _settle(self, seqs: list[Sequence], proposal: Proposal, proposed: list[int], accepted: list[int],
                 next_tokens: list[int]) -> None:
         """After a verdict: the draft model's rollback, statistics and the controller's estimates
@@ -309,7 +317,7 @@ class Speculator:
                 self._count(s, k, a)
         self.drafted_total += sum(proposed)
         self.accepted_total += sum(accepted)
-        self.controller.observe([s.estimate for s in seqs], proposed, accepted)
+        self.controller.observe([s.estimate for s in seqs], proposed, accepted, proposal.planned)
         if self.controller.ema is not None:
             self.metrics.spec_acceptance_ema.labels(self.name).set(self.controller.ema)
 
