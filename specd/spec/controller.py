@@ -122,7 +122,8 @@ class AcceptanceEstimate:
         return tokens
 
     def update(self, k: int, accepted: int, decay: float) -> None:
-        """A round that proposed k and had ``accepted`` of them accepted: the
+        """A round planned at k that had ``accepted`` proposals accepted (a
+        position its proposer could not fill counts as rejected): the
         positions it reached (the accepted ones and the first rejected) move."""
         grow = k - len(self.reached)
         if grow > 0:
