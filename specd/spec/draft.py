@@ -86,9 +86,9 @@ class DraftModelProposer:
         """Drop the rows of sequences (by ``id``) that are no longer running."""
         self._select([i for i, s in enumerate(self.rows) if id(s) in alive])
 
-    def _sync_rows(self, seqs: list[Sequence], last_tokens: list[int]) -> None:
+    def _sync_rows(self, seqs: list[Sequence], last_tokens: list[int]) -> int:
         """Make the cache rows exactly ``seqs``, in order: drop sequences that
-        left or stopped drafting, prefill newcomers."""
+        left or stopped drafting, prefill newcomers (returns how many)."""
         self.retain({id(s) for s in seqs})
         known = {id(s) for s in self.rows}
         new = [(s, t) for s, t in zip(seqs, last_tokens) if id(s) not in known]
@@ -96,6 +96,7 @@ class DraftModelProposer:
             self._admit([s for s, _ in new], [t for _, t in new])
         row_of = {id(s): i for i, s in enumerate(self.rows)}
         self._select([row_of[id(s)] for s in seqs])
+        return len(new)
 
     @property
     def known(self) -> set[int]:
@@ -109,10 +110,9 @@ class DraftModelProposer:
         the first forward (so resuming later needs no new prefill); their draft
         steps are discarded and do not consume their RNG.
         """
-        known = self.known
-        self._sync_rows(seqs, last_tokens)
-        # a normal round feeds a row one or two pending tokens; more is a prefill or a backlog
-        self.caught_up = any(id(s) not in known for s in seqs) or max(map(len, self.pending)) > 2
+        admitted = self._sync_rows(seqs, last_tokens)
+        # a normal round feeds a row one or two pending tokens; more is a backlog
+        self.caught_up = admitted > 0 or max(map(len, self.pending)) > 2
         self._drafting = list(drafting)
         params = [p if d else GREEDY for p, d in zip(params, drafting)]
         new_keys = list(keys)
