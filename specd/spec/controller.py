@@ -160,20 +160,21 @@ class Realised:
     neighbours are tried now and then: k - 1, k + 1 and plain decoding while
     speculating, the cost model's best k >= 1 while not (speculating pays a
     fixed overhead first, so k = 1 can lose to plain decoding where k = 2
-    wins).  A try is ``TRY`` steps at the neighbour's k.  Steps whose draft
-    caught rows up (a new request's prefill, or the backlog of a request that
-    was not drafting) are left out of every measurement: a request pays that
-    once in its life.  A try that wins makes its k the best (and the old best
-    a neighbour, soon tried again); one that loses waits 16, 32, .. 1024
-    steps for the next, and never less than its cost beyond the best allows
-    within ``EXPLORE_BUDGET`` of the decode time (at a large batch, where a
-    try's draft prefill and wide verify steps cost most, that is the longer
-    wait).  A try is judged against the best k's seconds of the steps just
-    before it, never against an old measurement: this machine's speed drifts
-    by tens of percent over minutes, more than the differences between
-    neighbouring k.  Among k >= 1, tokens per second rise with k to one best
-    and fall after it, so climbing from neighbour to neighbour finds the best
-    k without paying for tries of hopeless ones."""
+    wins).  A try is ``TRY`` steps at the neighbour's k, each followed by a
+    step at the best k, and is judged against those interleaved steps: this
+    machine's speed changes by up to 40% from one spell of tens of steps to
+    the next, more than neighbouring k differ, and only steps run side by
+    side see the same speed.  Steps whose draft caught rows up (a new
+    request's prefill, or the backlog of a request that was not drafting)
+    are left out of every measurement: a request pays that once in its life.
+    A try that wins makes its k the best (and the old best a neighbour, soon
+    tried again); one that loses waits 16, 32, .. 1024 steps for the next,
+    and never less than its cost beyond the best allows within
+    ``EXPLORE_BUDGET`` of the decode time (at a large batch, where a try's
+    draft prefill and wide verify steps cost most, that is the longer wait).
+    Among k >= 1, tokens per second rise with k to one best and fall after
+    it, so climbing from neighbour to neighbour finds the best k without
+    paying for tries of hopeless ones."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
     TRY = 8  # steps per try
@@ -188,9 +189,11 @@ class Realised:
         self.retry: dict[int, int] = {}  # k -> spacing after its next losing try
         self.trying: int | None = None
         self.try_left = 0
+        self.best_turn = False  # during a try: the next step is the best k's, interleaved
         self.try_seconds = 0.0  # measured steps
+        self.paired_seconds, self.paired_steps = 0.0, 0  # the best k's measured steps during the try
         self.try_cost = 0.0  # seconds beyond what the best k would have taken, all steps
-        self.pending: int | None = None  # the k decided for the step being run
+        self.pending: tuple[int, bool] | None = None  # the k decided for the step being run, and if it is a try's
         self.tokens: Callable[[int], float] = lambda k: 1.0  # expected tokens by k, rows of the latest step
 
     def decide(self, max_k: int, bet: Callable[[], int], tokens: Callable[[int], float]) -> tuple[int, str | None]:
@@ -202,21 +205,25 @@ class Realised:
         if 0 not in self.seconds:  # plain decoding is measured first, like a try
             if self.trying is None:
                 self._start(0)
-            return self._run(0), "baseline"
+            return self._run(0, True), "baseline"
         if self.trying is None and max_k > 0:
             due = self._due_neighbour(max_k, bet)
             if due is not None:
                 self._start(due)
-        k = self.trying if self.trying is not None else min(self.best, max_k)
-        return self._run(k), None if k else "no_gain"
+        trying = self.trying is not None and not self.best_turn
+        if self.trying is not None:
+            self.best_turn = not self.best_turn
+        k = self.trying if trying else min(self.best, max_k)
+        return self._run(k, trying), None if k else "no_gain"
 
     def rate(self, k: int) -> float:
         """Expected tokens per second at k for the rows of the latest step."""
         return self.tokens(k) / self.seconds[k]
 
     def _start(self, k: int) -> None:
-        self.trying, self.try_left = k, self.TRY
+        self.trying, self.try_left, self.best_turn = k, self.TRY, False
         self.try_seconds, self.try_cost = 0.0, 0.0
+        self.paired_seconds, self.paired_steps = 0.0, 0
 
     def _due_neighbour(self, max_k: int, bet: Callable[[], int]) -> int | None:
         """The neighbour whose try is due, if any.  From plain decoding the
@@ -229,22 +236,26 @@ class Realised:
         return next((k for k in dict.fromkeys((self.best + 1, self.best - 1, 0))
                      if k <= max_k and self.steps >= self.next_try.get(k, 0)), None)
 
-    def _run(self, k: int) -> int:
-        self.pending = k
+    def _run(self, k: int, trying: bool) -> int:
+        self.pending = k, trying
         return k
 
     def observe(self, seconds: float, caught_up: bool = False) -> None:
         """The wall time of the step last decided; ``caught_up``: its draft
         also prefilled rows or fed them a backlog."""
-        k, self.pending = self.pending, None
-        if k is None or seconds <= 0:
+        decided, self.pending = self.pending, None
+        if decided is None or seconds <= 0:
             return
-        if k == self.trying and self.best in self.seconds:
+        k, trying = decided
+        if trying and self.best in self.seconds:
             self.try_cost += seconds - self.tokens(k) / self.rate(self.best)
         if caught_up:
             return
-        if k != self.trying:
+        if not trying:
             self.seconds[k] = _ema(self.seconds.get(k), seconds, self.ALPHA)
+            if self.trying is not None and k == self.best:
+                self.paired_seconds += seconds
+                self.paired_steps += 1
             return
         self.try_left -= 1
         self.try_seconds += seconds
@@ -256,6 +267,8 @@ class Realised:
         self.seconds[k] = self.try_seconds / self.TRY
         if k == self.best:  # the baseline
             return
+        if self.paired_steps:  # the best k at the speed the try saw
+            self.seconds[self.best] = self.paired_seconds / self.paired_steps
         if self.rate(k) > self.rate(self.best):
             old, self.best = self.best, k
             self.retry[old] = self.FIRST_RETRY

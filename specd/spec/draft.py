@@ -111,8 +111,9 @@ class DraftModelProposer:
         steps are discarded and do not consume their RNG.
         """
         admitted = self._sync_rows(seqs, last_tokens)
-        # a normal round feeds a row one or two pending tokens; more is a backlog
-        self.caught_up = admitted > 0 or max(map(len, self.pending)) > 2
+        # a round feeds a row one or two pending tokens, three after a plain step
+        # in between (as a controller's try interleaves them); more is a backlog
+        self.caught_up = admitted > 0 or max(map(len, self.pending)) > 3
         self._drafting = list(drafting)
         params = [p if d else GREEDY for p, d in zip(params, drafting)]
         new_keys = list(keys)

@@ -70,7 +70,9 @@ class Speculator:
         self.configure(default, draft_model)
         self.costs = CostModel()
         self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
-        self._chosen_k = metrics.spec_chosen_k.labels(model_name)  # observed per row and step: skip the lookup
+        # observed or set every step: skip the label lookups
+        self._chosen_k = metrics.spec_chosen_k.labels(model_name)
+        self._step_seconds: dict | None = None  # exported from the first goodput step on
         self.controller = StaticController(costs=self.costs)
         self.drafted_total = 0
         self.accepted_total = 0
@@ -350,9 +352,11 @@ class Speculator:
         """Feed a decode step's wall time to the cost model; under a goodput
         policy also export it next to what the model predicted."""
         if self.controller.mode == "goodput":
-            predicted = self.costs.target_seconds(rows, width)
-            self.metrics.spec_step_seconds.labels(self.name, "measured").set(seconds)
-            self.metrics.spec_step_seconds.labels(self.name, "modelled").set(predicted)
+            if self._step_seconds is None:
+                self._step_seconds = {kind: self.metrics.spec_step_seconds.labels(self.name, kind)
+                                      for kind in ("measured", "modelled")}
+            self._step_seconds["measured"].set(seconds)
+            self._step_seconds["modelled"].set(self.costs.target_seconds(rows, width))
         self.costs.observe_target(rows, width, seconds)
 
     def observe_outcome(self, rows: int, seconds: float) -> None:
