@@ -45,8 +45,8 @@ from mlx_lm import load
 from specd.engine.batch import make_batch_cache
 from specd.engine.engine import Engine, EngineConfig
 from specd.engine.sampling import SamplingParams
-from specd.engine.sequence import GenerationRequest
-from specd.spec.config import SpeculationConfig
+from specd.engine.sequence import GenerationRequest, SpecStats
+from specd.spec.config import NO_SPECULATION, SpeculationConfig
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n",
@@ -131,31 +131,6 @@ def ideal_speedup(tokens_per_round: float, k: float, c: float, v: float, f: floa
     return (f * tokens_per_round + (1 - f)) / (f * (k * c + v) + (1 - f))
 
 
-async def run_requests(engine: Engine, prompts: list[list[int]], spec: SpeculationConfig | None,
-                       max_tokens: int) -> dict[str, float]:
-    """All prompts at once; aggregate output tokens/s and speculation totals."""
-    async def one(prompt):
-        request = GenerationRequest(f"b{next(_ids)}", prompt, SamplingParams(temperature=0), max_tokens,
-                                    speculation=spec or SpeculationConfig("none"))
-        tokens, last = 0, None
-        async for out in engine.generate(request):
-            tokens += len(out.tokens)
-            last = out
-        return tokens, last.spec
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in prompts))
-    wall = time.perf_counter() - start
-    drafted = sum(s.drafted for _, s in results if s)
-    accepted = sum(s.accepted for _, s in results if s)
-    rounds = sum(s.rounds for _, s in results if s)
-    tokens = sum(t for t, _ in results)
-    # decode steps after each request's first (prefill) token: rounds plus plain steps
-    steps = sum(t - 1 - (s.accepted if s else 0) for t, s in results)
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "drafted": drafted,
-            "accepted": accepted, "rounds": rounds, "steps": steps}
-
-
 def closed_loop(prompts: list[list[int]], concurrency: int, min_requests: int) -> list[list[list[int]]]:
     """``concurrency`` clients' prompts, so that a run has at least
     ``min_requests`` requests (at concurrency 1 a client sends several, one after another)."""
@@ -166,20 +141,18 @@ def closed_loop(prompts: list[list[int]], concurrency: int, min_requests: int) -
 async def serve_clients(engine: Engine, clients: list[list[list[int]]], specs: list[SpeculationConfig],
                         max_tokens: int) -> dict[str, Any]:
     """Client i sends its prompts one after another with ``specs[i]``, all
-    clients at once (greedy): aggregate output tokens/s, the acceptance
-    length and rate, and every request's tokens."""
-    rounds = drafted = accepted = 0
+    clients at once (greedy): aggregate output tokens/s, speculation totals,
+    decode steps, and every request's tokens."""
+    finished: list[tuple[int, SpecStats | None]] = []  # per request: tokens, speculation totals
 
     async def one(i: int, prompt: list[int]) -> list[int]:
-        nonlocal rounds, drafted, accepted
         request = GenerationRequest(f"c{next(_ids)}", prompt, SamplingParams(temperature=0), max_tokens,
                                     speculation=specs[i])
-        tokens = []
+        tokens, spec = [], None
         async for out in engine.generate(request):
             tokens += out.tokens
-            if out.spec is not None:
-                rounds, drafted, accepted = rounds + out.spec.rounds, drafted + out.spec.drafted, \
-                    accepted + out.spec.accepted
+            spec = out.spec or spec
+        finished.append((len(tokens), spec))
         return tokens
 
     async def client(i: int, prompts: list[list[int]]) -> list[list[int]]:
@@ -188,7 +161,13 @@ async def serve_clients(engine: Engine, clients: list[list[list[int]]], specs: l
     start = time.perf_counter()
     outputs = await asyncio.gather(*(client(i, ps) for i, ps in enumerate(clients)))
     seconds = time.perf_counter() - start
-    return {"tok_s": sum(len(t) for ts in outputs for t in ts) / seconds,
+    tokens = sum(n for n, _ in finished)
+    rounds, drafted, accepted = (sum(getattr(s, field) for _, s in finished if s)
+                                 for field in ("rounds", "drafted", "accepted"))
+    # decode steps after each request's first (prefill) token: rounds plus plain steps
+    steps = sum(n - 1 - (s.accepted if s else 0) for n, s in finished)
+    return {"tokens": tokens, "wall_s": seconds, "tok_s": tokens / seconds, "drafted": drafted,
+            "accepted": accepted, "rounds": rounds, "steps": steps,
             "acceptance_length": 1 + accepted / rounds if rounds else 1.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "outputs": outputs}
@@ -214,7 +193,8 @@ async def measure(engine: Engine, prompts: list[list[int]], spec, max_tokens: in
     for _ in range(runs):
         totals = {"tokens": 0, "wall_s": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "steps": 0}
         for i in range(0, len(prompts), concurrency):
-            r = await run_requests(engine, prompts[i:i + concurrency], spec, max_tokens)
+            group = prompts[i:i + concurrency]  # all at once
+            r = await serve_clients(engine, [[p] for p in group], [spec or NO_SPECULATION] * len(group), max_tokens)
             for key in totals:
                 totals[key] += r[key]
         totals["tok_s"] = totals["tokens"] / totals["wall_s"]
@@ -272,7 +252,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rewrite = [tokenizer.encode(p) for p in rewrite_prompts()]
     result: dict[str, Any] = {"costs": costs}
     try:
-        await run_requests(engine, code[:2], SpeculationConfig("draft", 2), 16)  # warm-up
+        await serve_clients(engine, [[p] for p in code[:2]], [SpeculationConfig("draft", 2)] * 2, 16)  # warm-up
         # 1. single stream, code continuation: plain vs n-gram vs draft, k = 1..max_k
         plain = await measure(engine, code, None, args.max_tokens, args.runs, 1)
         rows = [row("plain", plain, plain["tok_s"], None, None, costs["v"])]

@@ -27,6 +27,7 @@ like the learned costs.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -161,10 +162,11 @@ class Realised:
     speculating, the cost model's best k >= 1 while not (speculating pays a
     fixed overhead first, so k = 1 can lose to plain decoding where k = 2
     wins).  A try is ``TRY`` steps at the neighbour's k, each followed by a
-    step at the best k, and is judged against those interleaved steps: this
-    machine's speed changes by up to 40% from one spell of tens of steps to
-    the next, more than neighbouring k differ, and only steps run side by
-    side see the same speed.  Steps whose draft caught rows up (a new
+    step at the best k, and is judged against those interleaved steps pair by
+    pair: this machine's speed changes by up to 40% from one spell of tens of
+    steps to the next, more than neighbouring k differ, and only steps run
+    side by side see the same speed; a try wins only by a margin its pairs
+    agree on (``CLEAR`` standard errors).  Steps whose draft caught rows up (a new
     request's prefill, or the backlog of a request that was not drafting)
     are left out of every measurement: a request pays that once in its life.
     A try that wins makes its k the best (and the old best a neighbour, soon
@@ -177,21 +179,21 @@ class Realised:
     paying for tries of hopeless ones."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
-    TRY = 8  # steps per try
+    TRY = 8  # steps per try (and pairs with the best k's steps)
+    CLEAR = 2.0  # standard errors of its pairs by which a try must beat the best k
     FIRST_RETRY, LAST_RETRY = 16, 1024  # steps between tries of a losing k
     EXPLORE_BUDGET = 0.01  # share of the decode time each neighbour's losing tries may cost
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}  # a step's seconds by k
         self.best = 0
+        self.baseline_left = self.TRY  # plain steps to measure before any try
         self.steps = 0  # steps decided in this bucket
         self.next_try: dict[int, int] = {}  # k -> step from which it may be tried (again)
         self.retry: dict[int, int] = {}  # k -> spacing after its next losing try
         self.trying: int | None = None
-        self.try_left = 0
         self.best_turn = False  # during a try: the next step is the best k's, interleaved
-        self.try_seconds = 0.0  # measured steps
-        self.paired_seconds, self.paired_steps = 0.0, 0  # the best k's measured steps during the try
+        self.pairs: list[list[float | None]] = []  # during a try: [try step, best k's step after it] seconds
         self.try_cost = 0.0  # seconds beyond what the best k would have taken, all steps
         self.pending: tuple[int, bool] | None = None  # the k decided for the step being run, and if it is a try's
         self.tokens: Callable[[int], float] = lambda k: 1.0  # expected tokens by k, rows of the latest step
@@ -202,14 +204,12 @@ class Realised:
         ``tokens`` the rows' expected tokens at a k."""
         self.steps += 1
         self.tokens = tokens
-        if 0 not in self.seconds:  # plain decoding is measured first, like a try
-            if self.trying is None:
-                self._start(0)
-            return self._run(0, True), "baseline"
+        if self.baseline_left:  # plain decoding is measured first
+            return self._run(0, False), "baseline"
         if self.trying is None and max_k > 0:
             due = self._due_neighbour(max_k, bet)
             if due is not None:
-                self._start(due)
+                self.trying, self.best_turn, self.pairs, self.try_cost = due, False, [], 0.0
         trying = self.trying is not None and not self.best_turn
         if self.trying is not None:
             self.best_turn = not self.best_turn
@@ -219,11 +219,6 @@ class Realised:
     def rate(self, k: int) -> float:
         """Expected tokens per second at k for the rows of the latest step."""
         return self.tokens(k) / self.seconds[k]
-
-    def _start(self, k: int) -> None:
-        self.trying, self.try_left, self.best_turn = k, self.TRY, False
-        self.try_seconds, self.try_cost = 0.0, 0.0
-        self.paired_seconds, self.paired_steps = 0.0, 0
 
     def _due_neighbour(self, max_k: int, bet: Callable[[], int]) -> int | None:
         """The neighbour whose try is due, if any.  From plain decoding the
@@ -247,29 +242,36 @@ class Realised:
         if decided is None or seconds <= 0:
             return
         k, trying = decided
-        if trying and self.best in self.seconds:
+        if trying:
             self.try_cost += seconds - self.tokens(k) / self.rate(self.best)
         if caught_up:
             return
-        if not trying:
-            self.seconds[k] = _ema(self.seconds.get(k), seconds, self.ALPHA)
-            if self.trying is not None and k == self.best:
-                self.paired_seconds += seconds
-                self.paired_steps += 1
+        if trying:  # opens a pair (or replaces one whose best step was not measured)
+            if self.pairs and self.pairs[-1][1] is None:
+                self.pairs[-1][0] = seconds
+            else:
+                self.pairs.append([seconds, None])
             return
-        self.try_left -= 1
-        self.try_seconds += seconds
-        if self.try_left == 0:
-            self._judge(k)
+        self.seconds[k] = _ema(self.seconds.get(k), seconds, self.ALPHA)
+        if k == 0 and self.baseline_left:
+            self.baseline_left -= 1
+        if self.trying is not None and k == self.best and self.pairs and self.pairs[-1][1] is None:
+            self.pairs[-1][1] = seconds
+            if len(self.pairs) == self.TRY:
+                self._judge(self.trying)
 
     def _judge(self, k: int) -> None:
+        """A try's verdict from its pairs: each pair's advantage is the try's
+        in log expected tokens per second; the try wins when their mean is
+        ``CLEAR`` standard errors above zero, so that neither a slow spell
+        nor a lucky one decides, only a difference the pairs agree on."""
         self.trying = None
-        self.seconds[k] = self.try_seconds / self.TRY
-        if k == self.best:  # the baseline
-            return
-        if self.paired_steps:  # the best k at the speed the try saw
-            self.seconds[self.best] = self.paired_seconds / self.paired_steps
-        if self.rate(k) > self.rate(self.best):
+        pairs, self.pairs = self.pairs, []
+        self.seconds[k] = statistics.fmean(a for a, _ in pairs)
+        self.seconds[self.best] = statistics.fmean(b for _, b in pairs)  # at the speed the try saw
+        gain = math.log(self.tokens(k) / self.tokens(self.best))
+        advantages = [gain - math.log(a / b) for a, b in pairs]
+        if statistics.fmean(advantages) > self.CLEAR * statistics.stdev(advantages) / math.sqrt(len(pairs)):
             old, self.best = self.best, k
             self.retry[old] = self.FIRST_RETRY
             self.next_try[old] = self.steps + self.FIRST_RETRY
@@ -326,15 +328,13 @@ class GoodputController(StaticController):
         return self._for_rows(rows, k, self._worth_it(rows, k))
 
     def choose(self, rows: list[Row]) -> tuple[list[int], str | None]:
-        """The cost model's plan alone (what ``bet`` looks for among k >= 1):
-        the k (and the rows) with the most expected tokens per second by modelled costs."""
-        best_k, best_rate, best_rows = 0, self._rate(rows, 0, [False] * len(rows)), [False] * len(rows)
-        for k in range(1, self._cap(rows) + 1):
-            use = self._worth_it(rows, k)
-            rate = self._rate(rows, k, use)
-            if rate > best_rate * 1.0001:
-                best_k, best_rate, best_rows = k, rate, use
-        return self._for_rows(rows, best_k, best_rows)
+        """The cost model's plan alone: its bet, for the rows whose expected
+        gain pays for it, if that beats plain decoding by modelled costs."""
+        k, none = self.bet(rows), [False] * len(rows)
+        use = self._worth_it(rows, k)
+        if self._rate(rows, k, use) > self._rate(rows, 0, none) * 1.0001:
+            return self._for_rows(rows, k, use)
+        return self._for_rows(rows, 0, none)
 
     def bet(self, rows: list[Row]) -> int:
         """The cost model's best k >= 1: where speculating would pay most, if it pays at all."""

@@ -66,7 +66,7 @@ class Speculator:
         self.eagle: EagleProposer | None = None
         self.positions: TreePositions | None = None  # installed on the target at the first draft tree
         self._kept_columns: list[list[int]] | None = None  # a tree step's kept columns, per row
-        self._caught_up = False  # this step's draft caught rows up (a prefill or a backlog)
+        self._caught_up = False  # this step's draft model or EAGLE head caught rows up (a prefill or a backlog)
         self.configure(default, draft_model)
         self.costs = CostModel()
         self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
@@ -221,6 +221,7 @@ class Speculator:
         top_k = max(specs[i].tree_top_k for i in members)
         budget = max(specs[i].tree_tokens for i in members) if top_k > 1 else depth
         proposed = self.eagle.propose([seqs[i] for i in members], [ks[i] > 0 for i in members], depth, top_k, budget)
+        self._caught_up = self.eagle.caught_up
         trees: list[DraftTree | None] = [None] * len(seqs)
         for i, tree in zip(members, proposed):
             if tree is None:

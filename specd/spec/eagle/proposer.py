@@ -40,6 +40,7 @@ class EagleProposer:
         self.cache: SpeculativeKVCache | None = None
         self.queued: dict[int, list[mx.array]] = {}  # id(seq) -> fused features not fed to the head yet
         self.fed: dict[int, int] = {}  # id(seq) -> positions in the head's cache
+        self.caught_up = False  # the last propose fed a row its context or a backlog: a one-off cost in its time
 
     def detach(self) -> None:
         """Unhook the target (the pairing changed)."""
@@ -116,6 +117,8 @@ class EagleProposer:
         self._select([i for i, s in enumerate(self.rows) if id(s) in wanted])
         known = {id(s) for s in self.rows}
         new = [s for s in seqs if id(s) not in known]
+        # a round feeds a row one step's features, two after a plain step in between; more is a backlog
+        self.caught_up = bool(new) or any(len(self.queued[id(s)]) > 2 for s in self.rows)
         outputs = {}
         if self.rows:
             last = self._feed([self._pairs(s) for s in self.rows], self.cache, left=False)
