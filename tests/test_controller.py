@@ -121,15 +121,15 @@ def test_goodput_probes_one_request_at_a_time_after_turning_off():
     assert plans == [[0, 0]] * 4 + [[1, 0]] + [[0, 0]] * 4 + [[0, 1]]
 
 
-def run_steps(controller: GoodputController, batch: int, steps: int, rate_of_k) -> list[int]:
-    """Plan and "run" steps of rows accepting 90% of proposals, each step at k taking the time
-    that yields the given tokens/s; returns the k of each step."""
+def run_steps(controller: GoodputController, batch: int, steps: int, rate_of_k, alpha: float = 0.9) -> list[int]:
+    """Plan and "run" steps of rows accepting ``alpha`` of proposals, each step at k taking the
+    time that yields the given tokens/s; returns the k of each step."""
     used = []
     for _ in range(steps):
-        ks, _ = controller.plan(rows([0.9] * batch), batch)
+        ks, _ = controller.plan(rows([alpha] * batch), batch)
         k = max(ks)
         used.append(k)
-        controller.observe_step(batch, batch * expected_tokens(0.9, k) / rate_of_k(k))
+        controller.observe_step(batch, batch * expected_tokens(alpha, k) / rate_of_k(k))
     return used
 
 
@@ -259,6 +259,63 @@ def test_a_try_wins_only_by_a_margin_its_pairs_agree_on():
     assert best_after_a_try(1.15) == 1
 
 
+def after_a_losing_try(seconds_at_1: float) -> Realised:
+    """Plain steps of 10 ms, then a try of k = 1 whose steps take ``seconds_at_1``."""
+    measured = Realised()
+    measure_plain(measured, 0.01)
+    try_speculating(measured, first_seconds=seconds_at_1, then_seconds=seconds_at_1)
+    assert measured.best == 0
+    return measured
+
+
+def steps_to_a_try(measured: Realised, tokens, steps: int) -> int | None:
+    """Plain steps decided before the next try starts (None: no try within ``steps``)."""
+    for done in range(steps):
+        if measured.decide(4, lambda: 1, tokens)[0]:
+            return done
+        measured.observe(0.01)
+    return None
+
+
+def test_hopeless_tries_from_plain_decoding_wait_while_their_measurement_is_fresh():
+    """k = 1 measured at 1.8x a plain step's seconds for 1.5x its tokens (17% short of paying):
+    its due tries are skipped at no cost until the measurement is STALE steps old, but a try
+    runs when due once its rows accept enough that k = 1 could pay (1.95x the tokens)."""
+    measured = after_a_losing_try(0.018)
+    assert measured.versus_plain[1][0] == pytest.approx(1.8)
+    due = measured.next_try[1] - measured.steps - 1
+    stale = measured.versus_plain[1][1] + Realised.STALE - measured.steps - 1
+    assert 0 < due < stale
+    waited = steps_to_a_try(measured, FOUR_ROWS, 2 * Realised.STALE)
+    assert stale <= waited <= stale + measured.retry[1]  # found at the first due time after going stale
+
+    measured = after_a_losing_try(0.018)
+    assert steps_to_a_try(measured, lambda k: 4 * expected_tokens(0.95, k), 2 * Realised.STALE) == due
+    # a try that fell short by less than HOPELESS keeps its usual schedule
+    # a step at k = 2 costs at least k = 1's 1.8x: its 1.75x tokens cannot pay either
+    measured = after_a_losing_try(0.018)
+    assert steps_to_a_try(measured, FOUR_ROWS, due + 200) is None
+    assert measured.decide(4, lambda: 2, FOUR_ROWS)[0] == 0
+    measured = after_a_losing_try(0.016)  # 1.5x the tokens for 1.6x the seconds: 6% short
+    due = measured.next_try[1] - measured.steps - 1
+    assert steps_to_a_try(measured, FOUR_ROWS, 2 * Realised.STALE) == due
+
+
+def test_a_new_bucket_starts_from_the_nearest_smaller_ones_measurements():
+    """Speculating lost by half at 4 rows: at 8 rows (where it can only cost more) plain decoding
+    is measured and no try follows; at 2 rows, with nothing smaller measured, k = 1 is tried."""
+    def losing(k: int) -> float:
+        return 200.0 if k else 400.0
+
+    controller = GoodputController(policy(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
+    assert 1 in run_steps(controller, 4, 300, losing)
+    assert 1 in controller.realised[4].versus_plain
+    assert set(run_steps(controller, 8, 300, losing)) == {0}
+    assert 1 in run_steps(controller, 2, 300, losing)
+    fresh = GoodputController(policy(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
+    assert 1 in run_steps(fresh, 8, 300, losing)  # what the 8-row bucket would have tried on its own
+
+
 def test_tries_are_judged_on_expected_not_counted_tokens():
     """A try's steps yield what chance gives; the requests' acceptance estimates decide."""
     measured = Realised()
@@ -274,12 +331,16 @@ def test_measured_gains_keep_speculation_on():
 
 
 def test_a_workload_that_starts_paying_is_picked_up_by_a_retry():
-    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
-    run_steps(controller, 4, 300, lambda k: 200.0 if k else 400.0)
+    """Text that turns repetitive: acceptance rises from 10% to 95%, and with it what a
+    speculative step yields for its (unchanged) seconds."""
+    controller = GoodputController(policy(max_speculative_tokens=2), "p", costs(0.010, 0.00001))
+    step = {0: 0.01, 1: 0.016, 2: 0.02}
+    run_steps(controller, 4, 300, lambda k: 4 * expected_tokens(0.1, k) / step[k], alpha=0.1)
     measured = controller.realised[4]
     assert measured.best == 0
     wait = max(measured.next_try.values()) - measured.steps
-    later = run_steps(controller, 4, wait + 1000, lambda k: 800.0 if k else 400.0)
+    assert wait < Realised.STALE  # the measurement that lost is still fresh when the retry is due
+    later = run_steps(controller, 4, wait + 1000, lambda k: 4 * expected_tokens(0.95, k) / step[k], alpha=0.95)
     found = next(i for i, k in enumerate(later) if k)
     assert found <= wait  # found at the next retry ..
     judged = later[found + 2 * Realised.TRY:]  # (its steps interleaved with plain ones)

@@ -176,15 +176,29 @@ class Realised:
     draft prefill and wide verify steps cost most, that is the longer wait).
     Among k >= 1, tokens per second rise with k to one best and fall after
     it, so climbing from neighbour to neighbour finds the best k without
-    paying for tries of hopeless ones."""
+    paying for tries of hopeless ones.
+
+    A try from plain decoding is the costly kind (the draft catches every
+    row up first), and at a large batch on a compute-bound target it loses
+    by tens of percent, try after try.  So each k's seconds relative to plain
+    decoding, as its last try measured them side by side, are kept
+    (``versus_plain``); while such measurements are fresh (``STALE`` steps),
+    a due try of k whose expected tokens fall ``HOPELESS`` short of paying
+    for the seconds measured at k or below waits another spacing without
+    running.  Expected tokens are re-read at every due time, so text that
+    turns repetitive still gets its try.  A new bucket starts from the
+    nearest smaller one's measurements: speculating costs relatively more as
+    the batch grows, so they can only flatter it."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
     TRY = 8  # steps per try (and pairs with the best k's steps)
     CLEAR = 2.0  # standard errors of its pairs by which a try must beat the best k
     FIRST_RETRY, LAST_RETRY = 16, 1024  # steps between tries of a losing k
     EXPLORE_BUDGET = 0.01  # share of the decode time each neighbour's losing tries may cost
+    HOPELESS = 0.15  # log tokens/s by which a k measured against plain decoding must fall short to skip its try
+    STALE = 8192  # steps after which such a measurement no longer skips tries
 
-    def __init__(self) -> None:
+    def __init__(self, versus_plain: dict[int, float] | None = None) -> None:
         self.seconds: dict[int, float] = {}  # a step's seconds by k
         self.best = 0
         self.baseline_left = self.TRY  # plain steps to measure before any try
@@ -197,6 +211,8 @@ class Realised:
         self.try_cost = 0.0  # seconds beyond what the best k would have taken, all steps
         self.pending: tuple[int, bool] | None = None  # the k decided for the step being run, and if it is a try's
         self.tokens: Callable[[int], float] = lambda k: 1.0  # expected tokens by k, rows of the latest step
+        # k -> (a step's seconds at k over a plain step's, measured side by side; the step it was measured at)
+        self.versus_plain: dict[int, tuple[float, int]] = {k: (r, 0) for k, r in (versus_plain or {}).items()}
 
     def decide(self, max_k: int, bet: Callable[[], int], tokens: Callable[[int], float]) -> tuple[int, str | None]:
         """The k for this step (0: plain, with why): the best, or a neighbour's
@@ -226,10 +242,22 @@ class Realised:
         moves with the acceptance estimates, and a schedule per k would
         multiply the tries."""
         if self.best == 0:
-            due = self.steps >= max((step for k, step in self.next_try.items() if k), default=0)
-            return min(bet(), max_k) if due else None
+            if self.steps < max((step for k, step in self.next_try.items() if k), default=0):
+                return None
+            k = min(bet(), max_k)
+            if self._hopeless(k):  # waits another spacing, at no cost
+                self.next_try[k] = self.steps + self.retry.get(k, self.FIRST_RETRY)
+                return None
+            return k
         return next((k for k in dict.fromkeys((self.best + 1, self.best - 1, 0))
                      if k <= max_k and self.steps >= self.next_try.get(k, 0)), None)
+
+    def _hopeless(self, k: int) -> bool:
+        """From plain decoding: the rows' expected tokens at k fall far short of
+        paying for its seconds, as fresh side-by-side measurements bound them
+        (a step at k costs at least what one at any smaller k did)."""
+        fresh = [ratio for j, (ratio, at) in self.versus_plain.items() if j <= k and self.steps - at < self.STALE]
+        return bool(fresh) and math.log(self.tokens(k) / self.tokens(0)) - math.log(max(fresh)) < -self.HOPELESS
 
     def _run(self, k: int, trying: bool) -> int:
         self.pending = k, trying
@@ -269,6 +297,9 @@ class Realised:
         pairs, self.pairs = self.pairs, []
         self.seconds[k] = statistics.fmean(a for a, _ in pairs)
         self.seconds[self.best] = statistics.fmean(b for _, b in pairs)  # at the speed the try saw
+        if self.best == 0 or k == 0:
+            speculated = k or self.best
+            self.versus_plain[speculated] = (self.seconds[speculated] / self.seconds[0], self.steps)
         gain = math.log(self.tokens(k) / self.tokens(self.best))
         advantages = [gain - math.log(a / b) for a, b in pairs]
         if statistics.fmean(advantages) > self.CLEAR * statistics.stdev(advantages) / math.sqrt(len(pairs)):
@@ -320,12 +351,22 @@ class GoodputController(StaticController):
             return asked, None
         if policy is not None and not policy.enabled:
             return [0] * len(rows), "policy_disabled"
-        measured = self.realised.setdefault(batch_bucket(batch_size), Realised())
+        measured = self._measured(batch_bucket(batch_size))
         k, reason = measured.decide(self._cap(rows), lambda: self.bet(rows),
                                     lambda k: self._tokens(rows, k, self._worth_it(rows, k)))
         if k == 0:
             return [0] * len(rows), reason
         return self._for_rows(rows, k, self._worth_it(rows, k))
+
+    def _measured(self, bucket: int) -> Realised:
+        """The bucket's measurements; a new bucket starts from the nearest
+        smaller one's costs of speculating relative to plain decoding."""
+        if bucket not in self.realised:
+            smaller = max((b for b in self.realised if b < bucket), default=None)
+            inherited = None if smaller is None else {
+                k: ratio for k, (ratio, _) in self.realised[smaller].versus_plain.items()}
+            self.realised[bucket] = Realised(inherited)
+        return self.realised[bucket]
 
     def choose(self, rows: list[Row]) -> tuple[list[int], str | None]:
         """The cost model's plan alone: its bet, for the rows whose expected
