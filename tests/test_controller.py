@@ -314,6 +314,9 @@ def test_a_new_bucket_starts_from_the_nearest_smaller_ones_measurements():
     assert 1 in run_steps(controller, 2, 300, losing)
     fresh = GoodputController(policy(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
     assert 1 in run_steps(fresh, 8, 300, losing)  # what the 8-row bucket would have tried on its own
+    # what went stale in the nearest smaller bucket (8 rows, where it was inherited) is not passed on
+    controller.realised[8].steps += Realised.STALE
+    assert 1 in run_steps(controller, 16, 300, losing)
 
 
 def test_tries_are_judged_on_expected_not_counted_tokens():

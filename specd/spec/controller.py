@@ -252,12 +252,16 @@ class Realised:
         return next((k for k in dict.fromkeys((self.best + 1, self.best - 1, 0))
                      if k <= max_k and self.steps >= self.next_try.get(k, 0)), None)
 
+    def fresh_versus_plain(self) -> dict[int, float]:
+        """k -> a step's seconds at k over a plain step's, from side-by-side measurements still fresh."""
+        return {k: ratio for k, (ratio, at) in self.versus_plain.items() if self.steps - at < self.STALE}
+
     def _hopeless(self, k: int) -> bool:
         """From plain decoding: the rows' expected tokens at k fall far short of
-        paying for its seconds, as fresh side-by-side measurements bound them
-        (a step at k costs at least what one at any smaller k did)."""
-        fresh = [ratio for j, (ratio, at) in self.versus_plain.items() if j <= k and self.steps - at < self.STALE]
-        return bool(fresh) and math.log(self.tokens(k) / self.tokens(0)) - math.log(max(fresh)) < -self.HOPELESS
+        paying for its seconds, as fresh measurements bound them (a step at k
+        costs at least what one at any smaller k did)."""
+        bound = max((ratio for j, ratio in self.fresh_versus_plain().items() if j <= k), default=None)
+        return bound is not None and math.log(self.tokens(k) / self.tokens(0)) - math.log(bound) < -self.HOPELESS
 
     def _run(self, k: int, trying: bool) -> int:
         self.pending = k, trying
@@ -363,9 +367,7 @@ class GoodputController(StaticController):
         smaller one's costs of speculating relative to plain decoding."""
         if bucket not in self.realised:
             smaller = max((b for b in self.realised if b < bucket), default=None)
-            inherited = None if smaller is None else {
-                k: ratio for k, (ratio, _) in self.realised[smaller].versus_plain.items()}
-            self.realised[bucket] = Realised(inherited)
+            self.realised[bucket] = Realised(None if smaller is None else self.realised[smaller].fresh_versus_plain())
         return self.realised[bucket]
 
     def choose(self, rows: list[Row]) -> tuple[list[int], str | None]:
