@@ -259,11 +259,12 @@ def test_a_try_wins_only_by_a_margin_its_pairs_agree_on():
     assert best_after_a_try(1.15) == 1
 
 
-def after_a_losing_try(seconds_at_1: float) -> Realised:
-    """Plain steps of 10 ms, then a try of k = 1 whose steps take ``seconds_at_1``."""
+def after_a_losing_try(seconds_at_1: float, catch_up_seconds: float = 0.15) -> Realised:
+    """Plain steps of 10 ms, then a try of k = 1 whose steps take ``seconds_at_1`` after a
+    first one that catches the draft up (by default costly, as at a large batch)."""
     measured = Realised()
     measure_plain(measured, 0.01)
-    try_speculating(measured, first_seconds=seconds_at_1, then_seconds=seconds_at_1)
+    try_speculating(measured, first_seconds=catch_up_seconds, then_seconds=seconds_at_1)
     assert measured.best == 0
     return measured
 
@@ -301,6 +302,16 @@ def test_hopeless_tries_from_plain_decoding_wait_while_their_measurement_is_fres
     assert steps_to_a_try(measured, FOUR_ROWS, 2 * Realised.STALE) == due
 
 
+def test_cheap_tries_are_never_skipped():
+    """A try that costs a few plain steps (a small batch's catch-up) keeps its backoff schedule
+    however badly it measured: one try's verdict can be far off, and a skip would trust it."""
+    measured = after_a_losing_try(0.018, catch_up_seconds=0.03)
+    assert measured.versus_plain == {}
+    due = measured.next_try[1] - measured.steps - 1
+    assert due < Realised.LAST_RETRY
+    assert steps_to_a_try(measured, FOUR_ROWS, 2 * Realised.STALE) == due
+
+
 def test_a_new_bucket_starts_from_the_nearest_smaller_ones_measurements():
     """Speculating lost by half at 4 rows: at 8 rows (where it can only cost more) plain decoding
     is measured and no try follows; at 2 rows, with nothing smaller measured, k = 1 is tried."""
@@ -317,6 +328,21 @@ def test_a_new_bucket_starts_from_the_nearest_smaller_ones_measurements():
     # what went stale in the nearest smaller bucket (8 rows, where it was inherited) is not passed on
     controller.realised[8].steps += Realised.STALE
     assert 1 in run_steps(controller, 16, 300, losing)
+
+
+def test_each_pair_is_judged_on_its_own_steps_expected_tokens():
+    """k = 1 yields 500 tokens/s to plain decoding's 400 for seven pairs; in the last pair every
+    row has reached its max_tokens, so no proposal fits and both steps are plain ones. Judged
+    by that last step's rows alone, k = 1 would seem to add nothing for its dearer steps."""
+    measured = Realised()
+    measure_plain(measured, 0.01)
+    ending = lambda k: 4.0  # noqa: E731 (rows with no room left: one token whatever k)
+    for step in range(2 * Realised.TRY):
+        last_pair = step >= 2 * Realised.TRY - 2
+        k = measured.decide(4, lambda: 1, ending if last_pair else FOUR_ROWS)[0]
+        assert k == (1 if step % 2 == 0 else 0)
+        measured.observe(0.01 if last_pair or not k else 0.012)
+    assert measured.trying is None and measured.best == 1
 
 
 def test_tries_are_judged_on_expected_not_counted_tokens():

@@ -178,17 +178,19 @@ class Realised:
     it, so climbing from neighbour to neighbour finds the best k without
     paying for tries of hopeless ones.
 
-    A try from plain decoding is the costly kind (the draft catches every
-    row up first), and at a large batch on a compute-bound target it loses
-    by tens of percent, try after try.  So each k's seconds relative to plain
-    decoding, as its last try measured them side by side, are kept
-    (``versus_plain``); while such measurements are fresh (``STALE`` steps),
-    a due try of k whose expected tokens fall ``HOPELESS`` short of paying
-    for the seconds measured at k or below waits another spacing without
-    running.  Expected tokens are re-read at every due time, so text that
-    turns repetitive still gets its try.  A new bucket starts from the
-    nearest smaller one's measurements: speculating costs relatively more as
-    the batch grows, so they can only flatter it."""
+    At a large batch a try from plain decoding is costly (the draft catches
+    every row up first: more than the usual longest wait amortises within
+    the budget), and on a compute-bound target it loses by tens of percent,
+    try after try.  So the seconds of such a try's k relative to plain
+    decoding, measured side by side, are kept (``versus_plain``); while such
+    measurements are fresh (``STALE`` steps), a due try of k whose expected
+    tokens fall ``HOPELESS`` short of paying for the seconds measured at k
+    or below waits another spacing without running.  Expected tokens are
+    re-read at every due time, so text that turns repetitive still gets its
+    try.  Cheap tries are not skipped: one try's verdict can be off by tens
+    of percent, and only backing off bounds what such an error costs.  A new
+    bucket starts from the nearest smaller one's measurements: speculating
+    costs relatively more as the batch grows, so they can only flatter it."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
     TRY = 8  # steps per try (and pairs with the best k's steps)
@@ -207,7 +209,8 @@ class Realised:
         self.retry: dict[int, int] = {}  # k -> spacing after its next losing try
         self.trying: int | None = None
         self.best_turn = False  # during a try: the next step is the best k's, interleaved
-        self.pairs: list[list[float | None]] = []  # during a try: [try step, best k's step after it] seconds
+        # during a try, per pair: a try step's seconds and expected tokens, then the best k's step's after it
+        self.pairs: list[list[float]] = []
         self.try_cost = 0.0  # seconds beyond what the best k would have taken, all steps
         self.pending: tuple[int, bool] | None = None  # the k decided for the step being run, and if it is a try's
         self.tokens: Callable[[int], float] = lambda k: 1.0  # expected tokens by k, rows of the latest step
@@ -279,33 +282,33 @@ class Realised:
         if caught_up:
             return
         if trying:  # opens a pair (or replaces one whose best step was not measured)
-            if self.pairs and self.pairs[-1][1] is None:
-                self.pairs[-1][0] = seconds
-            else:
-                self.pairs.append([seconds, None])
+            if self.pairs and len(self.pairs[-1]) == 2:
+                self.pairs.pop()
+            self.pairs.append([seconds, self.tokens(k)])
             return
         self.seconds[k] = _ema(self.seconds.get(k), seconds, self.ALPHA)
         if k == 0 and self.baseline_left:
             self.baseline_left -= 1
-        if self.trying is not None and k == self.best and self.pairs and self.pairs[-1][1] is None:
-            self.pairs[-1][1] = seconds
+        if self.trying is not None and k == self.best and self.pairs and len(self.pairs[-1]) == 2:
+            self.pairs[-1] += [seconds, self.tokens(k)]
             if len(self.pairs) == self.TRY:
                 self._judge(self.trying)
 
     def _judge(self, k: int) -> None:
         """A try's verdict from its pairs: each pair's advantage is the try's
-        in log expected tokens per second; the try wins when their mean is
-        ``CLEAR`` standard errors above zero, so that neither a slow spell
-        nor a lucky one decides, only a difference the pairs agree on."""
+        in log expected tokens per second, each step's tokens expected for
+        its own rows (a request ending or starting changes what a step can
+        yield: the last step's rows would misjudge the others); the try wins
+        when their mean is ``CLEAR`` standard errors above zero, so that
+        neither a slow spell nor a lucky one decides, only a difference the
+        pairs agree on."""
         self.trying = None
         pairs, self.pairs = self.pairs, []
-        self.seconds[k] = statistics.fmean(a for a, _ in pairs)
-        self.seconds[self.best] = statistics.fmean(b for _, b in pairs)  # at the speed the try saw
-        if self.best == 0 or k == 0:
-            speculated = k or self.best
-            self.versus_plain[speculated] = (self.seconds[speculated] / self.seconds[0], self.steps)
-        gain = math.log(self.tokens(k) / self.tokens(self.best))
-        advantages = [gain - math.log(a / b) for a, b in pairs]
+        self.seconds[k] = statistics.fmean(p[0] for p in pairs)
+        self.seconds[self.best] = statistics.fmean(p[2] for p in pairs)  # at the speed the try saw
+        if self.best == 0 and self.try_cost > self.EXPLORE_BUDGET * self.LAST_RETRY * self.seconds[0]:
+            self.versus_plain[k] = (self.seconds[k] / self.seconds[0], self.steps)
+        advantages = [math.log(tokens_a / a) - math.log(tokens_b / b) for a, tokens_a, b, tokens_b in pairs]
         if statistics.fmean(advantages) > self.CLEAR * statistics.stdev(advantages) / math.sqrt(len(pairs)):
             old, self.best = self.best, k
             self.retry[old] = self.FIRST_RETRY
