@@ -36,7 +36,8 @@ from specd.api.manifest import SpecPolicySpec
 from specd.engine.engine import Engine, EngineConfig
 from specd.spec.config import SpeculationConfig
 
-from spec_decode import CODE_PROMPTS, closed_loop, machine_info, rewrite_prompts, serve_clients, write_result
+from spec_decode import (CODE_PROMPTS, RESULTS, closed_loop, machine_info, rewrite_prompts, serve_clients,
+                         write_result)
 
 SEED_POLICY = SpecPolicySpec(match_labels={}, mode="static", max_speculative_tokens=4, disable_by_batch_size=4,
                              acceptance_rate_threshold=0.3, ema_alpha=0.1)
@@ -131,7 +132,7 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=4,
                         help="requests per run; below it each of the c clients sends several, one after another")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--out", default="ops/bench/results/adaptive.json")
+    parser.add_argument("--out", default=str(RESULTS / "adaptive.json"))
     args = parser.parse_args()
     result = asyncio.run(bench(args))
     worst_off = min(c["summary"]["goodput_vs_off"] for w in result["table"].values() for c in w.values())

@@ -31,7 +31,7 @@ from specd.engine.engine import Engine, EngineConfig
 from specd.spec.config import SpeculationConfig
 from specd.spec.eagle.checkpoint import load_head
 
-from spec_decode import CODE_PROMPTS, closed_loop, machine_info, serve_clients, write_result
+from spec_decode import CODE_PROMPTS, RESULTS, closed_loop, machine_info, serve_clients, write_result
 
 
 def configs(k: int) -> list[tuple[str, str | None, SpeculationConfig]]:
@@ -122,7 +122,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--out", default="ops/bench/results/eagle.json")
+    parser.add_argument("--out", default=str(RESULTS / "eagle.json"))
     args = parser.parse_args()
     write_result(args.out, {**machine_info(args), **asyncio.run(bench(args))})
     return 0

@@ -89,6 +89,7 @@ def rewrite_prompts() -> list[str]:
 
 
 _ids = itertools.count()
+RESULTS = Path(__file__).resolve().parent / "results"  # where results go, whatever the working directory
 
 
 def median(values: list[float]) -> float:
@@ -302,7 +303,7 @@ def main() -> int:
     parser.add_argument("--max-k", type=int, default=6)
     parser.add_argument("--conc-k", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--out", default="ops/bench/results/spec_decode.json")
+    parser.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     args = parser.parse_args()
     forge_json = Path(args.pair) / "forge.json"
     info = {**machine_info(args), "forge": json.loads(forge_json.read_text()) if forge_json.exists() else None}
