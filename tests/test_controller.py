@@ -292,11 +292,11 @@ def test_hopeless_tries_from_plain_decoding_wait_while_their_measurement_is_fres
 
     measured = after_a_losing_try(0.018)
     assert steps_to_a_try(measured, lambda k: 4 * expected_tokens(0.95, k), 2 * Realised.STALE) == due
-    # a try that fell short by less than HOPELESS keeps its usual schedule
     # a step at k = 2 costs at least k = 1's 1.8x: its 1.75x tokens cannot pay either
     measured = after_a_losing_try(0.018)
     assert steps_to_a_try(measured, FOUR_ROWS, due + 200) is None
     assert measured.decide(4, lambda: 2, FOUR_ROWS)[0] == 0
+    # a try that fell short by less than HOPELESS keeps its usual schedule
     measured = after_a_losing_try(0.016)  # 1.5x the tokens for 1.6x the seconds: 6% short
     due = measured.next_try[1] - measured.steps - 1
     assert steps_to_a_try(measured, FOUR_ROWS, 2 * Realised.STALE) == due
@@ -368,7 +368,7 @@ def test_a_workload_that_starts_paying_is_picked_up_by_a_retry():
     measured = controller.realised[4]
     assert measured.best == 0
     wait = max(measured.next_try.values()) - measured.steps
-    assert wait < Realised.STALE  # the measurement that lost is still fresh when the retry is due
+    assert wait < Realised.STALE  # the retry comes on its schedule, before anything measured could go stale
     later = run_steps(controller, 4, wait + 1000, lambda k: 4 * expected_tokens(0.95, k) / step[k], alpha=0.95)
     found = next(i for i, k in enumerate(later) if k)
     assert found <= wait  # found at the next retry ..
