@@ -44,27 +44,31 @@ def test_rows_use_their_own_parameters():
     np.testing.assert_allclose(lp[2], probs(rows[2]), atol=1e-6)
 
 
-def test_sampled_frequencies_follow_the_distribution():
-    """Pearson chi-square over 6 bins (5 dof): 20.5 is the 0.999 quantile."""
-    params = [SamplingParams(temperature=1.0)]
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_k=5)])
+def test_sampled_frequencies_follow_the_distribution(params):
+    """Pearson chi-square over the kept bins: 20.5 and 18.5 are the 0.999
+    quantiles at 5 and 4 dof.  Raw logits go in: the row's transform is applied inside."""
     keys = [make_key(7)]
-    lp = transform_logprobs(mx.array(LOGITS[None]), params)
+    logits = mx.array(LOGITS[None] + 3.0)  # unnormalised
     n = 4000
     counts = np.zeros(6)
     for _ in range(n):
-        tok, keys = sample_rows(lp, params, keys)
+        tok, keys, _ = sample_rows(logits, [params], keys)
         counts[tok.item()] += 1
-    expected = n * np.exp(LOGITS)
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert chi2 < 20.5, (counts, expected)
+    p = probs(params)
+    kept = p > 0
+    assert counts[~kept].sum() == 0
+    expected = n * p[kept]
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < {5: 20.5, 4: 18.5}[int(kept.sum()) - 1], (counts, expected)
 
 
 def test_greedy_rows_ignore_noise_and_keep_their_key():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1, seed=1)]
     keys = [make_key(1), make_key(1)]
-    lp = transform_logprobs(mx.array(np.stack([LOGITS[::-1], LOGITS])), params)
-    tokens, new_keys = sample_rows(lp, params, keys)
+    tokens, new_keys, logprobs = sample_rows(mx.array(np.stack([LOGITS[::-1], LOGITS])), params, keys)
     assert tokens.tolist()[0] == 5
+    assert logprobs.shape == (1, 6)  # the sampling row's distribution only
     assert np.array_equal(np.array(new_keys[0]), np.array(keys[0]))
     assert not np.array_equal(np.array(new_keys[1]), np.array(keys[1]))
 

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from specd.engine.sampling import SamplingParams, transform_logprobs
-from specd.spec.verify import point_mass, verify
+from specd.spec.verify import accept_sampled, point_mass, verify
 
+GREEDY = SamplingParams(temperature=0)
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 35: 66.62}
 N = 20000
 K = 3
@@ -44,10 +45,10 @@ def run_verifier(p_logits: np.ndarray, q_logits: np.ndarray | None, params: Samp
         drafts = rng.choice(V, size=(N, K), p=qn / qn.sum())
         q = mx.exp(logq)
     key_u, key_g = mx.random.split(mx.random.key(seed))
-    verdict = verify(logp, mx.array(drafts), [K] * N, q, [False] * N,
-                     mx.random.uniform(shape=(N, K), key=key_u), mx.random.gumbel(shape=(N, V), key=key_g))
+    accepted, next_tokens = accept_sampled(logp, mx.array(drafts), [K] * N, q, mx.random.uniform(shape=(N, K), key=key_u),
+                                           mx.random.gumbel(shape=(N, V), key=key_g))
     target = np.exp(np.array(logp[0, 0], dtype=np.float64))
-    return np.array(verdict.accepted), drafts, np.array(verdict.next_tokens), target
+    return np.array(accepted), drafts, np.array(next_tokens), target
 
 
 def emitted_rows(accepted, drafts, next_tokens):
@@ -102,18 +103,32 @@ def test_greedy_accepts_exactly_the_argmax_prefix():
     for pos, tok in enumerate([2, 4, 1, 3]):
         logits[:, pos, tok] = 3.0
     drafts = mx.array([[2, 4, 0], [2, 4, 1]])
-    q = point_mass(drafts, V)
-    zeros_u, zeros_g = mx.zeros((2, 3)), mx.zeros((2, V))
-    v = verify(mx.array(logits), drafts, [3, 3], q, [True, True], zeros_u, zeros_g)
+    v = verify(mx.array(logits), drafts, [3, 3], [GREEDY] * 2, None, None, None)  # greedy rows need no q
     assert v.accepted == [2, 3] and v.next_tokens == [1, 3]
-    v = verify(mx.array(logits), drafts, [1, 0], q, [True, True], zeros_u, zeros_g)
+    v = verify(mx.array(logits), drafts, [1, 0], [GREEDY] * 2, None, None, None)
     assert v.accepted == [1, 0] and v.next_tokens == [4, 2]
+
+
+def test_greedy_and_sampling_rows_are_decided_alike_alone_and_mixed():
+    """A sampling row's verdict does not depend on greedy rows beside it, nor the other way round."""
+    V, K = 6, 3
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(size=(3, K + 1, V)).astype(np.float32))
+    drafts = mx.array(rng.integers(0, V, size=(3, K)))
+    params = [GREEDY, SamplingParams(temperature=0.8), GREEDY]
+    q = point_mass(drafts[1:2], V)
+    u, g = mx.random.uniform(shape=(1, K), key=mx.random.key(5)), mx.random.gumbel(shape=(1, V), key=mx.random.key(6))
+    mixed = verify(logits, drafts, [3, 2, 1], params, q, u, g)
+    alone = verify(logits[1:2], drafts[1:2], [2], params[1:2], q, u, g)
+    greedy = verify(logits[::2], drafts[::2], [3, 1], [GREEDY] * 2, None, None, None)
+    assert mixed.accepted[1] == alone.accepted[0] and mixed.next_tokens[1] == alone.next_tokens[0]
+    assert mixed.accepted[::2] == greedy.accepted and mixed.next_tokens[::2] == greedy.next_tokens
 
 
 def test_rows_with_different_lengths_never_accept_past_their_length():
     V = 4
     logits = mx.zeros((3, 4, V))  # uniform p: sampled rows accept point masses w.p. 1/4
     drafts = mx.array([[1, 1, 1], [2, 2, 2], [3, 3, 3]])
-    v = verify(logits, drafts, [0, 1, 3], point_mass(drafts, V), [False] * 3,
+    v = verify(logits, drafts, [0, 1, 3], [SamplingParams()] * 3, point_mass(drafts, V),
                mx.zeros((3, 3)), mx.zeros((3, V)))  # u = 0 accepts everything allowed
     assert v.accepted == [0, 1, 3]

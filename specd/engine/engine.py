@@ -29,7 +29,7 @@ from ..metrics import Metrics
 from ..spec.config import NO_SPECULATION, SpeculationConfig
 from ..spec.speculator import Speculator
 from .batch import RunningBatch, make_batch_cache
-from .sampling import SamplingParams, sample_rows, transform_logprobs
+from .sampling import SamplingParams, sample_rows
 from .sequence import GenerationRequest, Sequence, StepOutput, TokenLogprob
 
 log = structlog.get_logger(__name__)
@@ -330,8 +330,7 @@ class Engine:
 
     def _sample(self, seqs: list[Sequence], logits: mx.array) -> list[int]:
         """One token per row from (B, V) logits, with each row's settings and RNG."""
-        params = [s.params for s in seqs]
-        tokens, keys = sample_rows(transform_logprobs(logits, params), params, [s.key for s in seqs])
+        tokens, keys, _ = sample_rows(logits, [s.params for s in seqs], [s.key for s in seqs])
         mx.eval(tokens, keys)
         for seq, key in zip(seqs, keys):
             seq.key = key

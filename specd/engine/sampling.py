@@ -93,23 +93,29 @@ def make_key(seed: int | None) -> mx.array:
 
 
 def sample_rows(
-    logprobs: mx.array, params: Sequence[SamplingParams], keys: list[mx.array]
-) -> tuple[mx.array, list[mx.array]]:
-    """Sample one token per row of (B, V) ``logprobs``; greedy rows take argmax.
+    logits: mx.array, params: Sequence[SamplingParams], keys: list[mx.array]
+) -> tuple[mx.array, list[mx.array], mx.array | None]:
+    """Sample one token per row of raw (B, V) ``logits``, each row with its own settings and RNG.
 
-    Every sampling row consumes one split of its own key (Gumbel-max), so a
-    seeded request draws the same numbers whether it runs alone or batched.
-    Returns the tokens (B,) and the advanced keys.
+    Greedy rows take the argmax of the logits as they are (no transform moves
+    it), so they cost no full-vocabulary work (a draft model pays it at every
+    drafted position).  Sampling rows draw from their
+    transformed distribution by Gumbel-max, each consuming one split of its
+    own key, so a seeded request draws the same numbers alone or batched.
+    Returns the tokens (B,), the advanced keys, and the sampling rows'
+    log-probabilities (S, V), in row order (None without any): a draft
+    model's q.
     """
-    if all(p.greedy for p in params):
-        return mx.argmax(logprobs, axis=-1), keys
+    tokens = mx.argmax(logits, axis=-1)
     keys = list(keys)
-    vocab = logprobs.shape[-1]
+    sampling = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampling:
+        return tokens, keys, None
+    rows = mx.array(sampling)
+    logprobs = transform_logprobs(logits[rows], [params[i] for i in sampling])
     noise = []
-    for i, p in enumerate(params):
-        if p.greedy:
-            noise.append(mx.zeros((vocab,)))
-        else:
-            keys[i], sub = mx.random.split(keys[i])
-            noise.append(mx.random.gumbel(shape=(vocab,), key=sub))
-    return mx.argmax(logprobs + mx.stack(noise), axis=-1), keys
+    for i in sampling:
+        keys[i], sub = mx.random.split(keys[i])
+        noise.append(mx.random.gumbel(shape=(logits.shape[-1],), key=sub))
+    tokens[rows] = mx.argmax(logprobs + mx.stack(noise), axis=-1)
+    return tokens, keys, logprobs

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.batch import make_batch_cache, rollback
-from ..engine.sampling import SamplingParams, sample_rows, transform_logprobs
+from ..engine.sampling import SamplingParams, sample_rows
 
 GREEDY = SamplingParams(temperature=0)
 from ..engine.sequence import Sequence
@@ -26,7 +26,7 @@ from ..engine.sequence import Sequence
 @dataclass
 class DraftProposal:
     drafts: mx.array  # (B, K) tokens
-    probs: mx.array  # (B, K, V) q after each row's sampling transforms
+    probs: mx.array | None  # (S, K, V) q of the sampling rows that drafted, in row order (greedy rows need none)
     keys: list[mx.array]  # advanced RNG keys of the rows
 
 
@@ -120,14 +120,14 @@ class DraftModelProposer:
         drafts, probs = [], []
         logits = self._forward(self.pending)
         for step in range(k):
-            logprobs = transform_logprobs(logits, params)
-            token, new_keys = sample_rows(logprobs, params, new_keys)
+            token, new_keys, logprobs = sample_rows(logits, params, new_keys)
             drafts.append(token)
-            probs.append(mx.exp(logprobs))
+            if logprobs is not None:
+                probs.append(mx.exp(logprobs))
             if step < k - 1:
                 logits = self.model(token[:, None], cache=self.cache)[:, -1]
         self._drafted = k
-        return DraftProposal(mx.stack(drafts, axis=1), mx.stack(probs, axis=1), new_keys)
+        return DraftProposal(mx.stack(drafts, axis=1), mx.stack(probs, axis=1) if probs else None, new_keys)
 
     def commit(self, accepted: list[int], drafts: list[list[int]], next_tokens: list[int]) -> None:
         """Roll each row back to its accepted context and queue what it must see next.

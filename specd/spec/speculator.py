@@ -36,8 +36,8 @@ from .verify import point_mass, verify
 @dataclass
 class Proposal:
     drafts: list[list[int]]  # per row, possibly empty (a branching tree row: empty, see ``trees``)
-    draft_probs: mx.array | None  # (len(draft_rows), K_draft, V) q of draft-model rows
-    draft_rows: list[int]
+    draft_rows: list[int]  # rows a draft model drafted for (its cache follows their verdicts)
+    draft_q: dict[int, mx.array] = field(default_factory=dict)  # sampling draft-model rows: (K_draft, V) q
     tree: TreeLayout | None = None  # set when some row proposes a branching tree
     trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
     planned: list[int] = field(default_factory=list)  # the k chosen per row (an n-gram lookup may find fewer)
@@ -161,7 +161,7 @@ class Speculator:
         budgets = [self.budget(s, spec, max_context) for s, spec in zip(seqs, specs)]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not any(budgets):  # nobody may speculate: keep the plain decode path free of controller work
-            return Proposal(drafts, None, [])
+            return Proposal(drafts, [])
         ks = self._plan(seqs, specs, budgets)
         started = time.perf_counter()
         for i, (s, k) in enumerate(zip(seqs, ks)):
@@ -175,7 +175,7 @@ class Speculator:
         if any(drafts):
             self.metrics.spec_propose_seconds.labels(self.name, "ngram").observe(time.perf_counter() - started)
         rows = [i for i, k in enumerate(ks) if k and specs[i].method == "draft"]
-        probs = None
+        draft_q: dict[int, mx.array] = {}
         if rows:
             started = time.perf_counter()
             # every draft-model sequence already in the draft cache takes part, drafting or not
@@ -185,27 +185,26 @@ class Speculator:
             proposal = self.draft.propose([seqs[i] for i in members], [last_tokens[i] for i in members],
                                           [ks[i] > 0 for i in members], k, [seqs[i].params for i in members],
                                           [seqs[i].key for i in members])
-            mx.eval(proposal.drafts, proposal.probs, proposal.keys)
+            mx.eval(proposal.drafts, proposal.keys, *([] if proposal.probs is None else [proposal.probs]))
             self._caught_up = self.draft.caught_up
             if not self._caught_up:  # a lazy prefill or a backlog would distort the step cost
                 self.costs.observe_draft(len(members), k, time.perf_counter() - started)
             tokens = proposal.drafts.tolist()
-            picked = []
             for j, i in enumerate(members):
                 if ks[i]:
                     drafts[i] = tokens[j][: ks[i]]
                     seqs[i].key = proposal.keys[j]
-                    picked.append(j)
-            probs = proposal.probs[mx.array(picked)]
+            sampled = [i for i in members if ks[i] and not seqs[i].params.greedy]  # the rows of proposal.probs
+            draft_q = {i: proposal.probs[n] for n, i in enumerate(sampled)}
             self.metrics.spec_propose_seconds.labels(self.name, "draft").observe(time.perf_counter() - started)
         trees = self._propose_eagle(seqs, specs, ks, drafts)
         for s, spec, k in zip(seqs, specs, ks):
             if k:
                 s.stats.method = spec.method
         if trees is None:
-            return Proposal(drafts, probs, rows, planned=ks)
+            return Proposal(drafts, rows, draft_q, planned=ks)
         trees = [t if t is not None else DraftTree.chain(d) for t, d in zip(trees, drafts)]
-        return Proposal(drafts, probs, rows, layout(trees, last_tokens), trees, planned=ks)
+        return Proposal(drafts, rows, draft_q, layout(trees, last_tokens), trees, planned=ks)
 
     def _propose_eagle(self, seqs: list[Sequence], specs: list[SpeculationConfig], ks: list[int],
                        drafts: list[list[int]]) -> list[DraftTree | None] | None:
@@ -253,18 +252,15 @@ class Speculator:
             return self._verify_tree(seqs, logits, proposal, cache)
         started = time.perf_counter()
         width = proposal.width
-        params = [s.params for s in seqs]
-        target = transform_logprobs(logits, params)
         padded = mx.array([d + [0] * (width - len(d)) for d in proposal.drafts])
-        q = point_mass(padded, self.vocab)
-        if proposal.draft_rows:
-            kd = proposal.draft_probs.shape[1]
-            dq = mx.pad(proposal.draft_probs, [(0, 0), (0, width - kd), (0, 0)]) if kd < width \
-                else proposal.draft_probs[:, :width]
-            q[mx.array(proposal.draft_rows)] = dq
-        uniforms, gumbel = self._randomness(seqs, width)
-        verdict = verify(target, padded, [len(d) for d in proposal.drafts], q,
-                         [p.greedy for p in params], uniforms, gumbel)
+        sampling = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        q = uniforms = gumbel = None
+        if sampling:  # only sampling rows need q and randomness
+            q = mx.stack([self._chain_q(proposal.draft_q[i], width) if i in proposal.draft_q
+                          else point_mass(padded[i], self.vocab) for i in sampling])
+            uniforms, gumbel = self._randomness([seqs[i] for i in sampling], width)
+        verdict = verify(logits, padded, [len(d) for d in proposal.drafts], [s.params for s in seqs],
+                         q, uniforms, gumbel)
         self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
 
         started = time.perf_counter()
@@ -272,6 +268,12 @@ class Speculator:
         self._settle(seqs, proposal, [len(d) for d in proposal.drafts], verdict.accepted, verdict.next_tokens)
         self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
         return [d[:a] + [t] for d, a, t in zip(proposal.drafts, verdict.accepted, verdict.next_tokens)], logits
+
+    @staticmethod
+    def _chain_q(q: mx.array, width: int) -> mx.array:
+        """A draft model's (K_draft, V) q cut or zero-padded to ``width`` proposal columns."""
+        drafted = q.shape[0]
+        return mx.pad(q, [(0, width - drafted), (0, 0)]) if drafted < width else q[:width]
 
     def _verify_tree(self, seqs: list[Sequence], logits: mx.array, proposal: Proposal,
                      cache: list) -> tuple[list[list[int]], mx.array]:
@@ -281,8 +283,7 @@ class Speculator:
         params = [s.params for s in seqs]
         target = transform_logprobs(logits, params)
         uniforms, gumbel = self._randomness(seqs, tree.width)
-        draft_q = dict(zip(proposal.draft_rows, proposal.draft_probs)) if proposal.draft_rows else {}
-        verdict = accept(target, trees, tree, [p.greedy for p in params], uniforms, gumbel, draft_q)
+        verdict = accept(target, trees, tree, [p.greedy for p in params], uniforms, gumbel, proposal.draft_q)
         self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
 
         started = time.perf_counter()
