@@ -16,8 +16,6 @@ steps are fitted as d0 + d1 * B by least squares with forgetting.
 
 from __future__ import annotations
 
-import numpy as np
-
 
 class StepCostTable:
     """Moving averages of decode-step seconds by (rows, width)."""
@@ -62,64 +60,71 @@ class StepCostTable:
         return self._plain(rows) * (1.0 if width == 1 else self._width_factor(rows, width))
 
 
-class LinearFit:
-    """y = p . x by weighted least squares with forgetting and a ridge prior."""
+class DraftStepFit:
+    """Seconds of one draft step for B rows, d0 + d1 * B, by least squares with
+    forgetting and a ridge prior.  Kept as running sums of plain floats and
+    solved in closed form: it is fed every speculative step and read by
+    every plan, where a numpy solve cost ~1% of a small batch's step."""
 
-    def __init__(self, features: int, decay: float = 0.02, ridge: float = 1e-6):
+    def __init__(self, decay: float = 0.02, ridge: float = 1e-6):
         self.decay, self.ridge = decay, ridge
-        self.xx = np.zeros((features, features))
-        self.xy = np.zeros(features)
-        self.n = 0.0
-        self._params: np.ndarray | None = None  # solved lazily: adds happen every step, reads rarely
+        self.n = self.rows = self.rows2 = self.y = self.rows_y = 0.0  # decayed sums of 1, B, B^2, y, B y
+        self._params: tuple[float, float] | None = None  # solved lazily, once per add
 
-    def add(self, x: list[float], y: float) -> None:
-        v = np.asarray(x, dtype=np.float64)
+    def add(self, rows: float, seconds: float) -> None:
         keep = 1.0 - self.decay
-        self.xx = keep * self.xx + np.outer(v, v)
-        self.xy = keep * self.xy + v * y
-        self.n = keep * self.n + 1
+        self.n = keep * self.n + 1.0
+        self.rows = keep * self.rows + rows
+        self.rows2 = keep * self.rows2 + rows * rows
+        self.y = keep * self.y + seconds
+        self.rows_y = keep * self.rows_y + rows * seconds
         self._params = None
 
     @property
     def seen(self) -> bool:
         return self.n > 0
 
-    def params(self) -> np.ndarray:
+    def params(self) -> tuple[float, float]:
         if not self.seen:
-            return np.zeros(len(self.xy))
+            return 0.0, 0.0
         if self._params is None:
-            a = self.xx + self.ridge * self.n * np.eye(len(self.xy))
-            self._params = np.maximum(np.linalg.solve(a, self.xy), 0.0)  # more work never costs less
+            ridge = self.ridge * self.n
+            a, b, d = self.n + ridge, self.rows, self.rows2 + ridge
+            det = a * d - b * b
+            d0 = (d * self.y - b * self.rows_y) / det
+            d1 = (a * self.rows_y - b * self.y) / det
+            self._params = max(d0, 0.0), max(d1, 0.0)  # more work never costs less
         return self._params
 
-    def predict(self, x: list[float]) -> float:
-        return float(self.params() @ np.asarray(x, dtype=np.float64))
+    def predict(self, rows: float) -> float:
+        d0, d1 = self.params()
+        return d0 + d1 * rows
 
 
 class CostModel:
     def __init__(self):
         self.steps = StepCostTable()
-        self.draft = LinearFit(2)
+        self.draft = DraftStepFit()
 
     def observe_target(self, rows: int, width: int, seconds: float) -> None:
         self.steps.add(rows, width, seconds)
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         if rows and steps:
-            self.draft.add([1.0, rows], seconds / steps)
+            self.draft.add(rows, seconds / steps)
 
     def target_seconds(self, rows: int, width: int) -> float:
         return max(self.steps.predict(rows, width), 1e-6)
 
     def draft_seconds(self, rows: int, steps: int) -> float:
-        return 0.0 if rows == 0 or steps == 0 else steps * self.draft.predict([1.0, rows])
+        return 0.0 if rows == 0 or steps == 0 else steps * self.draft.predict(rows)
 
     def draft_row_seconds(self) -> float:
         """Marginal draft cost of one more row for one step."""
-        return float(self.draft.params()[1])
+        return self.draft.params()[1]
 
     def snapshot(self) -> dict[str, float]:
         """Measured step seconds by shape (``B4xW2``) and the draft fit."""
         d0, d1 = self.draft.params()
         steps = {f"B{b}xW{w}": s for (b, w), s in sorted(self.steps.seconds.items())}
-        return {**steps, "draft_fixed_s": float(d0), "draft_per_row_s": float(d1)}
+        return {**steps, "draft_fixed_s": d0, "draft_per_row_s": d1}
