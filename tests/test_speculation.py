@@ -231,3 +231,23 @@ def test_empty_lookups_still_teach_the_estimates(pair):
         await generate(engine, list(range(5, 45)), NGRAM, max_tokens=64)  # no repeats to look up at first
     serve(pair, go, draft_model=None)
     assert any(not any(proposed) and any(planned) for proposed, planned in rounds)
+
+
+def test_finished_requests_seed_the_next_ones_across_a_policy_swap(pair, prompts):
+    """A request that leaves hands its acceptance by position to the model's history, and a
+    policy swap keeps that history: the next request starts from what the last ones saw."""
+    goodput = SpecPolicySpec(match_labels={}, mode="goodput", max_speculative_tokens=4)
+
+    async def go(engine):
+        engine.set_policy(goodput, "p")
+        await generate(engine, prompts[0], DRAFT, max_tokens=64)
+        await generate(engine, prompts[1], DRAFT, max_tokens=8)  # a decode step after the first left
+        engine.set_policy(SpecPolicySpec(match_labels={}, mode="static"), "p")
+        await asyncio.sleep(0.05)  # swapped in between steps; the engine is idle
+        return engine.speculator
+    speculator = serve(pair, go)
+    positions = speculator.history.positions
+    assert positions.reached, "the first request's estimate was not absorbed when it left"
+    seeded = speculator.controller.new_estimate()
+    assert [seeded.at(i) for i in range(len(positions.reached))] == \
+        pytest.approx([positions.at(i) for i in range(len(positions.reached))])

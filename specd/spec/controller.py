@@ -21,7 +21,8 @@ per second, and now and then tries its neighbours to measure them (plain
 decoding's neighbour being the cost model's bet). Tries are spaced so that
 losing ones cost at most 1% of the decode time each, while a workload that
 turns repetitive is still noticed. What was measured outlives a policy swap,
-like the learned costs.
+like the learned costs and the model's acceptance history
+(``AcceptanceHistory``), from which a new request's estimate starts.
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ class StaticController:
     PRIOR_WEIGHT = 4.0  # how many rounds the model's history counts for a new request
 
     def __init__(self, policy: SpecPolicySpec | None = None, name: str | None = None,
-                 costs: CostModel | None = None):
+                 costs: CostModel | None = None, history: "AcceptanceHistory | None" = None):
         self.policy = policy
         self.policy_name = name
         self.costs = costs or CostModel()
-        self.ema: float | None = None
+        self.history = history or AcceptanceHistory()
         self._steps_off = 0
         self._probe_cursor = -1
+
+    @property
+    def ema(self) -> float | None:
+        """The model's moving average of the acceptance rate of proposed tokens."""
+        return self.history.ema
 
     def plan(self, rows: list["Row"], batch_size: int) -> tuple[list[int], str | None]:
         """The k each row may use now (its budget already applied), and why
@@ -65,8 +71,8 @@ class StaticController:
         return [min(k, policy.max_speculative_tokens) for k in asked], None
 
     def new_estimate(self) -> "AcceptanceEstimate":
-        """A request's starting estimate: the model's recent acceptance, weakly held."""
-        return AcceptanceEstimate(self.ema if self.ema is not None else 0.5, self.PRIOR_WEIGHT)
+        """A request's starting estimate: the model's recent acceptance by position, weakly held."""
+        return self.history.seed(self.PRIOR_WEIGHT)
 
     def measured_steps(self) -> dict[str, dict[str, float]]:
         """Measured step times by batch-size bucket (only the goodput controller measures them)."""
@@ -77,17 +83,16 @@ class StaticController:
 
     def observe(self, estimates: list["AcceptanceEstimate"], proposed: list[int], accepted: list[int],
                 planned: list[int]) -> None:
-        """Fold one step's acceptance into the model's EMA (of the tokens
-        proposed) and each request's estimate (of the k planned: an n-gram
-        lookup that found fewer tokens fails at the first one it lacked, so
-        the estimate says what choosing k yields)."""
+        """Fold one step's acceptance into the model's history and each
+        request's estimate (of the k planned: an n-gram lookup that found
+        fewer tokens fails at the first one it lacked, so the estimate says
+        what choosing k yields)."""
         drafted = sum(proposed)
         if drafted == 0 and not any(planned):
             return
         alpha = self.policy.ema_alpha if self.policy is not None else 0.1
         if drafted:
-            rate = sum(accepted) / drafted
-            self.ema = rate if self.ema is None else (1 - alpha) * self.ema + alpha * rate
+            self.history.observe_rate(sum(accepted) / drafted, alpha)
         for estimate, k, a in zip(estimates, planned, accepted):
             if k:
                 estimate.update(k, a, alpha)
@@ -106,6 +111,7 @@ class AcceptanceEstimate:
     weight: float  # how many rounds the prior counts for
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    rounds: int = 0  # rounds observed
 
     def at(self, position: int) -> float:
         """The chance that a proposal reaching ``position`` (0-based) has it accepted."""
@@ -130,10 +136,55 @@ class AcceptanceEstimate:
         if grow > 0:
             self.reached += [self.weight] * grow
             self.accepted += [self.prior * self.weight] * grow
+        self.rounds += 1
         keep = 1.0 - decay
         for position in range(min(accepted + 1, k)):
             self.reached[position] = keep * self.reached[position] + 1
             self.accepted[position] = keep * self.accepted[position] + (position < accepted)
+
+
+class AcceptanceHistory:
+    """A model's acceptance across its requests, kept by its speculator so
+    that it outlives policy swaps (a swap used to reset it, and every request
+    after one started from a flat 50%).  ``ema`` is the moving average of
+    the acceptance rate of proposed tokens (the static mode's signal, and a
+    metric).  ``positions`` averages the per-position estimates of the last
+    ten or so requests that speculated, each counted once when it leaves,
+    and seeds a new request's estimate, so that its expected tokens at long
+    k reflect how bursty the workload's acceptance is before it has run a
+    round of its own.  Requests, not rounds, are pooled: the requests of a
+    batch often end together, and their last rounds (an output falling into
+    a loop, say) would speak for the next ones."""
+
+    DECAY = 0.1  # weight of one request in ``positions``
+
+    def __init__(self) -> None:
+        self.ema: float | None = None
+        self.positions = AcceptanceEstimate(0.5, 1.0)
+
+    def observe_rate(self, rate: float, alpha: float) -> None:
+        """One step's acceptance rate of proposed tokens."""
+        self.ema = rate if self.ema is None else (1 - alpha) * self.ema + alpha * rate
+        self.positions.prior = self.ema  # for positions no round has reached yet
+
+    def absorb(self, estimate: AcceptanceEstimate) -> None:
+        """A request that leaves: its estimate by position joins the pool (if it ever speculated)."""
+        if not estimate.rounds:
+            return
+        pool, keep = self.positions, 1.0 - self.DECAY
+        grow = len(estimate.reached) - len(pool.reached)
+        if grow > 0:
+            pool.reached += [0.0] * grow
+            pool.accepted += [0.0] * grow
+        for position in range(len(estimate.reached)):
+            pool.reached[position] = keep * pool.reached[position] + 1.0
+            pool.accepted[position] = keep * pool.accepted[position] + estimate.at(position)
+
+    def seed(self, weight: float) -> AcceptanceEstimate:
+        """A new request's estimate: the acceptance by position seen so far, worth ``weight`` rounds."""
+        seen = range(len(self.positions.reached))
+        return AcceptanceEstimate(self.positions.prior, weight, [weight for _ in seen],
+                                  [self.positions.at(i) * weight for i in seen])
 
 
 @dataclass
@@ -165,13 +216,16 @@ class Realised:
     step at the best k, and is judged against those interleaved steps pair by
     pair: this machine's speed changes by up to 40% from one spell of tens of
     steps to the next, more than neighbouring k differ, and only steps run
-    side by side see the same speed; a try wins only by a margin its pairs
-    agree on (``CLEAR`` standard errors).  Steps whose draft caught rows up (a new
-    request's prefill, or the backlog of a request that was not drafting)
-    are left out of every measurement: a request pays that once in its life.
-    A try that wins makes its k the best (and the old best a neighbour, soon
-    tried again); one that loses waits 16, 32, .. 1024 steps for the next,
-    and never less than its cost beyond the best allows within
+    side by side see the same speed; a try wins only by a margin its pairs,
+    pooled with those of the k's earlier undecided tries, agree on (``CLEAR``
+    standard errors).  Steps whose draft caught rows up (a new request's
+    prefill, or the backlog of a request that was not drafting) are left out
+    of every measurement: a request pays that once in its life.  A try that
+    wins makes its k the best (and the old best a neighbour, soon tried
+    again, against the winning pairs reversed); one that shows a gain not yet
+    clear comes back soon to add pairs; one that shows none waits 16, 32, ..
+    1024 steps for the next (from plain decoding, one schedule whatever k is
+    tried), and never less than its cost beyond the best allows within
     ``EXPLORE_BUDGET`` of the decode time (at a large batch, where a try's
     draft prefill and wide verify steps cost most, that is the longer wait).
     Among k >= 1, tokens per second rise with k to one best and fall after
@@ -196,6 +250,8 @@ class Realised:
     TRY = 8  # steps per try (and pairs with the best k's steps)
     CLEAR = 2.0  # standard errors of its pairs by which a try must beat the best k
     FIRST_RETRY, LAST_RETRY = 16, 1024  # steps between tries of a losing k
+    POOL = 32  # pairs of evidence kept on each k against the best
+    PLAIN = -1  # the key of the one try schedule from plain decoding
     EXPLORE_BUDGET = 0.01  # share of the decode time each neighbour's losing tries may cost
     HOPELESS = 0.15  # log tokens/s by which a k measured against plain decoding must fall short to skip its try
     STALE = 8192  # steps after which such a measurement no longer skips tries
@@ -205,8 +261,9 @@ class Realised:
         self.best = 0
         self.baseline_left = self.TRY  # plain steps to measure before any try
         self.steps = 0  # steps decided in this bucket
-        self.next_try: dict[int, int] = {}  # k -> step from which it may be tried (again)
-        self.retry: dict[int, int] = {}  # k -> spacing after its next losing try
+        self.next_try: dict[int, int] = {}  # k (or PLAIN) -> step from which it may be tried (again)
+        self.retry: dict[int, int] = {}  # k (or PLAIN) -> spacing after its next clearly losing try
+        self.evidence: dict[int, list[float]] = {}  # k -> its latest pairs' advantages over the best
         self.trying: int | None = None
         self.best_turn = False  # during a try: the next step is the best k's, interleaved
         # during a try, per pair: a try step's seconds and expected tokens, then the best k's step's after it
@@ -245,11 +302,11 @@ class Realised:
         moves with the acceptance estimates, and a schedule per k would
         multiply the tries."""
         if self.best == 0:
-            if self.steps < max((step for k, step in self.next_try.items() if k), default=0):
+            if self.steps < self.next_try.get(self.PLAIN, 0):
                 return None
             k = min(bet(), max_k)
             if self._hopeless(k):  # waits another spacing, at no cost
-                self.next_try[k] = self.steps + self.retry.get(k, self.FIRST_RETRY)
+                self.next_try[self.PLAIN] = self.steps + self.retry.get(self.PLAIN, self.FIRST_RETRY)
                 return None
             return k
         return next((k for k in dict.fromkeys((self.best + 1, self.best - 1, 0))
@@ -295,13 +352,19 @@ class Realised:
                 self._judge(self.trying)
 
     def _judge(self, k: int) -> None:
-        """A try's verdict from its pairs: each pair's advantage is the try's
-        in log expected tokens per second, each step's tokens expected for
-        its own rows (a request ending or starting changes what a step can
-        yield: the last step's rows would misjudge the others); the try wins
-        when their mean is ``CLEAR`` standard errors above zero, so that
+        """A try's verdict from its pairs and the earlier tries' (the latest
+        ``POOL`` pairs of k against this best): each pair's advantage is the
+        try's in log expected tokens per second, each step's tokens expected
+        for its own rows (a request ending or starting changes what a step can
+        yield: the last step's rows would misjudge the others).  The try wins
+        when the pairs' mean is ``CLEAR`` standard errors above zero, so that
         neither a slow spell nor a lucky one decides, only a difference the
-        pairs agree on."""
+        pairs agree on; it clearly loses when as far below, and waits longer
+        each time; else it is tried again soon, the evidence pooling until it
+        decides (one try's 8 pairs leave a true 10% gain undecided about half
+        the time on this machine, and a backed-off retry would take thousands
+        of steps to come back).  A decided verdict starts the next try's
+        evidence afresh: the workload may have changed by then."""
         self.trying = None
         pairs, self.pairs = self.pairs, []
         self.seconds[k] = statistics.fmean(p[0] for p in pairs)
@@ -309,15 +372,24 @@ class Realised:
         if self.best == 0 and self.try_cost > self.EXPLORE_BUDGET * self.LAST_RETRY * self.seconds[0]:
             self.versus_plain[k] = (self.seconds[k] / self.seconds[0], self.steps)
         advantages = [math.log(tokens_a / a) - math.log(tokens_b / b) for a, tokens_a, b, tokens_b in pairs]
-        if statistics.fmean(advantages) > self.CLEAR * statistics.stdev(advantages) / math.sqrt(len(pairs)):
+        pool = self.evidence[k] = (self.evidence.get(k, []) + advantages)[-self.POOL:]
+        mean, error = statistics.fmean(pool), statistics.stdev(pool) / math.sqrt(len(pool))
+        key = self.PLAIN if self.best == 0 else k
+        if mean > self.CLEAR * error:
             old, self.best = self.best, k
-            self.retry[old] = self.FIRST_RETRY
-            self.next_try[old] = self.steps + self.FIRST_RETRY
+            self.evidence = {old: [-a for a in pool]}  # the old best against the new; the rest was against the old
+            back = self.PLAIN if k == 0 else old
+            self.retry[back] = self.FIRST_RETRY
+            self.next_try[back] = self.steps + self.FIRST_RETRY
             return
-        spacing = self.retry.get(k, self.FIRST_RETRY)
+        spacing = self.retry.get(key, self.FIRST_RETRY)
         affordable = math.ceil(self.try_cost / (self.EXPLORE_BUDGET * self.seconds[self.best]))
-        self.next_try[k] = self.steps + max(min(spacing, self.LAST_RETRY), affordable)
-        self.retry[k] = min(2 * spacing, self.LAST_RETRY)
+        if mean <= 0:  # no sign of a gain: its pairs have had their say
+            del self.evidence[k]
+            self.next_try[key] = self.steps + max(min(spacing, self.LAST_RETRY), affordable)
+            self.retry[key] = min(2 * spacing, self.LAST_RETRY)
+        else:
+            self.next_try[key] = self.steps + max(self.FIRST_RETRY, affordable)
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:
@@ -435,8 +507,9 @@ class GoodputController(StaticController):
         return sum(r.estimate.expected_tokens(min(k, r.budget)) if u else 1.0 for r, u in zip(rows, use))
 
 def make_controller(policy: SpecPolicySpec | None, name: str | None, costs: CostModel,
-                    realised: dict[int, Realised]) -> StaticController:
-    """The policy's controller; what was learned (costs, measured rates by k) carries over."""
+                    realised: dict[int, Realised], history: AcceptanceHistory) -> StaticController:
+    """The policy's controller; what was learned (costs, measured rates by k,
+    the model's acceptance history) carries over."""
     if policy is not None and policy.mode == "goodput":
-        return GoodputController(policy, name, costs, realised=realised)
-    return StaticController(policy, name, costs)
+        return GoodputController(policy, name, costs, history, realised=realised)
+    return StaticController(policy, name, costs, history)

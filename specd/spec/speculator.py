@@ -23,7 +23,7 @@ from ..engine.sampling import transform_logprobs
 from ..engine.sequence import Sequence
 from ..metrics import Metrics
 from .config import NO_SPECULATION, SpeculationConfig
-from .controller import Realised, Row, StaticController, make_controller
+from .controller import AcceptanceHistory, Realised, Row, StaticController, make_controller
 from .costs import CostModel
 from .draft import DraftModelProposer
 from .eagle.head import EagleHead
@@ -70,10 +70,12 @@ class Speculator:
         self.configure(default, draft_model)
         self.costs = CostModel()
         self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
+        self.history = AcceptanceHistory()
+        self._estimated: dict[int, Sequence] = {}  # sequences with an acceptance estimate, by id
         # observed or set every step: skip the label lookups
         self._chosen_k = metrics.spec_chosen_k.labels(model_name)
         self._step_seconds: dict | None = None  # exported from the first goodput step on
-        self.controller = StaticController(costs=self.costs)
+        self.controller = StaticController(costs=self.costs, history=self.history)
         self.drafted_total = 0
         self.accepted_total = 0
         # Under tensor parallelism every rank must speculate alike: the group
@@ -123,8 +125,8 @@ class Speculator:
         return "eagle" if self.eagle is not None else "draft" if self.draft is not None else None
 
     def set_policy(self, policy, name: str | None) -> None:
-        """A new controller for the policy; the learned costs and measured rates carry over."""
-        self.controller = make_controller(policy, name, self.costs, self.realised)
+        """A new controller for the policy; the learned costs, measured rates and acceptance carry over."""
+        self.controller = make_controller(policy, name, self.costs, self.realised, self.history)
 
     def spec_for(self, seq: Sequence) -> SpeculationConfig:
         return seq.request.speculation or self.default
@@ -146,6 +148,7 @@ class Speculator:
         for s, spec, budget in zip(seqs, specs, budgets):
             if s.estimate is None:
                 s.estimate = self.controller.new_estimate()
+                self._estimated[id(s)] = s
             rows.append(Row(budget, spec.method in ("draft", "eagle"), s.estimate))
         ks, reason = self.controller.plan(rows, len(seqs))
         if self.agree is not None:
@@ -389,8 +392,11 @@ class Speculator:
                                   for s, pad in zip(seqs, padding)])
 
     def retain(self, seqs: list[Sequence]) -> None:
-        """Forget proposer state of sequences that left the batch."""
+        """Forget proposer state of sequences that left the batch; their
+        acceptance joins the model's history."""
         alive = {id(s) for s in seqs}
+        for key in [key for key in self._estimated if key not in alive]:
+            self.history.absorb(self._estimated.pop(key).estimate)
         if self.draft is not None:
             self.draft.retain(alive)
         if self.eagle is not None:
