@@ -246,8 +246,8 @@ def test_finished_requests_seed_the_next_ones_across_a_policy_swap(pair, prompts
         await asyncio.sleep(0.05)  # swapped in between steps; the engine is idle
         return engine.speculator
     speculator = serve(pair, go)
-    positions = speculator.history.positions
-    assert positions.reached, "the first request's estimate was not absorbed when it left"
+    pooled = speculator.history.by_position()
+    assert pooled, "the first request's estimate was not absorbed when it left"
     seeded = speculator.controller.new_estimate()
-    assert [seeded.at(i) for i in range(len(positions.reached))] == \
-        pytest.approx([positions.at(i) for i in range(len(positions.reached))])
+    assert [seeded.at(i) for i in range(len(pooled))] == pytest.approx(pooled)
+    assert speculator.status()["acceptanceByPosition"] == pytest.approx(pooled, abs=1e-4)  # describe shows it

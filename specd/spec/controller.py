@@ -180,11 +180,14 @@ class AcceptanceHistory:
             pool.reached[position] = keep * pool.reached[position] + 1.0
             pool.accepted[position] = keep * pool.accepted[position] + estimate.at(position)
 
+    def by_position(self) -> list[float]:
+        """The pooled chance that a proposal reaching each position has it accepted."""
+        return [self.positions.at(i) for i in range(len(self.positions.reached))]
+
     def seed(self, weight: float) -> AcceptanceEstimate:
         """A new request's estimate: the acceptance by position seen so far, worth ``weight`` rounds."""
-        seen = range(len(self.positions.reached))
-        return AcceptanceEstimate(self.positions.prior, weight, [weight for _ in seen],
-                                  [self.positions.at(i) * weight for i in seen])
+        rates = self.by_position()
+        return AcceptanceEstimate(self.positions.prior, weight, [weight] * len(rates), [r * weight for r in rates])
 
 
 @dataclass
@@ -262,7 +265,7 @@ class Realised:
         self.baseline_left = self.TRY  # plain steps to measure before any try
         self.steps = 0  # steps decided in this bucket
         self.next_try: dict[int, int] = {}  # k (or PLAIN) -> step from which it may be tried (again)
-        self.retry: dict[int, int] = {}  # k (or PLAIN) -> spacing after its next clearly losing try
+        self.retry: dict[int, int] = {}  # k (or PLAIN) -> spacing after its next try without a gain
         self.evidence: dict[int, list[float]] = {}  # k -> its latest pairs' advantages over the best
         self.trying: int | None = None
         self.best_turn = False  # during a try: the next step is the best k's, interleaved
@@ -359,12 +362,12 @@ class Realised:
         yield: the last step's rows would misjudge the others).  The try wins
         when the pairs' mean is ``CLEAR`` standard errors above zero, so that
         neither a slow spell nor a lucky one decides, only a difference the
-        pairs agree on; it clearly loses when as far below, and waits longer
-        each time; else it is tried again soon, the evidence pooling until it
-        decides (one try's 8 pairs leave a true 10% gain undecided about half
-        the time on this machine, and a backed-off retry would take thousands
-        of steps to come back).  A decided verdict starts the next try's
-        evidence afresh: the workload may have changed by then."""
+        pairs agree on.  A mean at or below zero shows no gain: the try waits
+        longer each time, and the next starts its evidence afresh (the
+        workload may have changed by then).  A gain not yet clear brings the
+        try back soon, its pairs pooling until they decide: one try's 8 pairs
+        leave a true 10% gain undecided about half the time on this machine,
+        and a backed-off retry took thousands of steps to come back."""
         self.trying = None
         pairs, self.pairs = self.pairs, []
         self.seconds[k] = statistics.fmean(p[0] for p in pairs)
@@ -384,7 +387,7 @@ class Realised:
             return
         spacing = self.retry.get(key, self.FIRST_RETRY)
         affordable = math.ceil(self.try_cost / (self.EXPLORE_BUDGET * self.seconds[self.best]))
-        if mean <= 0:  # no sign of a gain: its pairs have had their say
+        if mean <= 0:
             del self.evidence[k]
             self.next_try[key] = self.steps + max(min(spacing, self.LAST_RETRY), affordable)
             self.retry[key] = min(2 * spacing, self.LAST_RETRY)

@@ -88,13 +88,15 @@ class Speculator:
         return self.accepted_total / self.drafted_total if self.drafted_total else None
 
     def status(self) -> dict:
-        """Default method, acceptance and the fitted costs, as ``describe`` shows them."""
+        """Default method, acceptance (overall, and by proposal position over
+        recent requests) and the fitted costs, as ``describe`` shows them."""
         ema = self.controller.ema
         rate = self.acceptance_rate
         return {"default": self.default.method,
                 "drafter": self.drafter if self.eagle is None else f"eagle-{self.eagle.head.config.version}",
                 "acceptanceEMA": None if ema is None else round(ema, 4),
                 "acceptanceRate": None if rate is None else round(rate, 4),
+                "acceptanceByPosition": [round(r, 4) for r in self.history.by_position()],
                 "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()},
                 "measuredStepMs": self.controller.measured_steps()}
 
