@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import statistics
 from pathlib import Path
@@ -96,12 +97,7 @@ async def bench(args) -> dict[str, Any]:
                         await set_policy(engine, policy)
                         runs[label].append(await serve(engine, batch, k, args.max_tokens))
                 cell = {label: {"tok_s": statistics.median(r), "runs": r} for label, r in runs.items()}
-                statics = {lbl: cell[lbl]["tok_s"] for lbl, pol, k in configs if pol is None}
-                best = max(statics, key=statics.get)
-                cell["summary"] = {"best_static": best, "goodput_vs_off": paired(runs["goodput"], runs["off"]),
-                                   "goodput_vs_best_static": paired(runs["goodput"], runs[best]),
-                                   "static_policy_vs_off": paired(runs["static-policy"], runs["off"]),
-                                   "best_static_vs_off": paired(runs[best], runs["off"])}
+                cell["summary"] = summarise(runs, [label for label, policy, _ in configs if policy is None])
                 table.setdefault(name, {})[conc] = cell
                 print_cell(name, conc, cell, [c[0] for c in configs])
         costs = engine.speculator.costs.snapshot()
@@ -110,16 +106,46 @@ async def bench(args) -> dict[str, Any]:
     return {"table": table, "learned_costs": costs}
 
 
-def paired(runs: list[float], baseline: list[float]) -> float:
-    """The median of per-round ratios."""
-    return statistics.median(a / b for a, b in zip(runs, baseline))
+def summarise(runs: dict[str, list[float]], statics: list[str]) -> dict[str, Any]:
+    """A cell's ratios, each the median of per-round ratios with its 90%
+    interval, and the best static configuration by median tok/s.  The
+    interval says whether a ratio's distance from a goal is more than the
+    machine's noise; choosing the best static in hindsight also favours
+    whichever static had the luckiest rounds, which it does not cover."""
+    best = max(statics, key=lambda label: statistics.median(runs[label]))
+    summary: dict[str, Any] = {"best_static": best}
+    for name, (config, baseline) in {"goodput_vs_off": ("goodput", "off"),
+                                     "goodput_vs_best_static": ("goodput", best),
+                                     "static_policy_vs_off": ("static-policy", "off"),
+                                     "best_static_vs_off": (best, "off")}.items():
+        ratios = [a / b for a, b in zip(runs[config], runs[baseline])]
+        summary[name] = statistics.median(ratios)
+        summary[f"{name}_ci90"] = median_interval(ratios)
+    return summary
+
+
+def median_interval(values: list[float], level: float = 0.9) -> tuple[float, float]:
+    """A distribution-free interval for the median: the order statistics j
+    and n + 1 - j with j the largest for which the binomial tail P(B < j),
+    B ~ Bin(n, 1/2), stays within (1 - level) / 2 (20 values: the 6th and
+    15th, 95.9% coverage).  Too few values for any such j give the range."""
+    ordered, n = sorted(values), len(values)
+    tail, j = 0.0, 0
+    while j < n // 2 and tail + math.comb(n, j) / 2 ** n <= (1 - level) / 2:
+        tail += math.comb(n, j) / 2 ** n
+        j += 1
+    j = max(j, 1)
+    return ordered[j - 1], ordered[n - j]
 
 
 def print_cell(workload: str, conc: int, cell: dict, labels: list[str]) -> None:
     s = cell["summary"]
     values = "  ".join(f"{lbl} {cell[lbl]['tok_s']:.0f}" for lbl in labels)
-    print(f"{workload:<11} c={conc:<3} {values}  | goodput/off {s['goodput_vs_off']:.2f}x, "
-          f"goodput/best-static({s['best_static']}) {s['goodput_vs_best_static']:.2f}x", flush=True)
+    low_off, high_off = s["goodput_vs_off_ci90"]
+    low_best, high_best = s["goodput_vs_best_static_ci90"]
+    print(f"{workload:<11} c={conc:<3} {values}  | goodput/off {s['goodput_vs_off']:.2f}x "
+          f"[{low_off:.2f}, {high_off:.2f}], goodput/best-static({s['best_static']}) "
+          f"{s['goodput_vs_best_static']:.2f}x [{low_best:.2f}, {high_best:.2f}]", flush=True)
 
 
 def main() -> int:

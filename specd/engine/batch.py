@@ -151,6 +151,17 @@ def forget(cache: list[SpeculativeKVCache], drop: np.ndarray) -> None:
             layer.compact()
 
 
+def settle(cache: list[SpeculativeKVCache]) -> None:
+    """Evaluate what rolling back left lazy (hole masks, offsets, a
+    compaction's gather), so that the step that rolled back pays for it:
+    the controller compares whole steps' times, and deferred work would be
+    billed to the next step, which during a try from plain decoding is a
+    plain one (measured: plain decoding looked ~10% slower against k = 2 at
+    a batch of 8 than it runs)."""
+    mx.eval([array for layer in cache for array in (layer.keys, layer.values, layer.offset, layer.left_padding,
+                                                     layer.valid) if array is not None])
+
+
 class RunningBatch:
     """Sequences that decode together, row b of the cache belonging to seqs[b]."""
 

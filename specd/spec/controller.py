@@ -35,6 +35,7 @@ from typing import Callable
 from ..api.manifest import SpecPolicySpec
 from .costs import CostModel
 
+
 class StaticController:
     mode = "static"
     PRIOR_WEIGHT = 4.0  # how many rounds the model's history counts for a new request
@@ -508,6 +509,7 @@ class GoodputController(StaticController):
     def _tokens(rows: list[Row], k: int, use: list[bool]) -> float:
         """Expected tokens a step yields for the batch if ``use`` rows propose up to k."""
         return sum(r.estimate.expected_tokens(min(k, r.budget)) if u else 1.0 for r, u in zip(rows, use))
+
 
 def make_controller(policy: SpecPolicySpec | None, name: str | None, costs: CostModel,
                     realised: dict[int, Realised], history: AcceptanceHistory) -> StaticController:

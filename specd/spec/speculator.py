@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..engine.batch import forget, rollback
+from ..engine.batch import forget, rollback, settle
 from ..engine.sampling import transform_logprobs
 from ..engine.sequence import Sequence
 from ..metrics import Metrics
@@ -270,7 +270,7 @@ class Speculator:
 
         started = time.perf_counter()
         rollback(cache, [width - a for a in verdict.accepted])
-        self._settle(seqs, proposal, [len(d) for d in proposal.drafts], verdict.accepted, verdict.next_tokens)
+        self._settle(seqs, cache, proposal, [len(d) for d in proposal.drafts], verdict.accepted, verdict.next_tokens)
         self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
         return [d[:a] + [t] for d, a, t in zip(proposal.drafts, verdict.accepted, verdict.next_tokens)], logits
 
@@ -299,7 +299,7 @@ class Speculator:
         forget(cache, drop)
         self._kept_columns = kept
         depths = [max(t.depths(), default=0) for t in trees]
-        self._settle(seqs, proposal, depths, [len(p) for p in verdict.paths], verdict.next_tokens)
+        self._settle(seqs, cache, proposal, depths, [len(p) for p in verdict.paths], verdict.next_tokens)
         self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
         emitted = [[t.tokens[n] for n in path] + [nxt] for t, path, nxt in zip(trees, verdict.paths, verdict.next_tokens)]
         width = max(len(c) for c in kept)
@@ -313,14 +313,17 @@ class Speculator:
             none = [0] * len(seqs)
             self.controller.observe([s.estimate for s in seqs], none, none, proposal.planned)
 
-    def _settle(self, seqs: list[Sequence], proposal: Proposal, proposed: list[int], accepted: list[int],
-                next_tokens: list[int]) -> None:
-        """After a verdict: the draft model's rollback, statistics and the controller's estimates
-        (a tree counts as a proposal as long as its deepest branch)."""
+    def _settle(self, seqs: list[Sequence], cache: list, proposal: Proposal, proposed: list[int],
+                accepted: list[int], next_tokens: list[int]) -> None:
+        """After a verdict and the target's rollback: the draft model's
+        rollback, both evaluated now so this step pays for them, then
+        statistics and the controller's estimates (a tree counts as a
+        proposal as long as its deepest branch)."""
         if proposal.draft_rows:
             rows = proposal.draft_rows
             self.draft.commit([accepted[i] for i in rows], [proposal.drafts[i] for i in rows],
                               [next_tokens[i] for i in rows])
+        settle(cache + (self.draft.cache if self.draft is not None else []))
         for s, k, a in zip(seqs, proposed, accepted):
             if k:
                 self._count(s, k, a)
