@@ -99,9 +99,9 @@ def sample_rows(
 
     Greedy rows take the argmax of the logits as they are (no transform moves
     it), so they cost no full-vocabulary work (a draft model pays it at every
-    drafted position).  Sampling rows draw from their
-    transformed distribution by Gumbel-max, each consuming one split of its
-    own key, so a seeded request draws the same numbers alone or batched.
+    drafted position).  Sampling rows draw from their transformed
+    distribution by Gumbel-max, each consuming one split of its own key, so
+    a seeded request draws the same numbers alone or batched.
     Returns the tokens (B,), the advanced keys, and the sampling rows'
     log-probabilities (S, V), in row order (None without any): a draft
     model's q.
