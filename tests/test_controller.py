@@ -370,6 +370,36 @@ def test_tries_without_sign_of_a_gain_back_off():
         assert tried * 0.08 < Realised.EXPLORE_BUDGET * 3000, tried
 
 
+def backed_off_after_losing_tries(seconds_at_1: float, tokens_at_1: float) -> Realised:
+    """Plain steps of 10 ms and tries of k = 1 that lose (a step at k = 1 takes ``seconds_at_1``
+    for ``tokens_at_1`` times the tokens), until a verdict leaves the next try 512 steps away."""
+    measured = Realised()
+    rng = random.Random(0)
+    was_trying = False
+    while not (was_trying and measured.trying is None and measured.retry.get(Realised.PLAIN, 0) >= 512):
+        was_trying = measured.trying is not None
+        k = measured.decide(4, lambda: 1, lambda k: 4 * (tokens_at_1 if k else 1.0))[0]
+        measured.observe((seconds_at_1 if k else 0.01) * math.exp(rng.gauss(0.0, 0.05)))
+    assert measured.best == 0
+    return measured
+
+
+def test_a_backed_off_try_comes_early_once_its_rows_would_pay():
+    """k = 1 measured at 1.35x a plain step's seconds for 1.2x its tokens: its tries back off to
+    hundreds of steps apart.  Once its rows' expected tokens beat those seconds by more than
+    PROMISING (2x the tokens), the next try comes as soon as losing tries can afford (their cost
+    within the exploration budget), not at the backed-off spacing; a smaller rise waits for it."""
+    measured = backed_off_after_losing_tries(0.0135, 1.2)
+    due = measured.next_try[Realised.PLAIN] - measured.steps - 1
+    early = measured.earliest[Realised.PLAIN] - measured.steps - 1
+    assert Realised.FIRST_RETRY <= early < due // 2
+    assert steps_to_a_try(measured, lambda k: 4 * (2.0 if k else 1.0), due) == early
+
+    measured = backed_off_after_losing_tries(0.0135, 1.2)
+    due = measured.next_try[Realised.PLAIN] - measured.steps - 1
+    assert steps_to_a_try(measured, lambda k: 4 * (1.4 if k else 1.0), 2 * due) == due
+
+
 def test_a_switch_keeps_the_evidence_against_the_old_best():
     """Once k = 1 is adopted (500 tokens/s to plain decoding's 400), plain decoding's first try
     back pools with that evidence reversed, so one lucky try (533 tokens/s, which alone would

@@ -232,7 +232,9 @@ class Realised:
     tried), and never less than its cost beyond the best allows within
     ``EXPLORE_BUDGET`` of the decode time (at a large batch, where a try's
     draft prefill and wide verify steps cost most, that is the longer wait).
-    Among k >= 1, tokens per second rise with k to one best and fall after
+    A backed-off try of a longer k comes back as soon as that budget allows
+    once the rows' expected tokens have risen enough to pay for the seconds
+    its latest try measured (``PROMISING``).  Among k >= 1, tokens per second rise with k to one best and fall after
     it, so climbing from neighbour to neighbour finds the best k without
     paying for tries of hopeless ones.
 
@@ -258,6 +260,7 @@ class Realised:
     PLAIN = -1  # the key of the one try schedule from plain decoding
     EXPLORE_BUDGET = 0.01  # share of the decode time each neighbour's losing tries may cost
     HOPELESS = 0.15  # log tokens/s by which a k measured against plain decoding must fall short to skip its try
+    PROMISING = 0.1  # log tokens/s by which a backed-off k's expected tokens must now beat its measured seconds
     STALE = 8192  # steps after which such a measurement no longer skips tries
 
     def __init__(self, versus_plain: dict[int, float] | None = None) -> None:
@@ -277,6 +280,8 @@ class Realised:
         self.tokens: Callable[[int], float] = lambda k: 1.0  # expected tokens by k, rows of the latest step
         # k -> (a step's seconds at k over a plain step's, measured side by side; the step it was measured at)
         self.versus_plain: dict[int, tuple[float, int]] = {k: (r, 0) for k, r in (versus_plain or {}).items()}
+        self.costlier: dict[int, float] = {}  # k -> log seconds of a step at k over the best's, from its latest try
+        self.earliest: dict[int, int] = {}  # k (or PLAIN) -> step from which a promising try may come early
 
     def decide(self, max_k: int, bet: Callable[[], int], tokens: Callable[[int], float]) -> tuple[int, str | None]:
         """The k for this step (0: plain, with why): the best, or a neighbour's
@@ -306,15 +311,32 @@ class Realised:
         moves with the acceptance estimates, and a schedule per k would
         multiply the tries."""
         if self.best == 0:
-            if self.steps < self.next_try.get(self.PLAIN, 0):
-                return None
             k = min(bet(), max_k)
+            if self.steps < self.next_try.get(self.PLAIN, 0) and not self._promising(k, self.PLAIN):
+                return None
             if self._hopeless(k):  # waits another spacing, at no cost
                 self.next_try[self.PLAIN] = self.steps + self.retry.get(self.PLAIN, self.FIRST_RETRY)
                 return None
             return k
         return next((k for k in dict.fromkeys((self.best + 1, self.best - 1, 0))
-                     if k <= max_k and self.steps >= self.next_try.get(k, 0)), None)
+                     if k <= max_k and (self.steps >= self.next_try.get(k, 0) or self._promising(k, k))), None)
+
+    def _promising(self, k: int, key: int) -> bool:
+        """A backed-off try of a longer k comes early when the rows' expected
+        tokens at k now beat the best's by ``PROMISING`` more than its latest
+        try measured its seconds to cost (or a shorter k's beyond the best,
+        which cost no more: from plain decoding the bet moves): text that
+        turned repetitive is noticed as soon as losing tries can afford, not
+        after the longest back-off.  A try showing no gain was judged on
+        tokens expected then, so only a change since brings it back.  Only
+        longer k come early: at a batch of one a request's estimate swings
+        from request to request, and early tries of shorter k (on a dip)
+        cost more than they found in the simulated bench."""
+        if k <= self.best:
+            return False
+        gap = max((g for j, g in self.costlier.items() if self.best < j <= k), default=None)
+        return (gap is not None and key in self.earliest and self.steps >= self.earliest[key]
+                and math.log(self.tokens(k) / self.tokens(self.best)) - gap > self.PROMISING)
 
     def fresh_versus_plain(self) -> dict[int, float]:
         """k -> a step's seconds at k over a plain step's, from side-by-side measurements still fresh."""
@@ -376,18 +398,22 @@ class Realised:
         if self.best == 0 and self.try_cost > self.EXPLORE_BUDGET * self.LAST_RETRY * self.seconds[0]:
             self.versus_plain[k] = (self.seconds[k] / self.seconds[0], self.steps)
         advantages = [math.log(tokens_a / a) - math.log(tokens_b / b) for a, tokens_a, b, tokens_b in pairs]
+        gap = statistics.fmean(math.log(a / b) for a, _, b, _ in pairs)
         pool = self.evidence[k] = (self.evidence.get(k, []) + advantages)[-self.POOL:]
         mean, error = statistics.fmean(pool), statistics.stdev(pool) / math.sqrt(len(pool))
         key = self.PLAIN if self.best == 0 else k
         if mean > self.CLEAR * error:
             old, self.best = self.best, k
             self.evidence = {old: [-a for a in pool]}  # the old best against the new; the rest was against the old
+            self.costlier = {old: -gap}
             back = self.PLAIN if k == 0 else old
             self.retry[back] = self.FIRST_RETRY
             self.next_try[back] = self.steps + self.FIRST_RETRY
             return
         spacing = self.retry.get(key, self.FIRST_RETRY)
         affordable = math.ceil(self.try_cost / (self.EXPLORE_BUDGET * self.seconds[self.best]))
+        self.costlier[k] = gap
+        self.earliest[key] = self.steps + max(self.FIRST_RETRY, affordable)
         if mean <= 0:
             del self.evidence[k]
             self.next_try[key] = self.steps + max(min(spacing, self.LAST_RETRY), affordable)
