@@ -234,9 +234,10 @@ class Realised:
     draft prefill and wide verify steps cost most, that is the longer wait).
     A backed-off try of a longer k comes back as soon as that budget allows
     once the rows' expected tokens have risen enough to pay for the seconds
-    its latest try measured (``PROMISING``).  Among k >= 1, tokens per second rise with k to one best and fall after
-    it, so climbing from neighbour to neighbour finds the best k without
-    paying for tries of hopeless ones.
+    its latest try measured (``PROMISING``).  Among k >= 1, tokens per
+    second rise with k to one best and fall after it, so climbing from
+    neighbour to neighbour finds the best k without paying for tries of
+    hopeless ones.
 
     At a large batch a try from plain decoding is costly (the draft catches
     every row up first: more than the usual longest wait amortises within
@@ -311,7 +312,8 @@ class Realised:
         moves with the acceptance estimates, and a schedule per k would
         multiply the tries."""
         if self.best == 0:
-            if self.steps < self.next_try.get(self.PLAIN, 0) and not self._promising(self.PLAIN, lambda: min(bet(), max_k)):
+            due = self.steps >= self.next_try.get(self.PLAIN, 0)
+            if not due and not self._promising(self.PLAIN, lambda: min(bet(), max_k)):
                 return None
             k = min(bet(), max_k)
             if self._hopeless(k):  # waits another spacing, at no cost
