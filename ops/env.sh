@@ -1,5 +1,8 @@
-# Sourced by the ops scripts: a venv with specd installed, and on Linux the
-# OpenBLAS preload that makes MLX's CPU float32 matmuls ~40x faster.
+# Sourced by the ops scripts (and by hand before a benchmark): a venv with specd
+# installed, and on Linux the OpenBLAS preload that makes MLX's CPU float32
+# matmuls ~40x faster.  Sourced into an interactive shell, it gives the shell
+# its own options back, so a later failing command does not close it.
+_specd_shell_options=$(set +o)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SPECD_VENV:-$ROOT/.venv}"
@@ -27,3 +30,7 @@ if [ -e "$OPENBLAS" ]; then
 fi
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"
+if [[ $- == *i* ]]; then
+  eval "$_specd_shell_options"
+fi
+unset _specd_shell_options

@@ -3,22 +3,59 @@
 # start the daemon on manifests/demo and ask it for a chat completion.
 source "$(dirname "$0")/env.sh"
 PORT="${SPECD_PORT:-8000}"
+PIDFILE=state/daemon.pid
+
+# A daemon a previous run started is stopped (it drains, then removes its pid
+# file); a pid file whose process is gone, or is not specd, is stale.
+stop_previous_daemon() {
+  [ -e "$PIDFILE" ] || return 0
+  local pid
+  pid="$(cat "$PIDFILE" 2>/dev/null || true)"
+  if [[ "$pid" =~ ^[0-9]+$ ]] && ps -p "$pid" -o args= 2>/dev/null | grep -q "specd.* daemon"; then
+    echo "==> stopping the specd daemon a previous run started (pid $pid)"
+    kill "$pid"
+    for _ in $(seq 90); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.5
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "quickstart: pid $pid did not stop within 45 s; stop it, then run this again" >&2
+      exit 1
+    fi
+  else
+    echo "==> removing a stale $PIDFILE (no specd daemon runs as pid ${pid:-?})"
+  fi
+  rm -f "$PIDFILE"
+}
+
 specd forge models/demo --preset demo
 mkdir -p state
+stop_previous_daemon
 echo "==> starting specd daemon on http://127.0.0.1:$PORT (log: state/daemon.log)"
-nohup specd daemon --manifests manifests/demo --state-dir state --port "$PORT" >state/daemon.log 2>&1 &
-echo $! >state/daemon.pid
+nohup specd daemon --manifests manifests/demo --state-dir state --port "$PORT" --pid-file "$PIDFILE" \
+  >state/daemon.log 2>&1 &
+DAEMON=$!
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$PORT/readyz" >/dev/null && break
-  kill -0 "$(cat state/daemon.pid)" 2>/dev/null || { cat state/daemon.log; exit 1; }
+  kill -0 "$DAEMON" 2>/dev/null || { cat state/daemon.log; exit 1; }
   sleep 0.5
 done
-# The demo models learned Python from the standard library's sources (not chat
-# transcripts), so ask for code: the reply continues it, speculating with n-gram lookup.
+# The demo models are tiny and learned Python from the standard library's sources (not
+# chat transcripts), so ask for code: the reply continues it with Python-looking text.
+# Sampled, since greedy decoding soon repeats one line ("#") with a model this small.
 echo "==> POST /v1/chat/completions"
 curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' -d '{
   "model": "demo",
   "messages": [{"role": "user", "content": "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):"}],
-  "max_tokens": 64, "temperature": 0
+  "max_tokens": 64, "temperature": 0.8, "top_p": 0.95, "seed": 1
 }' | python -m json.tool
-echo "==> specd is serving on http://127.0.0.1:$PORT (pid $(cat state/daemon.pid)); stop it with: kill \$(cat state/daemon.pid)"
+SERVER=""
+[ "$PORT" = 8000 ] || SERVER="
+      export SPECD_SERVER=http://127.0.0.1:$PORT"
+cat <<EOF
+==> specd is serving on http://127.0.0.1:$PORT (pid $DAEMON, log state/daemon.log)
+    The specd command lives in .venv; in a new shell, activate it first:
+      source .venv/bin/activate$SERVER
+      specd get models
+    (or run .venv/bin/specd directly). Stop the daemon with: kill \$(cat $PIDFILE)
+EOF

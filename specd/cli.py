@@ -15,17 +15,8 @@ log = structlog.get_logger("specd")
 
 
 def _daemon(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from .api.manifest import ManifestError, load_manifest_dir
-    from .control.reconciler import Reconciler
-    from .control.registry import ModelRegistry
-    from .control.store import Store
-    from .control.watcher import ManifestDirectory
-    from .metrics import Metrics
-    from .server.app import create_app
 
-    manifests = None
     if args.manifests is not None:
         try:
             load_manifest_dir(args.manifests)  # refuse to start on an invalid file
@@ -38,6 +29,34 @@ def _daemon(args: argparse.Namespace) -> int:
         if not token:
             print(f"specd: {args.admin_token_file} is empty", file=sys.stderr)
             return 2
+    if args.pid_file is not None:
+        _write_pid_file(args.pid_file)
+    try:
+        _serve(args, token)
+    finally:
+        if args.pid_file is not None:
+            _remove_pid_file(args.pid_file)
+    log.info("daemon stopped")
+    # Everything is drained and stopped.  Skip the interpreter's teardown: MLX
+    # 0.32 aborts in its static destructors ("terminate called without an
+    # active exception", exit 134) once a worker thread has built a model.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve(args: argparse.Namespace, token: str | None) -> None:
+    """Run the daemon until SIGTERM or SIGINT has drained it."""
+    from aiohttp import web
+
+    from .control.reconciler import Reconciler
+    from .control.registry import ModelRegistry
+    from .control.store import Store
+    from .control.watcher import ManifestDirectory
+    from .metrics import Metrics
+    from .server.app import create_app
+
+    manifests = None
     args.state_dir.mkdir(parents=True, exist_ok=True)
     store = Store(args.state_dir / "specd.db")
     if args.manifests is not None:
@@ -49,13 +68,23 @@ def _daemon(args: argparse.Namespace) -> int:
     app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
-    log.info("daemon stopped")
-    # Everything is drained and stopped.  Skip the interpreter's teardown: MLX
-    # 0.32 aborts in its static destructors ("terminate called without an
-    # active exception", exit 134) once a worker thread has built a model.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+
+def _write_pid_file(path: Path) -> None:
+    """This process's pid, for scripts that stop the daemon (written whole, by rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{os.getpid()}\n")
+    partial.replace(path)
+
+
+def _remove_pid_file(path: Path) -> None:
+    """Remove the pid file on the way out, unless another daemon has since written its own there."""
+    try:
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+    except OSError:
+        pass
 
 
 def _rank(args: argparse.Namespace) -> int:
@@ -102,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds in-flight requests get to finish on SIGTERM")
     daemon.add_argument("--admin-token-file", type=Path, default=None,
                         help="bearer token for the admin API (without it, loopback clients only)")
+    daemon.add_argument("--pid-file", type=Path, default=None,
+                        help="write the daemon's pid here; removed when it exits cleanly")
     daemon.set_defaults(func=_daemon)
 
     sub.add_parser("rank", help="one rank of a tensor-parallel group (started by the daemon)").set_defaults(

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from .api.manifest import ManifestError, parse_documents
+from .control.store import SERVER_ANNOTATIONS, SOURCE_ANNOTATION
 
 KIND_NAMES = {
     "Model": ("model", "models", "mo"),
@@ -106,11 +107,18 @@ def cmd_apply(client: Client, args) -> int:
     suffix = " (server dry run)" if dry else ""
     for item in result["items"]:
         print(f"{item['kind'].lower()}.specd.dev/{item['name']} {item['action']}{suffix}")
+        owner = item["object"]["metadata"].get("annotations", {}).get(SOURCE_ANNOTATION)
+        if owner and item["action"] == "configured":
+            print(f"warning: {item['kind'].lower()}.specd.dev/{item['name']} comes from the watched file "
+                  f"{owner}; the daemon applies that file again when it changes or the daemon restarts",
+                  file=sys.stderr)
     return 0
 
 
 def _comparable(obj: dict[str, Any]) -> str:
-    meta = obj.get("metadata", {})
+    """What apply would write: name, labels, annotations (less the server's own) and spec."""
+    meta = dict(obj.get("metadata", {}))
+    meta["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items() if k not in SERVER_ANNOTATIONS}
     view = {"metadata": {k: meta[k] for k in ("name", "labels", "annotations") if meta.get(k)},
             "spec": obj.get("spec")}
     return yaml.safe_dump(view, sort_keys=True)

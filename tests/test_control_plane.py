@@ -294,6 +294,53 @@ spec:
         d.stop()
 
 
+def test_applying_the_watched_files_by_hand_is_a_no_op(forged, tmp_path):
+    """The daemon owns ``specd.dev/source-file``: diff leaves it out, a client's apply
+    keeps it (even one that changes the spec, or sends another value), and only
+    the watcher, following its file, changes the object back."""
+    manifests = {"model.yaml": model_manifest("owned", forged / "target", maxBatchSize=4).replace(
+        "  name: owned\n", "  name: owned\n  labels: {tier: demo}\n") + """---
+apiVersion: specd.dev/v1alpha1
+kind: DraftPairing
+metadata: {name: owned-ngram}
+spec: {targetRef: owned, method: ngram, numSpeculativeTokens: 3}
+""", "policy.yaml": """apiVersion: specd.dev/v1alpha1
+kind: SpecPolicy
+metadata: {name: owned-policy}
+spec:
+  selector: {matchLabels: {tier: demo}}
+  maxSpeculativeTokens: 4
+"""}
+    d = start_daemon(tmp_path, manifests)
+    mdir = tmp_path / "manifests"
+    owner = str((mdir / "model.yaml").resolve())
+    try:
+        before = get(d, "model", "owned")["metadata"]
+        assert before["annotations"] == {"specd.dev/source-file": owner}
+        diff = specd(d, "diff", "-f", str(mdir), check=False)
+        assert (diff.returncode, diff.stdout) == (0, "")
+        applied = specd(d, "apply", "-f", str(mdir))
+        assert applied.stdout.split("\n")[:-1] == [
+            "model.specd.dev/owned unchanged", "draftpairing.specd.dev/owned-ngram unchanged",
+            "specpolicy.specd.dev/owned-policy unchanged"]
+        assert get(d, "model", "owned")["metadata"] == before
+        # a hand edit of an owned object changes its spec, not its owner (and says the file wins later)
+        edited = manifests["model.yaml"].split("---")[0].replace("maxBatchSize: 4", "maxBatchSize: 6").replace(
+            "  labels:", "  annotations: {specd.dev/source-file: /elsewhere.yaml, note: mine}\n  labels:")
+        applied = specd(d, "apply", "-f", "-", stdin=edited)
+        assert applied.stdout == "model.specd.dev/owned configured\n"
+        assert f"comes from the watched file {owner}" in applied.stderr
+        after = get(d, "model", "owned")
+        assert after["spec"]["maxBatchSize"] == 6
+        assert after["metadata"]["annotations"] == {"specd.dev/source-file": owner, "note": "mine"}
+        # the watcher applies its file again when it changes: the file's content wins
+        (mdir / "model.yaml").write_text(manifests["model.yaml"].replace("maxBatchSize: 4", "maxBatchSize: 5"))
+        wait_for(lambda: get(d, "model", "owned")["spec"]["maxBatchSize"] == 5, timeout=10, what="file re-applied")
+        assert get(d, "model", "owned")["metadata"]["annotations"] == {"specd.dev/source-file": owner}
+    finally:
+        d.stop()
+
+
 def test_desired_state_survives_restart(forged, tmp_path):
     d = start_daemon(tmp_path, {})
     specd(d, "apply", "-f", "-", stdin=model_manifest("keep", forged / "target"))

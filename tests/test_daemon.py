@@ -98,7 +98,11 @@ def test_invalid_manifest_is_rejected_with_path(tmp_path, manifest, path):
 
 
 def test_sigterm_drains_in_flight_requests(forged, tmp_path):
-    daemon = start_daemon(tmp_path, {"m.yaml": model_manifest("m", forged / "target")})
+    """...then exits 0 and removes its pid file."""
+    pid_file = tmp_path / "run" / "daemon.pid"
+    daemon = start_daemon(tmp_path, {"m.yaml": model_manifest("m", forged / "target")}, True,
+                          "--pid-file", str(pid_file))
+    assert pid_file.read_text() == f"{daemon.proc.pid}\n"
     client = OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = client.completions.create(model="m", prompt="import os\n", max_tokens=400, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
@@ -108,6 +112,27 @@ def test_sigterm_drains_in_flight_requests(forged, tmp_path):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 400
     assert daemon.proc.wait(30) == 0
+    assert not pid_file.exists()
+
+
+def test_a_killed_daemons_pid_file_is_replaced_and_a_failed_start_removes_its_own(forged, tmp_path):
+    """A stale pid file (kill -9 leaves one) does not stop the next daemon, which
+    writes its own; a daemon that cannot start (the port is taken) removes it."""
+    pid_file = tmp_path / "daemon.pid"
+    pid_file.write_text("999999999\n")
+    daemon = start_daemon(tmp_path, {"m.yaml": model_manifest("m", forged / "target")}, True,
+                          "--pid-file", str(pid_file))
+    try:
+        assert pid_file.read_text() == f"{daemon.proc.pid}\n"
+        busy = subprocess.run([sys.executable, "-m", "specd.cli", "daemon", "--state-dir", str(tmp_path / "other"),
+                               "--port", str(daemon.port), "--pid-file", str(tmp_path / "other.pid")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert busy.returncode != 0 and "address already in use" in busy.stderr.lower(), busy.stderr
+        assert not (tmp_path / "other.pid").exists()
+    finally:
+        daemon.proc.kill()
+        daemon.proc.wait(30)
+    assert pid_file.read_text() == f"{daemon.proc.pid}\n"  # left behind by kill -9, as documented
 
 
 def test_mismatched_draft_pairing_fails_the_pairing_not_the_model(forged, tmp_path):

@@ -7,6 +7,7 @@ target served by a single process in the same daemon.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,13 +20,17 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
 from conftest import model_manifest, start_daemon
 
 from specd.api.manifest import SPEC_PARSERS
+from specd.dist import wire
+from specd.dist.group import GroupClient
 from specd.dist.topology import mlx_environment
+from specd.spec.config import NO_SPECULATION
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n", "x = [1, 2, 3]\n", "def main():\n    args = parse()\n"]
@@ -72,6 +77,38 @@ def tp(forged, tmp_path_factory):
     daemon = start_daemon(tmp_path_factory.mktemp("tp"), {"models.yaml": "---\n".join(docs)})
     yield daemon
     daemon.stop()
+
+
+@pytest.fixture(autouse=True)
+def group_ready(request):
+    """Every test on the shared daemon starts with its group Ready: a test that
+    broke the group (or failed before it came back) must not hand the next one
+    a group still restarting."""
+    if "tp" in request.fixturenames:
+        wait_ready(request.getfixturevalue("tp"), "tp")
+
+
+def wait_ready(daemon, name: str, timeout: float = 90) -> dict:
+    """The model's status once it serves: Ready, not Degraded, and every rank alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = model_status(daemon, name)
+        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+        ranks = status.get("group", {}).get("ranks", [])
+        if status.get("phase") == "Ready" and conditions.get("Degraded") == "False" and ranks \
+                and all(_alive(r["pid"]) for r in ranks):
+            return status
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} is not Ready after {timeout:g}s: {status}")
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def client_for(daemon) -> openai.OpenAI:
@@ -183,17 +220,21 @@ def test_an_idle_group_is_not_mistaken_for_a_hung_one(tp):
     assert model_status(tp, "tp")["group"]["restarts"] == restarts
 
 
-def test_killed_rank_fails_the_stream_then_the_group_restarts(tp):
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_rank_fails_the_stream_then_the_group_restarts(tp, victim):
+    """The error names the killed rank, whichever rank notices first (the
+    survivor also exits, on its lost ring connection)."""
     client = client_for(tp)
-    ranks = model_status(tp, "tp")["group"]["ranks"]
+    status = model_status(tp, "tp")
+    restarts, ranks = status["group"]["restarts"], status["group"]["ranks"]
     stream = client.completions.create(model="tp", prompt=PROMPTS[1], max_tokens=400, temperature=0, stream=True)
     chunks = iter(stream)
     next(chunks)
-    os.kill(ranks[1]["pid"], signal.SIGKILL)
+    os.kill(ranks[victim]["pid"], signal.SIGKILL)
     with pytest.raises(openai.APIError) as err:
         for _ in chunks:
             pass
-    assert "rank 1 (rank1) exited with signal SIGKILL" in str(err.value)
+    assert f"rank {victim} (rank{victim}) exited with signal SIGKILL" in str(err.value)
 
     deadline = time.monotonic() + 60
     seen_degraded = False
@@ -204,7 +245,7 @@ def test_killed_rank_fails_the_stream_then_the_group_restarts(tp):
             seen_degraded = True
             assert conditions["Degraded"]["reason"] == "GroupFailed"
             assert "SIGKILL" in conditions["Degraded"]["message"]
-        if conditions["Ready"]["status"] == "True" and status["group"]["restarts"] == 1:
+        if conditions["Ready"]["status"] == "True" and status["group"]["restarts"] == restarts + 1:
             break
         time.sleep(0.1)
     else:
@@ -242,6 +283,85 @@ def test_hung_rank_fails_the_group_after_the_step_timeout(tp):
     else:
         pytest.fail(f"group did not come back: {status}")
     assert complete(client, "tp", PROMPTS[4], "ngram") == complete(client, "single", PROMPTS[4], "none")
+
+
+PEER_LOST = "RuntimeError: [ring] connection to a peer was lost"
+
+
+def group_failure(events: list, ranks: int = 2) -> str:
+    """The reason a GroupClient fails with when its stand-in ranks (shells the test
+    ends as it likes) go in the order ``events`` gives: ("fatal", error) is rank 0's
+    report, ("exit", rank, code or signal) a rank's end, ("sleep", s) a pause."""
+    procs = [subprocess.Popen(["sh", "-c", "read code; exit $code"], stdin=subprocess.PIPE,
+                              start_new_session=True) for _ in range(ranks)]
+    topo = SPEC_PARSERS["Topology"]({"backend": "ring", "hosts": [
+        {"name": f"rank{r}", "address": "127.0.0.1"} for r in range(ranks)]})
+    writer = SimpleNamespace(is_closing=lambda: True, close=lambda: None, write=lambda data: None)
+    info = {"max_context": 64, "vocab_size": 64, "drafter": None, "weight_bytes": 0}
+
+    async def play() -> str:
+        group = GroupClient(name="g", topology=topo, procs=procs, tokenizer=None, info=info,
+                            speculation=NO_SPECULATION, on_failure=lambda: None,
+                            reader=asyncio.StreamReader(), writer=writer)
+        group.start()
+        for event in events:
+            if event[0] == "fatal":
+                group._reader.feed_data(wire.encode(("fatal", event[1])))
+            elif event[0] == "exit":
+                end_rank(procs[event[1]], event[2])
+            else:
+                await asyncio.sleep(event[1])
+        deadline = time.monotonic() + 10
+        while group.failure is None:
+            assert time.monotonic() < deadline, "the group never failed"
+            await asyncio.sleep(0.05)
+        for task in group._tasks:
+            task.cancel()
+        return group.failure
+
+    try:
+        return asyncio.run(play())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            proc.stdin.close()
+
+
+def end_rank(proc: subprocess.Popen, how: int) -> None:
+    """End a stand-in rank with a signal (a ``signal.Signals``) or an exit code, and wait for it."""
+    if isinstance(how, signal.Signals):
+        proc.send_signal(how)
+    else:
+        proc.stdin.write(f"{how}\n".encode())
+        proc.stdin.flush()
+    proc.wait()
+
+
+@pytest.mark.parametrize("rank_0", [["exit"], ["fatal"], ["fatal", "exit"], ["exit", "fatal"]])
+def test_failure_names_the_killed_rank_though_rank_0_noticed_first(rank_0):
+    """Rank 1 is killed; rank 0 reports the lost peer and exits before the daemon
+    can see rank 1 gone (its signal shows 0.5 s later): rank 1 is named."""
+    first = {"exit": ("exit", 0, 1), "fatal": ("fatal", PEER_LOST)}
+    reason = group_failure([*(first[e] for e in rank_0), ("sleep", 0.5), ("exit", 1, signal.SIGKILL)])
+    rank_0_said = f" (rank 0: {PEER_LOST})" if "fatal" in rank_0 else ""
+    assert reason == f"rank 1 (rank1) exited with signal SIGKILL{rank_0_said}"
+
+
+@pytest.mark.parametrize("fatal, culprit", [
+    (PEER_LOST, "rank 1 (rank1) exited with exit code 3"),
+    ("ValueError: bad request state", "rank 0 (rank0) exited with exit code 1"),
+])
+def test_failure_names_the_rank_whose_error_was_its_own(fatal, culprit):
+    """Both ranks exit with codes, rank 0 first: a rank 0 that only lost its peer is
+    not the cause (rank 1's own error is), but a rank 0 that failed on its own is."""
+    reason = group_failure([("fatal", fatal), ("exit", 0, 1), ("sleep", 0.3), ("exit", 1, 3)])
+    assert reason == f"{culprit} (rank 0: {fatal})"
+
+
+def test_rank_0_losing_a_peer_that_never_exits_says_so():
+    """Rank 0 lost its peer, but no other rank is seen to go within the grace: no exit to blame."""
+    assert group_failure([("fatal", PEER_LOST), ("exit", 0, 1)]) == f"rank 0 stopped the group: {PEER_LOST}"
 
 
 @pytest.fixture(scope="module")

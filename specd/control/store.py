@@ -45,6 +45,10 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 INSERT OR IGNORE INTO counters VALUES ('resourceVersion', 0);
 """
 MAX_EVENTS_PER_OBJECT = 50
+SOURCE_ANNOTATION = "specd.dev/source-file"  # the watched manifest file that owns the object
+# Annotations the daemon writes and clients do not, as Kubernetes keeps managedFields:
+# a client's apply neither sets, changes nor removes them (nor does ``specd diff`` show them).
+SERVER_ANNOTATIONS = frozenset({SOURCE_ANNOTATION})
 
 
 class Conflict(Exception):
@@ -53,6 +57,12 @@ class Conflict(Exception):
 
 class NotFound(KeyError):
     pass
+
+
+def with_server_annotations(sent: dict[str, str], stored: dict[str, str]) -> dict[str, str]:
+    """A client's annotations with the server's own as stored (a client's values for those are dropped)."""
+    mine = {k: v for k, v in sent.items() if k not in SERVER_ANNOTATIONS}
+    return {**mine, **{k: v for k, v in stored.items() if k in SERVER_ANNOTATIONS}}
 
 
 def now_iso() -> str:
@@ -126,12 +136,15 @@ class Store:
             rows = self._db.execute("SELECT * FROM objects WHERE kind=? ORDER BY name", (kind,)).fetchall()
         return [self._row(r) for r in rows]
 
-    def apply(self, objects: list[dict[str, Any]], dry_run: bool = False) -> list[tuple[StoredObject, str]]:
+    def apply(self, objects: list[dict[str, Any]], dry_run: bool = False,
+              server: bool = False) -> list[tuple[StoredObject, str]]:
         """Create or update objects in one transaction: all of them or none.
 
         Each item has kind, name, labels, annotations, spec and optionally the
         resourceVersion the client last read.  The generation moves only when
-        the spec changes; a write that changes nothing is not a write.
+        the spec changes; a write that changes nothing is not a write.  Only the
+        daemon's own writes (``server``) touch ``SERVER_ANNOTATIONS``: a client's
+        keep the stored ones, so applying a watched file by hand is a no-op.
         """
         results: list[tuple[StoredObject, str]] = []
         with self._lock:
@@ -139,7 +152,7 @@ class Store:
             cur.execute("BEGIN IMMEDIATE")
             try:
                 for obj in objects:
-                    results.append(self._apply_one(cur, obj))
+                    results.append(self._apply_one(cur, obj, server))
                 if dry_run:
                     cur.execute("ROLLBACK")
                 else:
@@ -155,18 +168,21 @@ class Store:
         cur.execute("UPDATE counters SET value = value + 1 WHERE name='resourceVersion'")
         return cur.execute("SELECT value FROM counters WHERE name='resourceVersion'").fetchone()[0]
 
-    def _apply_one(self, cur: sqlite3.Cursor, obj: dict[str, Any]) -> tuple[StoredObject, str]:
+    def _apply_one(self, cur: sqlite3.Cursor, obj: dict[str, Any], server: bool) -> tuple[StoredObject, str]:
         kind, name = obj["kind"], obj["name"]
         row = cur.execute("SELECT * FROM objects WHERE kind=? AND name=?", (kind, name)).fetchone()
+        current = self._row(row) if row is not None else None
+        if not server:
+            kept = with_server_annotations(obj["annotations"], current.annotations if current else {})
+            obj = {**obj, "annotations": kept}
         expected = obj.get("resourceVersion")
-        if row is None:
+        if current is None:
             if expected:
                 raise Conflict(f'{kind} "{name}" does not exist (resourceVersion {expected} given)')
             stored = StoredObject(kind, name, str(uuid.uuid4()), 1, self._next_version(cur), now_iso(),
                                   obj["labels"], obj["annotations"], obj["spec"], {})
             cur.execute("INSERT INTO objects VALUES (?,?,?,?,?,?,?,?,?,?)", self._values(stored))
             return stored, "created"
-        current = self._row(row)
         if expected and str(expected) != str(current.resource_version):
             raise Conflict(f'{kind} "{name}" was modified (resourceVersion {current.resource_version}, '
                            f"you sent {expected}); read it again and retry")

@@ -1,6 +1,8 @@
 """``--manifests DIR``: files own the objects they declare, and the store follows them.
 
-Each object applied from a file carries the annotation ``specd.dev/source-file``.
+Each object applied from a file carries the annotation ``specd.dev/source-file``,
+which only this watcher writes (``store.SERVER_ANNOTATIONS``): a client's apply of
+the same object keeps it, and ``specd diff`` leaves it out.
 Adding or editing a file applies its objects (all or none); objects the file
 no longer declares, or whose file is gone, are deleted.  A file that does not
 parse is reported (log and event) and its last good objects stay.
@@ -15,10 +17,9 @@ import structlog
 from watchfiles import awatch
 
 from ..api.manifest import ManifestError, parse_documents
-from .store import Conflict, Store
+from .store import SOURCE_ANNOTATION, Conflict, Store
 
 log = structlog.get_logger(__name__)
-SOURCE_ANNOTATION = "specd.dev/source-file"
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 
 
@@ -42,7 +43,7 @@ class ManifestDirectory:
             return False
         items = [r.store_item(**{SOURCE_ANNOTATION: owner}) for r in resources]
         try:
-            self.store.apply(items)
+            self.store.apply(items, server=True)  # the file owns them, and their annotation
         except Conflict as err:
             self.store.record_event("File", owner, "Warning", "Conflict", str(err))
             return False

@@ -41,6 +41,10 @@ from .topology import (
 log = structlog.get_logger(__name__)
 _REJECTIONS = {"EngineOverloaded": EngineOverloaded, "EngineUnavailable": EngineUnavailable,
                "ValueError": ValueError}
+# What a rank's collectives say when a peer went away first (MLX's ring backend): an effect, not a cause.
+PEER_LOST = ("connection to a peer was lost",)
+EXIT_GRACE = 2.0  # seconds a failing group waits for its ranks' exits before naming the first
+
 
 
 class GroupClient:
@@ -48,7 +52,8 @@ class GroupClient:
 
     def __init__(self, name: str, topology: TopologySpec, procs: list[subprocess.Popen], tokenizer,
                  info: dict, speculation: SpeculationConfig,
-                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_failure: Callable[[], None] = lambda: None):
         self.name = name
         self.topology = topology
         self.procs = procs
@@ -59,7 +64,7 @@ class GroupClient:
         self.weight_bytes: int = info["weight_bytes"]
         self.speculation = speculation
         self.failure: str | None = None  # set once; the reconciler restarts the group
-        self.on_failure: Callable[[], None] = lambda: None
+        self.on_failure = on_failure
         self.status: dict = {}
         self._reader, self._writer = reader, writer
         self._streams: dict[str, asyncio.Queue] = {}
@@ -67,6 +72,9 @@ class GroupClient:
         self._stopping = False
         self._progress = time.monotonic()  # the last time rank 0 reported a finished step
         self._tasks: list[asyncio.Task] = []
+        self._exits: dict[int, tuple[float, int]] = {}  # rank: (when the daemon first saw it gone, code)
+        self._fatal: str | None = None  # the error rank 0 reported, if it did
+        self._settling = False  # a failure was seen; its cause is being collected
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
@@ -145,40 +153,82 @@ class GroupClient:
                         self._progress = time.monotonic()
                     self.status = message[1]
                 elif kind == "fatal":
-                    self.fail(await self._fatal_reason(message[1]))
+                    self._fatal = message[1]
+                    await self._settle()
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
             if not self._stopping:
-                self.fail(self._exit_reason() or "rank 0 closed its connection to the daemon")
+                await self._settle()
 
-    async def _fatal_reason(self, error: str) -> str:
-        """Rank 0 failed a step; a peer that died is usually why, so name it when it shows up."""
-        for _ in range(10):
-            exited = self._exit_reason()
-            if exited is not None:
-                return f"{exited} (rank 0: {error})"
-            await asyncio.sleep(0.1)
-        return f"rank 0 stopped the group: {error}"
+    async def _settle(self) -> None:
+        """Fail the group naming the rank that went first.  When one rank dies the
+        others lose a peer and exit too, and any of them may be the one the daemon
+        notices first, so collect the ranks' exits (up to ``EXIT_GRACE``) before judging."""
+        if self._settling or self.failure is not None:
+            return  # another task is already settling this failure
+        self._settling = True
+        deadline = time.monotonic() + EXIT_GRACE
+        while not self._stopping and not self._settled() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if not self._stopping:
+            self.fail(self._fatal_reason())
+
+    def _settled(self) -> bool:
+        """Enough is known to name the cause: a rank was killed by a signal (never a
+        reaction to a peer's failure), or every rank is gone."""
+        self._poll_exits()
+        return len(self._exits) == len(self.procs) or any(code < 0 for _, code in self._exits.values())
+
+    def _poll_exits(self) -> None:
+        now = time.monotonic()
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None and rank not in self._exits:
+                self._exits[rank] = (now, code)
+
+    def _culprit(self) -> int | None:
+        """The exited rank that brought the group down: one killed by a signal; else
+        rank 0 if it reported an error of its own; else the first seen to exit,
+        passing over a rank 0 that only reported losing a peer (None: no exit to name)."""
+        killed = [r for r, (_, code) in self._exits.items() if code < 0]
+        if killed:
+            return self._first(killed)
+        if self._fatal is None:
+            return self._first(list(self._exits))
+        if not any(marker in self._fatal for marker in PEER_LOST):
+            return 0 if 0 in self._exits else None
+        return self._first([r for r in self._exits if r != 0])
+
+    def _first(self, ranks: list[int]) -> int | None:
+        """Of these exited ranks, the one seen gone first (the lowest on a tie)."""
+        return min(ranks, key=lambda r: (self._exits[r][0], r), default=None)
+
+    def _fatal_reason(self) -> str:
+        """The failure as users read it: the culprit's exit, with rank 0's error if it sent one."""
+        culprit = self._culprit()
+        if culprit is None:
+            return (f"rank 0 stopped the group: {self._fatal}" if self._fatal is not None
+                    else "rank 0 closed its connection to the daemon")
+        exited = self._exit_reason(culprit)
+        return f"{exited} (rank 0: {self._fatal})" if self._fatal is not None else exited
 
     async def _watch(self) -> None:
         """A rank that exits, or a step that never finishes, fails the group."""
         timeout = self.topology.step_timeout_seconds
-        while not self._stopping and not self.failure:
+        while not self._stopping and not self.failure and not self._settling:
             await asyncio.sleep(0.2)
-            reason = self._exit_reason()
-            if reason is not None and not self._stopping:
-                self.fail(reason)
+            if self._stopping or self._settling:
+                return
+            self._poll_exits()
+            if self._exits:
+                await self._settle()
             elif self._streams and time.monotonic() - self._progress > timeout:
                 self.fail(f"no engine step finished in {timeout:g}s with {len(self._streams)} requests "
                           "in flight: a rank is hung or its link is down")
 
-    def _exit_reason(self) -> str | None:
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code is not None:
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                return f"rank {rank} ({self.topology.hosts[rank].name}) exited with {how}"
-        return None
+    def _exit_reason(self, rank: int) -> str:
+        code = self._exits[rank][1]
+        return f"rank {rank} ({self.topology.hosts[rank].name}) exited with {_how(code)}"
 
     def fail(self, reason: str) -> None:
         """End every request with the reason, kill the ranks, tell the reconciler."""
@@ -214,6 +264,16 @@ def with_group_metrics(registry, groups: list[GroupClient]):
             else:
                 family.samples = mine
     return SimpleNamespace(collect=lambda: list(families.values()))
+
+
+def _how(code: int) -> str:
+    """A return code as words: ``signal SIGKILL`` or ``exit code 1``."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
