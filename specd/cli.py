@@ -106,9 +106,9 @@ def _forge(args: argparse.Namespace) -> int:
 
 
 def _train_eagle(args: argparse.Namespace) -> int:
-    from .spec.eagle import train
+    from .forge import eagle
 
-    return train.run(args)
+    return eagle.run(args)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     forge_cmd.set_defaults(func=_forge)
 
     eagle_cmd = sub.add_parser("train-eagle", help="train an EAGLE draft head for a local target")
-    from .spec.eagle import train as eagle_train
+    from .forge import eagle as eagle_train
 
     eagle_train.add_arguments(eagle_cmd)
     eagle_cmd.set_defaults(func=_train_eagle)

@@ -221,7 +221,7 @@ def _safetensors_bytes(directory: Path) -> int:
 
 def weights_size(source: str, revision: str | None, caches: list[Path]) -> tuple[int | None, str]:
     """(bytes of *.safetensors, where they are or why unknown) for a model source."""
-    from .engine.loader import is_local_source
+    from .core.loader import is_local_source
 
     if is_local_source(source):
         path = Path(source).expanduser()
@@ -336,7 +336,7 @@ def check_manifests(manifests: Path | None) -> tuple[Check, list | None]:
     for r in resources:
         source = getattr(r.spec, "source", None)
         if r.kind in ("Model", "DraftPairing") and source:
-            from .engine.loader import is_local_source
+            from .core.loader import is_local_source
 
             path = Path(source).expanduser()
             if is_local_source(source) and not (path / "config.json").is_file():

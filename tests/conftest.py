@@ -18,14 +18,22 @@ import urllib.request
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def code_sample(name: str) -> str:
+    """Python source to cut prompts from: a fixed file, so that editing a test
+    does not change its prompts (several tests assume their prompts' greedy
+    continuations run 48 tokens without an end of text)."""
+    return (ROOT / "tests" / "data" / f"{name}_sample.txt").read_text()
+
+
 def run_engine(model, tokenizer, fn, draft_model=None, **config):
     """Start an in-process engine, ``await fn(engine)``, shut it down; returns fn's result."""
     import asyncio
 
-    from specd.engine.engine import Engine, EngineConfig
+    from specd.engine.engine import Engine
+    from specd.engine.scheduler import EngineConfig
 
     async def main():
-        engine = Engine("t", model, tokenizer, EngineConfig(**config), draft_model=draft_model)
+        engine = Engine("t", model, tokenizer, EngineConfig(**config), drafter=draft_model)
         engine.start()
         try:
             return await fn(engine)

@@ -8,10 +8,11 @@ import random
 
 import pytest
 
-from specd.api.manifest import SpecPolicySpec
-from specd.spec.controller import (AcceptanceEstimate, AcceptanceHistory, GoodputController, Realised, Row,
-                                   StaticController, make_controller)
+from specd.spec.acceptance import AcceptanceEstimate, AcceptanceHistory
+from specd.spec.config import PolicySettings
+from specd.spec.controller import GoodputController, Row, StaticController, make_controller
 from specd.spec.costs import CostModel
+from specd.spec.exploration import Realised
 
 
 def costs(fixed: float, per_token: float, draft_fixed: float = 0.0, draft_per_row: float = 0.0) -> CostModel:
@@ -35,10 +36,6 @@ def iid(alpha: float) -> AcceptanceEstimate:
 
 def expected_tokens(alpha: float, k: int) -> float:
     return iid(alpha).expected_tokens(k)
-
-
-def policy(**kw) -> SpecPolicySpec:
-    return SpecPolicySpec(match_labels={}, **kw)
 
 
 def test_cost_table_predicts_unmeasured_shapes_from_measured_ones():
@@ -82,7 +79,7 @@ def test_acceptance_is_estimated_by_position():
 def test_k_is_monotone_in_acceptance(cost):
     chosen = []
     for alpha in [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]:
-        controller = GoodputController(policy(), "p", cost)
+        controller = GoodputController(PolicySettings(), "p", cost)
         ks, _ = controller.choose(rows([alpha] * 4, draft=cost.draft.seen))
         chosen.append(max(ks))
     assert chosen == sorted(chosen), chosen
@@ -91,34 +88,34 @@ def test_k_is_monotone_in_acceptance(cost):
 
 def test_no_speculation_when_drafting_cannot_pay():
     # compute-bound target: verifying k+1 tokens costs k+1 steps, so nothing can pay
-    controller = GoodputController(policy(), "p", costs(0.0, 0.001))
+    controller = GoodputController(PolicySettings(), "p", costs(0.0, 0.001))
     ks, reason = controller.choose(rows([0.6] * 8))
     assert ks == [0] * 8 and reason == "no_gain"
     # dispatch-bound target: extra tokens are nearly free, so speculate
-    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
+    controller = GoodputController(PolicySettings(), "p", costs(0.010, 0.00001))
     ks, reason = controller.choose(rows([0.6] * 8))
     assert min(ks) > 0 and reason is None
 
 
 def test_draft_rows_with_low_acceptance_are_left_out():
-    controller = GoodputController(policy(), "p", costs(0.010, 0.00001, 0.0, 0.001))
+    controller = GoodputController(PolicySettings(), "p", costs(0.010, 0.00001, 0.0, 0.001))
     plan, _ = controller.choose(rows([0.9, 0.9], draft=True) + rows([0.02, 0.02], draft=True))
     assert plan[0] > 0 and plan[1] > 0 and plan[2:] == [0, 0]
 
 
 def test_policy_bounds_are_respected():
     cheap = costs(0.010, 0.00001)
-    ks, _ = GoodputController(policy(max_speculative_tokens=2), "p", cheap).choose(rows([0.99] * 3))
+    ks, _ = GoodputController(PolicySettings(max_speculative_tokens=2), "p", cheap).choose(rows([0.99] * 3))
     assert max(ks) == 2
-    ks, reason = GoodputController(policy(enabled=False), "p", cheap).plan(rows([0.99] * 3), 3)
+    ks, reason = GoodputController(PolicySettings(enabled=False), "p", cheap).plan(rows([0.99] * 3), 3)
     assert ks == [0, 0, 0] and reason == "policy_disabled"
     budgeted = [Row(1, False, iid(0.99)), Row(0, False, iid(0.99))]
-    ks, _ = GoodputController(policy(), "p", cheap).choose(budgeted)
+    ks, _ = GoodputController(PolicySettings(), "p", cheap).choose(budgeted)
     assert ks == [1, 0]
 
 
 def test_goodput_probes_one_request_at_a_time_after_turning_off():
-    controller = GoodputController(policy(probe_interval=5), "p", costs(0.0, 0.001))
+    controller = GoodputController(PolicySettings(probe_interval=5), "p", costs(0.0, 0.001))
     plans = [controller.choose(rows([0.05] * 2))[0] for _ in range(10)]
     assert plans == [[0, 0]] * 4 + [[1, 0]] + [[0, 0]] * 4 + [[0, 1]]
 
@@ -144,7 +141,7 @@ def achieved(used: list[int], rate: dict[int, float]) -> float:
 def test_measured_losses_turn_speculation_off_with_ever_rarer_retries():
     """The cost model says speculate (cheap extra tokens), the measurements say it loses:
     after a baseline, only tries of the model's bet remain, as far apart as their cost asks."""
-    controller = GoodputController(policy(), "p", costs(0.010, 0.00001))
+    controller = GoodputController(PolicySettings(), "p", costs(0.010, 0.00001))
     assert controller.plan(rows([0.9] * 4), 4)[1] == "baseline"  # first, measure plain decoding
     controller.observe_step(4, 0.01)
     used = run_steps(controller, 4, 2000, lambda k: 300.0 if k else 400.0)
@@ -159,7 +156,7 @@ def test_measured_losses_turn_speculation_off_with_ever_rarer_retries():
 
 
 def test_the_best_k_is_found_by_climbing_from_neighbour_to_neighbour():
-    controller = GoodputController(policy(max_speculative_tokens=6), "p", costs(0.010, 0.01))  # bets k = 1
+    controller = GoodputController(PolicySettings(max_speculative_tokens=6), "p", costs(0.010, 0.01))  # bets k = 1
     rate = {0: 250.0, 1: 300.0, 2: 350.0, 3: 380.0, 4: 340.0, 5: 200.0, 6: 150.0}
     used = run_steps(controller, 1, 600, rate.get)
     assert controller.realised[1].best == 3
@@ -169,7 +166,7 @@ def test_the_best_k_is_found_by_climbing_from_neighbour_to_neighbour():
 
 def test_plain_decodings_neighbour_is_the_bet_not_k_1():
     """Speculating pays a fixed overhead: k = 1 loses to plain decoding where k = 2 wins."""
-    controller = GoodputController(policy(max_speculative_tokens=4), "p",
+    controller = GoodputController(PolicySettings(max_speculative_tokens=4), "p",
                                    costs(0.004, 0.0001, draft_fixed=0.001, draft_per_row=0.0001))
     assert controller.bet(rows([0.8])) >= 2
     rate = {0: 300.0, 1: 250.0, 2: 400.0, 3: 380.0, 4: 350.0}
@@ -180,7 +177,7 @@ def test_plain_decodings_neighbour_is_the_bet_not_k_1():
 
 def test_plain_decoding_is_tried_from_any_k():
     """A workload that stops paying goes straight back to plain decoding, though k = 1 is worse still."""
-    controller = GoodputController(policy(max_speculative_tokens=4), "p", costs(0.010, 0.01))
+    controller = GoodputController(PolicySettings(max_speculative_tokens=4), "p", costs(0.010, 0.01))
     run_steps(controller, 1, 300, {0: 300.0, 1: 350.0, 2: 400.0, 3: 380.0, 4: 350.0}.get)
     assert controller.realised[1].best == 2
     run_steps(controller, 1, 2 * Realised.LAST_RETRY, {0: 400.0, 1: 250.0, 2: 300.0, 3: 280.0, 4: 250.0}.get)
@@ -320,12 +317,12 @@ def test_a_new_bucket_starts_from_the_nearest_smaller_ones_measurements():
     def losing(k: int) -> float:
         return 200.0 if k else 400.0
 
-    controller = GoodputController(policy(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
+    controller = GoodputController(PolicySettings(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
     assert 1 in run_steps(controller, 4, 300, losing)
     assert 1 in controller.realised[4].versus_plain
     assert set(run_steps(controller, 8, 300, losing)) == {0}
     assert 1 in run_steps(controller, 2, 300, losing)
-    fresh = GoodputController(policy(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
+    fresh = GoodputController(PolicySettings(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
     assert 1 in run_steps(fresh, 8, 300, losing)  # what the 8-row bucket would have tried on its own
     # what went stale in the nearest smaller bucket (8 rows, where it was inherited) is not passed on
     controller.realised[8].steps += Realised.STALE
@@ -480,7 +477,7 @@ def test_tries_are_judged_on_expected_not_counted_tokens():
 
 
 def test_measured_gains_keep_speculation_on():
-    controller = GoodputController(policy(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
+    controller = GoodputController(PolicySettings(max_speculative_tokens=1), "p", costs(0.010, 0.00001))
     used = run_steps(controller, 2, 1280, lambda k: 450.0 if k else 300.0)
     assert used.count(1) >= 1280 * 0.95  # tries of plain decoding, ever rarer, keep the comparison honest
 
@@ -488,7 +485,7 @@ def test_measured_gains_keep_speculation_on():
 def test_a_workload_that_starts_paying_is_picked_up_by_a_retry():
     """Text that turns repetitive: acceptance rises from 10% to 95%, and with it what a
     speculative step yields for its (unchanged) seconds."""
-    controller = GoodputController(policy(max_speculative_tokens=2), "p", costs(0.010, 0.00001))
+    controller = GoodputController(PolicySettings(max_speculative_tokens=2), "p", costs(0.010, 0.00001))
     step = {0: 0.01, 1: 0.016, 2: 0.02}
     run_steps(controller, 4, 300, lambda k: 4 * expected_tokens(0.1, k) / step[k], alpha=0.1)
     measured = controller.realised[4]
@@ -505,20 +502,20 @@ def test_a_workload_that_starts_paying_is_picked_up_by_a_retry():
 def test_measurements_and_acceptance_outlive_a_policy_swap():
     measured: dict[int, Realised] = {}
     history = AcceptanceHistory()
-    first = make_controller(policy(), "p", costs(0.010, 0.00001), measured, history)
+    first = make_controller(PolicySettings(), "p", costs(0.010, 0.00001), measured, history)
     run_steps(first, 1, 100, lambda k: 450.0 if k else 300.0)
     estimate = first.new_estimate()
     first.observe([estimate], [2], [2], [2])
     history.absorb(estimate)
-    second = make_controller(policy(max_speculative_tokens=2), "p", first.costs, measured, history)
+    second = make_controller(PolicySettings(max_speculative_tokens=2), "p", first.costs, measured, history)
     assert second.plan(rows([0.9]), 1)[0] != [0]
     assert second.ema == first.ema and second.new_estimate() == first.new_estimate()
-    assert make_controller(policy(mode="static"), "p", first.costs, measured, history).measured_steps() == {}
+    assert make_controller(PolicySettings(mode="static"), "p", first.costs, measured, history).measured_steps() == {}
 
 
 def test_static_mode_follows_the_seed_rules():
-    controller = StaticController(policy(mode="static", max_speculative_tokens=3, disable_by_batch_size=4,
-                                         acceptance_rate_threshold=0.3, probe_interval=4), "p")
+    controller = StaticController(PolicySettings(mode="static", max_speculative_tokens=3, disable_by_batch_size=4,
+                                                 acceptance_rate_threshold=0.3, probe_interval=4), "p")
     assert controller.plan(rows([0.5] * 2, budget=5), 2) == ([3, 3], None)
     assert controller.plan(rows([0.5] * 4, budget=5), 4) == ([0] * 4, "batch_size")
     controller.observe([iid(0.5)], [4], [0], [4])  # EMA 0: below the threshold
@@ -527,7 +524,7 @@ def test_static_mode_follows_the_seed_rules():
 
 
 def test_estimates_move_towards_what_is_observed():
-    controller = GoodputController(policy(ema_alpha=0.5), "p", costs(0.01, 0.0))
+    controller = GoodputController(PolicySettings(ema_alpha=0.5), "p", costs(0.01, 0.0))
     estimate = controller.new_estimate()
     assert estimate.at(0) == pytest.approx(0.5)
     for _ in range(10):
@@ -540,7 +537,7 @@ def test_a_lookup_that_finds_nothing_counts_against_the_k_chosen():
     """n-gram rows planned k = 3 that found no match half the time (and were always right
     otherwise) yield 1 + 0.5 x 3 tokens per step at k = 3, and the estimate says so;
     the model's acceptance rate counts only tokens proposed."""
-    controller = GoodputController(policy(ema_alpha=0.05), "p", costs(0.01, 0.0))
+    controller = GoodputController(PolicySettings(ema_alpha=0.05), "p", costs(0.01, 0.0))
     estimate = controller.new_estimate()
     for _ in range(200):
         controller.observe([estimate], [3], [3], [3])

@@ -15,10 +15,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from conftest import run_engine
-from specd.engine.sampling import SamplingParams
-from specd.engine.sequence import GenerationRequest
-from specd.spec.config import SpeculationConfig
+from conftest import code_sample, run_engine
+from specd.core.sampling import SamplingParams
+from specd.core.request import GenerationRequest
+from specd.core.request import SpeculationConfig
 from specd.spec.eagle.checkpoint import load_head, save_head
 from specd.spec.eagle.head import EagleConfig, EagleHead
 
@@ -50,7 +50,7 @@ def target(forged):
 
 @pytest.fixture(scope="module")
 def prompts(target) -> list[list[int]]:
-    ids = target[1].encode(Path(__file__).read_text())
+    ids = target[1].encode(code_sample("eagle"))
     return [ids[i * 61: i * 61 + 12 + 7 * i] for i in range(6)] + [ids[30:50] * 3]
 
 
@@ -78,7 +78,7 @@ def test_greedy_parity_for_chains_and_trees_in_mixed_batches(target, prompts, ve
         mixed = await asyncio.gather(
             *(generate(engine, p, spec, delay=0.01 * (i % 3)) for i, (p, spec) in enumerate(zip(prompts, mixes))),
             generate(engine, prompts[2], TREE, sampled), generate(engine, prompts[0], CHAIN, sampled))
-        status = engine.speculator
+        status = engine.scheduler.speculator
         return plain, mixed[: len(prompts)], status.accepted_total, status.drafted_total
 
     plain, mixed, accepted, drafted = run_engine(model, tokenizer, both, draft_model=head, max_batch_size=16)
@@ -101,7 +101,7 @@ def test_requests_asking_for_eagle_need_a_head(target, prompts):
 def test_draft_steps_see_the_context_and_their_own_ancestors_only(target, version):
     """Siblings share a position, and a node's output is the head's causal
     output over the context followed by its own branch."""
-    from specd.engine.batch import SpeculativeKVCache
+    from specd.core.cache import SpeculativeKVCache
 
     head = head_for(target[0], version)
     H = head.config.hidden_size
@@ -122,11 +122,11 @@ def test_rows_that_sit_out_keep_their_features_and_draft_later(target, prompts):
     """Under a policy that stops speculation while 3 or more requests decode,
     EAGLE rows start drafting only when the batch shrinks: the head must then
     have every feature of their context (each request drafts), and output stays identical."""
-    from specd.api.manifest import SpecPolicySpec
+    from specd.spec.config import PolicySettings
 
     model, tokenizer = target
     head = head_for(model, 1)
-    policy = SpecPolicySpec(match_labels={}, mode="static", disable_by_batch_size=3, max_speculative_tokens=4)
+    policy = PolicySettings(mode="static", disable_by_batch_size=3, max_speculative_tokens=4)
 
     async def with_rounds(engine, prompt, spec, max_tokens, delay):
         await asyncio.sleep(delay)
@@ -156,38 +156,43 @@ def test_a_row_that_has_not_drafted_yet_keeps_its_features_while_others_draft(ta
     (a step the controller leaves out of its timings, like one that feeds a backlog)."""
     import copy
 
-    from specd.engine.batch import make_batch_cache
-    from specd.engine.sequence import Sequence
+    from specd.core.cache import make_row_cache
+    from specd.core.sequence import Sequence
     from specd.spec.eagle.proposer import EagleProposer
+    from specd.spec.proposer import Outcome, Round
 
     model, tokenizer = target
     proposer = EagleProposer(head_for(model, 1), model)
+    eagle = SpeculationConfig("eagle", 3, tree_top_k=2, tree_tokens=4)
     seqs = [Sequence(GenerationRequest(f"e{next(_ids)}", p, GREEDY, 16), lambda out: None,
                      copy.copy(tokenizer.detokenizer), frozenset(tokenizer.eos_token_ids), 2048)
             for p in prompts[:2]]
     width = max(len(s.prompt) for s in seqs)
     padding = [width - len(s.prompt) for s in seqs]
-    proposer.track(seqs)
-    cache = make_batch_cache(model, padding)
-    model(mx.array([[0] * p + s.prompt for p, s in zip(padding, seqs)]), cache=cache)
-    proposer.observe(seqs, [list(range(p, width)) for p in padding])
+    cache = make_row_cache(model, padding)
+    model(mx.array([[0] * p + s.prompt for p, s in zip(padding, seqs)]), cache=cache.layers)
+    proposer.prefilled(seqs, [eagle, eagle], [list(range(p, width)) for p in padding], started=True)
     for s in seqs:
         s.tokens.append(7)  # the prefill's sampled token
     first, second = seqs
-    proposer.propose([first], [True], 3, 2, 4)
-    assert proposer.fed[id(first)] == len(first.prompt) and proposer.tracks(second)
-    model(mx.array([[7], [7]]), cache=cache)  # a decode step in which neither kept a proposal
-    proposer.observe(seqs, [[0], [0]])
-    for s in seqs:
-        s.tokens.append(8)
-    trees = proposer.propose([first, second], [True, True], 3, 2, 4)
-    assert proposer.fed[id(second)] == len(second.prompt) + 1 and len(trees[1].tokens) == 4
+
+    def plain_step(token: int) -> None:
+        """A decode step in which no row kept a proposal."""
+        model(mx.array([[token], [token]]), cache=cache.layers)
+        proposer.commit(Round(seqs, [token] * 2, [eagle, eagle], [0, 0]),
+                        Outcome([0, 0], [[token], [token]], [[0], [0]]))
+        for s in seqs:
+            s.tokens.append(token)
+
+    proposer.propose(Round(seqs, [7, 7], [eagle, eagle], [3, 0]))
+    assert proposer.rows.state[first] == len(first.prompt) and proposer.can_draft(second)
+    assert second not in proposer.rows
+    plain_step(8)
+    drafts = proposer.propose(Round(seqs, [8, 8], [eagle, eagle], [3, 3]))
+    assert proposer.rows.state[second] == len(second.prompt) + 1 and len(drafts.trees[1].tokens) == 4
     assert proposer.caught_up
     for steps, backlog in ((1, False), (2, False), (3, True)):  # plain steps since the last round
         for _ in range(steps):
-            model(mx.array([[8], [8]]), cache=cache)
-            proposer.observe(seqs, [[0], [0]])
-            for s in seqs:
-                s.tokens.append(8)
-        proposer.propose([first, second], [True, True], 3, 2, 4)
+            plain_step(8)
+        proposer.propose(Round(seqs, [8, 8], [eagle, eagle], [3, 3]))
         assert proposer.caught_up == backlog, steps

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
+from specd.forge.eagle import CHAIN_DEPTH, train_eagle
 from specd.forge.tokenizer import stdlib_root
 from specd.spec.eagle.capture import FeatureCapture
 from specd.spec.eagle.checkpoint import load_head
 from specd.spec.eagle.head import target_parts
-from specd.spec.eagle.train import CHAIN_DEPTH, train_eagle
 
 CORPUS = ("textwrap.py", "shlex.py", "string.py")
 

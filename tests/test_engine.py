@@ -10,8 +10,8 @@ from mlx_lm import load
 
 from conftest import run_engine
 from specd.engine.engine import Engine, EngineOverloaded
-from specd.engine.sampling import SamplingParams
-from specd.engine.sequence import GenerationRequest
+from specd.core.sampling import SamplingParams
+from specd.core.request import GenerationRequest
 
 GREEDY = SamplingParams(temperature=0)
 _ids = itertools.count()

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import numpy as np
 
-from specd.engine.batch import SpeculativeKVCache, rollback
+from specd.core.cache import KVRowCache, SpeculativeKVCache
 
 
 def live_keys(cache: SpeculativeKVCache, row: int) -> np.ndarray:
@@ -40,7 +40,7 @@ def test_random_rollbacks_match_a_reference_of_kept_tokens():
         block = np.array(new, dtype=np.float32)[:, None, :, None]
         cache.update_and_fetch(mx.array(block), mx.array(block))
         rejected = [rng.randint(0, width - 1) for _ in lengths]
-        rollback([cache], rejected)
+        KVRowCache([cache]).rollback(rejected)
         for b, r in enumerate(rejected):
             kept[b] += new[b][: width - r]
         for b in range(3):

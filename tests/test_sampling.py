@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specd.engine.sampling import SamplingParams, make_key, sample_rows, transform_logprobs
-from specd.engine.sequence import StopMatcher
+from specd.core.sampling import SamplingParams, make_key, sample_rows, transform_logprobs
+from specd.core.sequence import StopMatcher
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=np.float32))
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
 from mlx_lm import load
 
-from specd.control.registry import check_draft_pair
-from conftest import run_engine
-from specd.engine.sampling import SamplingParams
-from specd.engine.sequence import GenerationRequest
-from specd.api.manifest import SpecPolicySpec
-from specd.spec.config import SpeculationConfig
+from specd.core.loader import check_draft_pair
+from conftest import code_sample, run_engine
+from specd.core.sampling import SamplingParams
+from specd.core.request import GenerationRequest
+from specd.core.request import SpeculationConfig
+from specd.spec.config import PolicySettings
 
 GREEDY = SamplingParams(temperature=0)
 NGRAM = SpeculationConfig("ngram", 4, 1, 4)
@@ -39,7 +38,7 @@ def pair(forged):
 def prompts(pair) -> list[list[int]]:
     """Code prompts, several of them repetitive so n-gram lookup finds matches."""
     tokenizer = pair[1]
-    text = Path(__file__).read_text()
+    text = code_sample("speculation")
     ids = tokenizer.encode(text)
     out = [ids[i * 97: i * 97 + 20 + 9 * i] for i in range(12)]
     out += [ids[40:70] * 3, ids[500:520] * 4]
@@ -198,8 +197,8 @@ def test_mismatched_draft_vocabulary_is_refused(pair, forged):
 
 
 @pytest.mark.parametrize("policy", [
-    SpecPolicySpec(match_labels={}, mode="static", disable_by_batch_size=3, max_speculative_tokens=3),
-    SpecPolicySpec(match_labels={}, mode="goodput", max_speculative_tokens=4, probe_interval=3),
+    PolicySettings(mode="static", disable_by_batch_size=3, max_speculative_tokens=3),
+    PolicySettings(mode="goodput", max_speculative_tokens=4, probe_interval=3),
 ], ids=["static-toggling", "goodput"])
 def test_greedy_parity_while_a_policy_toggles_speculation(pair, prompts, reference, policy):
     """Rows stop and resume drafting as the batch grows and shrinks; the draft
@@ -219,9 +218,9 @@ def test_empty_lookups_still_teach_the_estimates(pair):
     rounds = []
 
     async def go(engine):
-        engine.set_policy(SpecPolicySpec(match_labels={}, mode="goodput", max_speculative_tokens=4), "p")
+        engine.set_policy(PolicySettings(mode="goodput", max_speculative_tokens=4), "p")
         await asyncio.sleep(0.05)  # swapped in between steps; the engine is idle
-        controller = engine.speculator.controller
+        controller = engine.scheduler.speculator.controller
         observe = controller.observe
 
         def record(estimates, proposed, accepted, planned):
@@ -236,15 +235,15 @@ def test_empty_lookups_still_teach_the_estimates(pair):
 def test_finished_requests_seed_the_next_ones_across_a_policy_swap(pair, prompts):
     """A request that leaves hands its acceptance by position to the model's history, and a
     policy swap keeps that history: the next request starts from what the last ones saw."""
-    goodput = SpecPolicySpec(match_labels={}, mode="goodput", max_speculative_tokens=4)
+    goodput = PolicySettings(mode="goodput", max_speculative_tokens=4)
 
     async def go(engine):
         engine.set_policy(goodput, "p")
         await generate(engine, prompts[0], DRAFT, max_tokens=64)
         await generate(engine, prompts[1], DRAFT, max_tokens=8)  # a decode step after the first left
-        engine.set_policy(SpecPolicySpec(match_labels={}, mode="static"), "p")
+        engine.set_policy(PolicySettings(mode="static"), "p")
         await asyncio.sleep(0.05)  # swapped in between steps; the engine is idle
-        return engine.speculator
+        return engine.scheduler.speculator
     speculator = serve(pair, go)
     pooled = speculator.history.by_position()
     assert pooled, "the first request's estimate was not absorbed when it left"

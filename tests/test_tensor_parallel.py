@@ -30,7 +30,7 @@ from specd.api.manifest import SPEC_PARSERS
 from specd.dist import wire
 from specd.dist.group import GroupClient
 from specd.dist.topology import mlx_environment
-from specd.spec.config import NO_SPECULATION
+from specd.core.request import NO_SPECULATION
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n", "x = [1, 2, 3]\n", "def main():\n    args = parse()\n"]

@@ -96,7 +96,7 @@ def test_a_tree_forward_gives_every_path_the_logits_of_decoding_it_alone(forged)
 
     from mlx_lm import load
 
-    from specd.engine.batch import forget, make_batch_cache
+    from specd.core.cache import make_row_cache
     from specd.spec.tree import TreePositions, verifying
 
     target, _ = load(str(forged / "target"))
@@ -117,15 +117,15 @@ def test_a_tree_forward_gives_every_path_the_logits_of_decoding_it_alone(forged)
 
     prompts = [[rng.randrange(3, 1000) for _ in range(5 + 3 * b)] for b in range(3)]
     width = max(map(len, prompts))
-    cache = make_batch_cache(target, [width - len(p) for p in prompts])
-    target(mx.array([[0] * (width - len(p)) + p for p in prompts]), cache=cache)
+    cache = make_row_cache(target, [width - len(p) for p in prompts])
+    target(mx.array([[0] * (width - len(p)) + p for p in prompts]), cache=cache.layers)
     context = [list(p) for p in prompts]
     last = [rng.randrange(3, 1000) for _ in prompts]
     for _ in range(8):
         trees = [random_tree(rng.randrange(0, 7)) for _ in prompts]
         tree = layout(trees, last)
         with verifying(positions, cache, tree):
-            logits = target(mx.array(tree.inputs), cache=cache)
+            logits = target(mx.array(tree.inputs), cache=cache.layers)
         drop = np.ones((len(prompts), tree.width), dtype=bool)
         for b, t in enumerate(trees):
             node, path = -1, []
@@ -138,4 +138,4 @@ def test_a_tree_forward_gives_every_path_the_logits_of_decoding_it_alone(forged)
             drop[b, columns] = False
             context[b] += [last[b]] + [t.tokens[n] for n in path]
             last[b] = rng.randrange(3, 1000)
-        forget(cache, drop)
+        cache.forget(drop)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specd.engine.sampling import SamplingParams, transform_logprobs
+from specd.core.sampling import SamplingParams, transform_logprobs
 from specd.spec.verify import accept_sampled, point_mass, verify
 
 GREEDY = SamplingParams(temperature=0)

@@ -33,16 +33,17 @@ from typing import Any
 
 from mlx_lm import load
 
-from specd.api.manifest import SpecPolicySpec
-from specd.engine.engine import Engine, EngineConfig
-from specd.spec.config import SpeculationConfig
+from specd.engine.engine import Engine
+from specd.engine.scheduler import EngineConfig
+from specd.core.request import Method, SpeculationConfig
+from specd.spec.config import PolicySettings
 
 from spec_decode import (CODE_PROMPTS, RESULTS, closed_loop, machine_info, rewrite_prompts, serve_clients,
                          write_result)
 
-SEED_POLICY = SpecPolicySpec(match_labels={}, mode="static", max_speculative_tokens=4, disable_by_batch_size=4,
+SEED_POLICY = PolicySettings(mode="static", max_speculative_tokens=4, disable_by_batch_size=4,
                              acceptance_rate_threshold=0.3, ema_alpha=0.1)
-GOODPUT_POLICY = SpecPolicySpec(match_labels={}, mode="goodput", max_speculative_tokens=4)
+GOODPUT_POLICY = PolicySettings(mode="goodput", max_speculative_tokens=4)
 
 
 def workloads(tokenizer, vocab: int) -> dict[str, list[list[int]]]:
@@ -59,7 +60,7 @@ def workloads(tokenizer, vocab: int) -> dict[str, list[list[int]]]:
 
 
 def speculating(k: int) -> SpeculationConfig:
-    return SpeculationConfig("draft", k) if k else SpeculationConfig("none")
+    return SpeculationConfig(Method.DRAFT, k) if k else SpeculationConfig(Method.NONE)
 
 
 async def serve(engine: Engine, clients: list[list[list[int]]], k: int, max_tokens: int) -> float:
@@ -67,7 +68,7 @@ async def serve(engine: Engine, clients: list[list[list[int]]], k: int, max_toke
     return (await serve_clients(engine, clients, [speculating(k)] * len(clients), max_tokens))["tok_s"]
 
 
-async def set_policy(engine: Engine, policy: SpecPolicySpec | None) -> None:
+async def set_policy(engine: Engine, policy: PolicySettings | None) -> None:
     engine.set_policy(policy, "bench" if policy else None)
     await asyncio.sleep(0.05)  # applied between steps; the engine is idle here
 
@@ -100,7 +101,7 @@ async def bench(args) -> dict[str, Any]:
                 cell["summary"] = summarise(runs, [label for label, policy, _ in configs if policy is None])
                 table.setdefault(name, {})[conc] = cell
                 print_cell(name, conc, cell, [c[0] for c in configs])
-        costs = engine.speculator.costs.snapshot()
+        costs = engine.scheduler.speculator.costs.snapshot()
     finally:
         await engine.shutdown(1)
     return {"table": table, "learned_costs": costs}

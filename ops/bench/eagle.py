@@ -27,8 +27,9 @@ from typing import Any
 
 from mlx_lm import load
 
-from specd.engine.engine import Engine, EngineConfig
-from specd.spec.config import SpeculationConfig
+from specd.engine.engine import Engine
+from specd.engine.scheduler import EngineConfig
+from specd.core.request import Method, SpeculationConfig
 from specd.spec.eagle.checkpoint import load_head
 
 from spec_decode import CODE_PROMPTS, RESULTS, closed_loop, machine_info, serve_clients, write_result
@@ -36,20 +37,21 @@ from spec_decode import CODE_PROMPTS, RESULTS, closed_loop, machine_info, serve_
 
 def configs(k: int) -> list[tuple[str, str | None, SpeculationConfig]]:
     """(label, drafter, speculation): drafter None, "draft" or "eagle"."""
-    return [("off", None, SpeculationConfig("none")),
-            (f"ngram k={k}", None, SpeculationConfig("ngram", k)),
-            (f"draft k={k}", "draft", SpeculationConfig("draft", k)),
-            (f"eagle chain k={k}", "eagle", SpeculationConfig("eagle", k)),
-            (f"eagle chain k={k + 2}", "eagle", SpeculationConfig("eagle", k + 2)),
-            (f"eagle tree k={k + 1} top3 8", "eagle", SpeculationConfig("eagle", k + 1, tree_top_k=3, tree_tokens=8)),
-            (f"eagle tree k={k + 2} top4 16", "eagle", SpeculationConfig("eagle", k + 2, tree_top_k=4,
+    return [("off", None, SpeculationConfig(Method.NONE)),
+            (f"ngram k={k}", None, SpeculationConfig(Method.NGRAM, k)),
+            (f"draft k={k}", "draft", SpeculationConfig(Method.DRAFT, k)),
+            (f"eagle chain k={k}", "eagle", SpeculationConfig(Method.EAGLE, k)),
+            (f"eagle chain k={k + 2}", "eagle", SpeculationConfig(Method.EAGLE, k + 2)),
+            (f"eagle tree k={k + 1} top3 8", "eagle", SpeculationConfig(Method.EAGLE, k + 1, tree_top_k=3,
+                                                                         tree_tokens=8)),
+            (f"eagle tree k={k + 2} top4 16", "eagle", SpeculationConfig(Method.EAGLE, k + 2, tree_top_k=4,
                                                                           tree_tokens=16))]
 
 
 async def use_drafter(engine: Engine, drafter) -> None:
     """Attach a drafter between steps, as a DraftPairing change does."""
-    if engine.speculator.drafter_module is not drafter:
-        engine.configure_speculation(SpeculationConfig("none"), drafter)
+    if engine.drafter_module is not drafter:
+        engine.configure_speculation(SpeculationConfig(Method.NONE), drafter)
         await asyncio.sleep(0.05)
 
 

@@ -42,11 +42,12 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm import load
 
-from specd.engine.batch import make_batch_cache
-from specd.engine.engine import Engine, EngineConfig
-from specd.engine.sampling import SamplingParams
-from specd.engine.sequence import GenerationRequest, SpecStats
-from specd.spec.config import NO_SPECULATION, SpeculationConfig
+from specd.core.cache import make_row_cache
+from specd.engine.engine import Engine
+from specd.engine.scheduler import EngineConfig
+from specd.core.sampling import SamplingParams
+from specd.core.request import GenerationRequest, SpecStats
+from specd.core.request import Method, NO_SPECULATION, SpeculationConfig
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n",
@@ -99,16 +100,15 @@ def median(values: list[float]) -> float:
 def step_cost(model, context: int, width: int, batch: int = 1, reps: int = 30) -> float:
     """Median seconds of one forward of ``width`` tokens per row, for ``batch``
     rows with ``context`` tokens already cached (the engine's batched cache)."""
-    cache = make_batch_cache(model, [0] * batch)
-    mx.eval(model(mx.zeros((batch, context), dtype=mx.int32) + 5, cache=cache))
+    cache = make_row_cache(model, [0] * batch)
+    mx.eval(model(mx.zeros((batch, context), dtype=mx.int32) + 5, cache=cache.layers))
     inputs = mx.zeros((batch, width), dtype=mx.int32) + 7
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        mx.eval(model(inputs, cache=cache))
+        mx.eval(model(inputs, cache=cache.layers))
         times.append(time.perf_counter() - start)
-        for c in cache:
-            c.trim(width)
+        cache.rollback([width] * batch)
     return median(times)
 
 
@@ -247,17 +247,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     c_draft = costs["c"]
     print(f"target step {costs['target_step_s'] * 1e3:.2f} ms, draft step {costs['draft_step_s'] * 1e3:.2f} ms, "
           f"c = {c_draft:.3f}; v(k) = " + ", ".join(f"{k}:{v:.2f}" for k, v in costs["v"].items()))
-    engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=16), draft_model=draft)
+    engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=16), drafter=draft)
     engine.start()
     code = [tokenizer.encode(p) for p in CODE_PROMPTS]
     rewrite = [tokenizer.encode(p) for p in rewrite_prompts()]
     result: dict[str, Any] = {"costs": costs}
     try:
-        await serve_clients(engine, [[p] for p in code[:2]], [SpeculationConfig("draft", 2)] * 2, 16)  # warm-up
+        await serve_clients(engine, [[p] for p in code[:2]], [SpeculationConfig(Method.DRAFT, 2)] * 2, 16)  # warm-up
         # 1. single stream, code continuation: plain vs n-gram vs draft, k = 1..max_k
         plain = await measure(engine, code, None, args.max_tokens, args.runs, 1)
         rows = [row("plain", plain, plain["tok_s"], None, None, costs["v"])]
-        for method, k in itertools.product(("ngram", "draft"), ks):
+        for method, k in itertools.product((Method.NGRAM, Method.DRAFT), ks):
             m = await measure(engine, code, SpeculationConfig(method, k), args.max_tokens, args.runs, 1)
             rows.append(row(f"{method} k={k}", m, plain["tok_s"], k, c_draft if method == "draft" else 0.0,
                             costs["v"]))
@@ -267,7 +267,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         plain_rw = await measure(engine, rewrite, None, args.max_tokens, args.runs, 1)
         rows = [row("plain", plain_rw, plain_rw["tok_s"], None, None, costs["v"])]
         for k in ks:
-            m = await measure(engine, rewrite, SpeculationConfig("ngram", k), args.max_tokens, args.runs, 1)
+            m = await measure(engine, rewrite, SpeculationConfig(Method.NGRAM, k), args.max_tokens, args.runs, 1)
             rows.append(row(f"ngram k={k}", m, plain_rw["tok_s"], k, 0.0, costs["v"]))
         print_rows("single stream, greedy, rewrite task", rows)
         result["rewrite_single_stream"] = rows
@@ -282,7 +282,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                   f"v({args.conc_k}) = {bc['v'][args.conc_k]:.2f}")
             base = await measure(engine, prompts[:max(conc, 8)], None, args.max_tokens, args.runs, conc)
             rows.append(row(f"c={conc} off", base, base["tok_s"], None, None, bc["v"]))
-            for method, k in (("ngram", args.conc_k), ("draft", args.conc_k)):
+            for method, k in ((Method.NGRAM, args.conc_k), (Method.DRAFT, args.conc_k)):
                 m = await measure(engine, prompts[:max(conc, 8)], SpeculationConfig(method, k), args.max_tokens,
                                   args.runs, conc)
                 rows.append(row(f"c={conc} {method} k={k}", m, base["tok_s"], k,

@@ -16,8 +16,8 @@ from typing import Any
 import structlog
 
 from ..api.manifest import SPEC_PARSERS, DraftPairingSpec, ModelSpec, TopologySpec
-from ..engine.engine import Engine
-from ..spec.config import NO_SPECULATION
+from ..engine.interface import ServingEngine
+from ..core.request import Method, NO_SPECULATION
 from .registry import (
     ModelRegistry,
     Pairing,
@@ -26,7 +26,6 @@ from .registry import (
     ServedModel,
     build_engine,
     build_group,
-    load_draft,
 )
 from .store import Store, StoredObject, now_iso
 
@@ -177,8 +176,7 @@ class Reconciler:
                     old, served.engine, served.phase = served.engine, None, Phase.LOADING
                     self.metrics.model_ready.labels(served.name).set(0)
                     await self._drain(served.name, old)
-                built = await build_group(served.name, spec, topology, pairing)
-                built.engine.on_failure = self.trigger
+                built = await build_group(served.name, spec, topology, pairing, self.trigger)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -211,7 +209,7 @@ class Reconciler:
         if old is not None:
             self._spawn(self._drain(served.name, old))
 
-    async def _drain(self, name: str, engine: Engine) -> None:
+    async def _drain(self, name: str, engine: ServingEngine) -> None:
         await engine.shutdown(self.drain_grace)
         log.info("engine drained", model=name)
 
@@ -233,11 +231,11 @@ class Reconciler:
             served.pairing = None
             return
         current = served.pairing
-        method = pairing.spec.method
-        same_drafter = (current is not None and current.spec.method == method
+        method = pairing.method
+        same_drafter = (current is not None and current.method == method
                         and current.spec.source == pairing.spec.source and not served.pairing_error)
-        if method == "ngram" or same_drafter:
-            drafter = served.engine.speculator.drafter_module if same_drafter else None
+        if method == Method.NGRAM or same_drafter:
+            drafter = served.engine.drafter_module if same_drafter else None
             served.engine.configure_speculation(pairing.speculation(), drafter)
             served.pairing, served.pairing_error = pairing, ""
             return
@@ -246,7 +244,7 @@ class Reconciler:
     async def _attach_draft(self, served: ServedModel, pairing: Pairing) -> None:
         engine = served.engine
         try:
-            draft = await asyncio.to_thread(load_draft, pairing, engine.model, engine.tokenizer)
+            draft = await asyncio.to_thread(engine.load_drafter, pairing.method, pairing.spec.source, pairing.name)
         except Exception as exc:
             served.pairing_error = f"{type(exc).__name__}: {exc}"
             served.pairing = pairing  # do not retry until the pairing changes
@@ -266,7 +264,7 @@ class Reconciler:
         if served.policy is not None:
             for gauge in (m.spec_policy_enabled, m.spec_policy_max_tokens, m.spec_policy_generation):
                 gauge.remove(served.name, served.policy.name)
-        served.engine.set_policy(policy.spec if policy else None, policy.name if policy else None)
+        served.engine.set_policy(policy.settings() if policy else None, policy.name if policy else None)
         served.policy = policy
         if policy is not None:
             m.spec_policy_enabled.labels(served.name, policy.name).set(1 if policy.spec.enabled else 0)
@@ -316,12 +314,10 @@ class Reconciler:
             "conditions": [condition("Ready", ready, reason, message, obj.generation, obj.status)]}
         if served.spec.topology_ref is not None:
             status["conditions"].append(self._degraded(obj, served))
-            group = served.engine
+            running = served.engine.group_status() if served.engine is not None else None
             status["group"] = {"topology": served.spec.topology_ref, "restarts": served.restarts,
                                "lastFailure": served.last_failure or None,
-                               "ranks": group.ranks() if group is not None else [],
-                               "steps": group.status.get("steps") if group is not None else None,
-                               "controlBytes": group.status.get("control_bytes") if group is not None else None}
+                               **(running or {"ranks": [], "steps": None, "controlBytes": None})}
         if served.load_seconds is not None:
             status.update(loadSeconds=round(served.load_seconds, 3), weightBytes=served.weight_bytes,
                           servedGeneration=served.generation)

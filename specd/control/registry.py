@@ -11,16 +11,19 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import structlog
 from mlx.utils import tree_flatten
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
-from ..engine.engine import Engine, EngineConfig
-from ..engine.loader import load_model
+from ..core.loader import load_model
+from ..engine.engine import Engine, load_drafter
+from ..engine.interface import ServingEngine
+from ..engine.scheduler import EngineConfig
 from ..metrics import Metrics
-from ..spec.config import NO_SPECULATION, SpeculationConfig
-from ..spec.eagle.checkpoint import load_head
+from ..core.request import Method, NO_SPECULATION, SpeculationConfig
+from ..spec.config import PolicySettings
 
 log = structlog.get_logger(__name__)
 
@@ -40,9 +43,13 @@ class Pairing:
     generation: int
     spec: DraftPairingSpec
 
+    @property
+    def method(self) -> Method:
+        return Method(self.spec.method)
+
     def speculation(self) -> SpeculationConfig:
         s = self.spec
-        return SpeculationConfig(s.method, s.num_speculative_tokens, s.ngram_min, s.ngram_max,
+        return SpeculationConfig(self.method, s.num_speculative_tokens, s.ngram_min, s.ngram_max,
                                  s.tree_top_k, s.tree_tokens)
 
 
@@ -52,6 +59,12 @@ class Policy:
     generation: int
     spec: SpecPolicySpec
 
+    def settings(self) -> PolicySettings:
+        """What the engine's controller takes (the spec less its selector)."""
+        s = self.spec
+        return PolicySettings(s.enabled, s.mode, s.max_speculative_tokens, s.disable_by_batch_size,
+                              s.acceptance_rate_threshold, s.ema_alpha, s.probe_interval)
+
 
 @dataclass
 class ServedModel:
@@ -60,7 +73,7 @@ class ServedModel:
     spec: ModelSpec
     phase: Phase = Phase.PENDING
     reason: str = ""
-    engine: Engine | None = None
+    engine: ServingEngine | None = None
     load_seconds: float | None = None
     weight_bytes: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -85,53 +98,43 @@ class ModelNotReady(Exception):
     pass
 
 
-def load_draft(pairing: Pairing | None, target, tokenizer):
-    """The drafter a pairing needs: its draft model or EAGLE head (None for
-    n-gram), checked against the target."""
-    if pairing is None or pairing.spec.method == "ngram":
-        return None
-    if pairing.spec.method == "eagle":
-        return load_head(pairing.spec.source, target)
-    draft, draft_tokenizer = load_model(pairing.spec.source)
-    check_draft_pair(target, tokenizer, draft, draft_tokenizer, pairing.name)
-    return draft
-
-
 @dataclass
 class Built:
-    engine: Engine
+    engine: ServingEngine
     weight_bytes: int
     pairing_error: str = ""  # the pairing could not be attached; the model serves without it
 
 
 def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None) -> Built:
-    """Load weights (and the pairing's draft) and build an engine ready to start.
+    """Load weights (and the pairing's drafter) and build an engine ready to start.
 
-    A draft that fails to load or does not match fails the pairing, not the model.
+    A drafter that fails to load or does not match fails the pairing, not the model.
     """
     model, tokenizer = load_model(spec.source)
     config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if pairing is None:
+        return Built(Engine(name, model, tokenizer, config, metrics), weights)
     try:
-        draft = load_draft(pairing, model, tokenizer)
+        drafter = None if pairing.method == Method.NGRAM else load_drafter(
+            pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
     except Exception as exc:
-        engine = Engine(name, model, tokenizer, config, metrics)
-        return Built(engine, weights, f"{type(exc).__name__}: {exc}")
-    speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
-    return Built(Engine(name, model, tokenizer, config, metrics, speculation, draft), weights)
+        return Built(Engine(name, model, tokenizer, config, metrics), weights, f"{type(exc).__name__}: {exc}")
+    return Built(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter), weights)
 
 
-async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairing: Pairing | None) -> Built:
+async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairing: Pairing | None,
+                      on_failure: Callable[[], None]) -> Built:
     """Start a tensor-parallel group for the model; the pairing's draft is replicated on every rank."""
     from ..dist.group import start_group
 
-    if pairing is not None and pairing.spec.method == "eagle":
-        client = await start_group(name, spec, topology, NO_SPECULATION, None)
+    if pairing is not None and pairing.method == Method.EAGLE:
+        client = await start_group(name, spec, topology, on_failure, NO_SPECULATION, None)
         return Built(client, client.weight_bytes, "EAGLE heads are not supported under tensor parallelism yet")
     speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
-    draft_source = pairing.spec.source if pairing is not None and pairing.spec.method == "draft" else None
-    client = await start_group(name, spec, topology, speculation, draft_source)
+    draft_source = pairing.spec.source if pairing is not None and pairing.method == Method.DRAFT else None
+    client = await start_group(name, spec, topology, on_failure, speculation, draft_source)
     return Built(client, client.weight_bytes)
 
 
@@ -140,7 +143,7 @@ class ModelRegistry:
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
 
-    def engine(self, name: str) -> Engine:
+    def engine(self, name: str) -> ServingEngine:
         """The engine serving ``name``; raises ModelNotFound or ModelNotReady."""
         served = self.models.get(name)
         if served is None:
@@ -150,11 +153,8 @@ class ModelRegistry:
             raise ModelNotReady(f"model {name!r} is {served.phase.value}{detail}")
         return served.engine
 
-    def groups(self) -> list:
-        """The tensor-parallel groups serving (their engines run in rank processes)."""
-        from ..dist.group import GroupClient
-
-        return [m.engine for m in self.models.values() if isinstance(m.engine, GroupClient)]
+    def engines(self) -> list[ServingEngine]:
+        return [m.engine for m in self.models.values() if m.engine is not None]
 
     def not_ready(self) -> dict[str, str]:
         """Reasons, by model, why the daemon is not ready (empty when it is)."""
@@ -165,17 +165,4 @@ class ModelRegistry:
         for served in self.models.values():
             if served.task is not None:
                 served.task.cancel()
-        engines = [m.engine for m in self.models.values() if m.engine is not None]
-        await asyncio.gather(*(e.shutdown(grace) for e in engines))
-
-
-def check_draft_pair(target, target_tokenizer, draft, draft_tokenizer, pairing: str) -> None:
-    """Refuse a draft whose tokens do not mean the same as the target's."""
-    tv, dv = target.args.vocab_size, draft.args.vocab_size
-    if tv != dv:
-        raise ValueError(f"DraftPairing {pairing}: draft vocabulary has {dv} tokens, the target's {tv}")
-    if set(target_tokenizer.eos_token_ids) != set(draft_tokenizer.eos_token_ids):
-        raise ValueError(f"DraftPairing {pairing}: draft EOS ids {sorted(draft_tokenizer.eos_token_ids)} "
-                         f"differ from the target's {sorted(target_tokenizer.eos_token_ids)}")
-    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise ValueError(f"DraftPairing {pairing}: draft and target tokenizers differ")
+        await asyncio.gather(*(e.shutdown(grace) for e in self.engines()))

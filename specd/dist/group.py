@@ -1,11 +1,11 @@
 """The daemon's side of a tensor-parallel Model: start its ranks, talk to rank 0, watch them.
 
-``GroupClient`` stands where a local ``Engine`` would (the HTTP routes and the
-reconciler use the same few members), but its engine runs in the rank
-processes.  Ranks are child processes (or ssh sessions) rather than the
-daemon itself because an ``mx.distributed`` group is process-wide and
-cannot be rebuilt once a peer is gone: a failed group is killed whole and a
-fresh one started, while the daemon keeps serving its other models.
+``GroupClient`` implements ``ServingEngine`` like a local ``Engine``, but its
+engine runs in the rank processes.  Ranks are child processes (or ssh
+sessions) rather than the daemon itself because an ``mx.distributed`` group
+is process-wide and cannot be rebuilt once a peer is gone: a failed group is
+killed whole and a fresh one started, while the daemon keeps serving its
+other models.
 """
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ from dataclasses import asdict
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
+import mlx.nn as nn
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..api.manifest import ModelSpec, TopologySpec
-from ..engine.engine import EngineOverloaded, EngineUnavailable, check_request
-from ..engine.loader import load_tokenizer
-from ..engine.sequence import GenerationRequest, StepOutput
-from ..spec.config import NO_SPECULATION, SpeculationConfig
+from ..core.loader import load_tokenizer
+from ..core.request import GenerationRequest, StepOutput
+from ..engine.engine import EngineOverloaded, EngineUnavailable
+from ..engine.interface import ServingEngine
+from ..engine.scheduler import check_request
+from ..core.request import Method, NO_SPECULATION, SpeculationConfig
+from ..spec.config import PolicySettings
 from . import wire
 from .topology import (
     GroupPlan,
@@ -46,25 +50,24 @@ PEER_LOST = ("connection to a peer was lost",)
 EXIT_GRACE = 2.0  # seconds a failing group waits for its ranks' exits before naming the first
 
 
-
 class GroupClient:
     """A running tensor-parallel group, seen from the daemon."""
 
     def __init__(self, name: str, topology: TopologySpec, procs: list[subprocess.Popen], tokenizer,
-                 info: dict, speculation: SpeculationConfig,
-                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 on_failure: Callable[[], None] = lambda: None):
+                 info: dict, speculation: SpeculationConfig, on_failure: Callable[[], None],
+                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.name = name
         self.topology = topology
         self.procs = procs
         self.tokenizer = tokenizer
         self.max_context: int = info["max_context"]
         self.vocab_size: int = info["vocab_size"]
-        self.drafter: str | None = info["drafter"]
+        self.drafter: Method | None = Method(info["drafter"]) if info["drafter"] else None
+        self.drafter_module = None  # the drafter lives in the ranks
         self.weight_bytes: int = info["weight_bytes"]
         self.speculation = speculation
         self.failure: str | None = None  # set once; the reconciler restarts the group
-        self.on_failure = on_failure
+        self.on_failure = on_failure  # the reconciler restarts the group
         self.status: dict = {}
         self._reader, self._writer = reader, writer
         self._streams: dict[str, asyncio.Queue] = {}
@@ -93,8 +96,22 @@ class GroupClient:
     def speculation_status(self) -> dict:
         return self.status.get("speculation", {"default": self.speculation.method})
 
-    def set_policy(self, policy, name: str | None) -> None:
+    def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         self._send(("policy", policy, name))
+
+    def load_drafter(self, method: Method, source: str, pairing: str) -> nn.Module:
+        raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
+
+    def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
+        raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
+
+    def group_status(self) -> dict:
+        return {"ranks": self.ranks(), "steps": self.status.get("steps"),
+                "controlBytes": self.status.get("control_bytes")}
+
+    def exported_metrics(self) -> str:
+        """Rank 0's metrics page (the group's engine series)."""
+        return self.status.get("metrics", "")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
         if self.failure or not self._accepting:
@@ -244,16 +261,20 @@ class GroupClient:
         self.on_failure()
 
 
-def with_group_metrics(registry, groups: list[GroupClient]):
-    """The daemon's metric families with each group's own series (reported by
-    its rank 0, labelled with its model) merged in, for one ``/metrics`` page:
-    a series both report (a failure counter the daemon started at 0) is rank 0's."""
+def with_engine_metrics(registry, engines: list[ServingEngine]):
+    """The daemon's metric families with the series engines keep elsewhere
+    (a group's rank 0, labelled with its model) merged in, for one
+    ``/metrics`` page: a series both report (a failure counter the daemon
+    started at 0) is the engine's."""
     families = {f.name: f for f in registry.collect()}
-    for group in groups:
-        for family in text_string_to_metric_families(group.status.get("metrics", "")):
+    for engine in engines:
+        text = engine.exported_metrics()
+        if not text:
+            continue
+        for family in text_string_to_metric_families(text):
             # ``_created`` companions come back as families of their own: leave them out
             mine = [s for s in family.samples
-                    if s.labels.get("model_name") == group.name and not s.name.endswith("_created")]
+                    if s.labels.get("model_name") == engine.name and not s.name.endswith("_created")]
             if not mine:
                 continue
             ours = families.setdefault(family.name, family)
@@ -295,7 +316,7 @@ def _reap(procs: list[subprocess.Popen], timeout: float) -> None:
     _kill(procs)
 
 
-async def start_group(name: str, spec: ModelSpec, topology: TopologySpec,
+async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_failure: Callable[[], None],
                       speculation: SpeculationConfig = NO_SPECULATION,
                       draft_source: str | None = None, ready_timeout: float = 900.0) -> GroupClient:
     """Start every rank, wait for rank 0 to report the group loaded."""
@@ -342,4 +363,4 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec,
         raise
     finally:
         server.close()
-    return GroupClient(name, topology, procs, tokenizer, info, speculation, reader, writer)
+    return GroupClient(name, topology, procs, tokenizer, info, speculation, on_failure, reader, writer)

@@ -15,7 +15,6 @@ wrong tokens.
 
 from __future__ import annotations
 
-import copy
 import os
 import pickle
 import socket
@@ -33,11 +32,13 @@ import structlog
 from mlx.utils import tree_flatten
 from prometheus_client import generate_latest
 
-from ..engine.engine import Engine, EngineConfig, StepInputs
-from ..engine.loader import load_model, resolve_source
-from ..engine.sequence import Sequence
+from ..core.loader import load_model, resolve_source
+from ..core.sequence import Sequence
+from ..engine.engine import Engine
+from ..engine.scheduler import EngineConfig, StepInputs
 from ..metrics import Metrics
-from ..spec.config import NO_SPECULATION, SpeculationConfig
+from ..core.request import Method, NO_SPECULATION, SpeculationConfig
+from ..spec.config import PolicySettings
 from . import wire
 from .topology import GroupPlan
 
@@ -58,31 +59,43 @@ class RanksDiverged(RuntimeError):
     pass
 
 
-class GroupEngine(Engine):
-    """An Engine whose steps run in lockstep on every rank of ``group``."""
+class GroupRank:
+    """Steps an engine's scheduler in lockstep with every rank of ``group``.
 
-    def __init__(self, *args, group: mx.distributed.Group, **kwargs):
-        super().__init__(*args, **kwargs)
+    Every rank holds an ``Engine`` (never started: this class runs its
+    steps); rank 0's inbox takes the daemon's requests, and what arrives
+    there is broadcast so that every rank's scheduler takes the same inputs.
+    """
+
+    def __init__(self, engine: Engine, group: mx.distributed.Group):
+        self.engine = engine
+        self.scheduler = engine.scheduler
         self.group = group
         self.rank = group.rank()
         self.steps = 0
         self.bytes_sent = 0  # control traffic (headers, payloads, agreed k)
-        self.speculator.agree = self._agree
+        self.scheduler.speculator.agree = self._agree
 
-    def set_policy(self, policy, name: str | None) -> None:
-        self.between_steps(PolicyUpdate(policy, name))
-
-    def configure_speculation(self, default, draft_model) -> None:
-        raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
+    def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
+        self.engine.inbox.between_steps(PolicyUpdate(policy, name))
 
     def run_steps(self) -> None:
-        """Step in lockstep with the group until rank 0 says stop (every rank runs this)."""
-        self._run()
+        """Step in lockstep with the group until rank 0 says stop (every rank runs this).
+
+        A failed step may have left the ranks apart, so it stops the whole
+        group (the daemon fails its requests, naming the rank that went away)."""
+        while (inputs := self._next_inputs()) is not None:
+            try:
+                self.scheduler.step(inputs)
+            except Exception:
+                log.exception("group step failed", model=self.engine.name, rank=self.rank)
+                raise
+        self.scheduler.fail_all("engine stopped", self.engine.inbox.drain())
 
     def _next_inputs(self) -> StepInputs | None:
         payload = b""
         if self.rank == 0:
-            local = super()._next_inputs()
+            local = self.engine.inbox.take(self.scheduler.busy)
             if local is None:
                 payload = None
             elif local.arrivals or local.cancelled or local.updates:
@@ -95,18 +108,18 @@ class GroupEngine(Engine):
         if message is None:
             return None
         if not message:
-            return StepInputs([], set(), [])
+            return StepInputs()
         arrivals, cancelled, policies = pickle.loads(message)
         if self.rank == 0:
             seqs = local.arrivals
         else:
             seqs = [self._follower_sequence(request, key) for request, key in arrivals]
-        updates = [lambda p=p, n=n: self.speculator.set_policy(p, n) for p, n in policies]
+        speculator = self.scheduler.speculator
+        updates = [lambda p=p, n=n: speculator.set_policy(p, n) for p, n in policies]
         return StepInputs(seqs, set(cancelled), updates)
 
     def _follower_sequence(self, request, key: list[int]) -> Sequence:
-        seq = Sequence(request=request, emit=lambda out: None, detokenizer=copy.copy(self._detokenizer),
-                       eos_ids=self.eos_ids, max_total_tokens=self.max_context)
+        seq = self.scheduler.sequence(request, emit=lambda out: None)
         seq.key = mx.array(key, dtype=mx.uint32)
         return seq
 
@@ -138,14 +151,8 @@ class GroupEngine(Engine):
         return mx.distributed.all_sum(mx.array(mine), group=self.group).tolist()
 
     def _digest(self) -> int:
-        state = [(len(s.tokens), s.tokens[-1:]) for s in self._batch.seqs]
+        state = [(len(s.tokens), s.tokens[-1:]) for s in self.scheduler.batch.seqs]
         return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
-
-    def _step_failed(self, exc: Exception) -> None:
-        """A failed step may have left the ranks apart: the whole group stops
-        (the daemon fails its requests, naming the rank that went away)."""
-        log.exception("group step failed", model=self.name, rank=self.rank)
-        raise exc
 
 
 def load_shard(source: str, group: mx.distributed.Group):
@@ -176,21 +183,23 @@ def run(plan: GroupPlan) -> int:
     started = time.monotonic()
     model, tokenizer = load_shard(plan.source, group)
     draft = load_model(plan.draft_source)[0] if plan.draft_source else None
-    speculation = SpeculationConfig(**plan.speculation) if plan.speculation else NO_SPECULATION
-    engine = GroupEngine(plan.model, model, tokenizer, EngineConfig(**plan.engine), Metrics(),
-                         speculation, draft, group=group)
+    speculation = (SpeculationConfig(**{**plan.speculation, "method": Method(plan.speculation["method"])})
+                   if plan.speculation else NO_SPECULATION)
+    engine = Engine(plan.model, model, tokenizer, EngineConfig(**plan.engine), Metrics(), speculation, draft)
+    stepper = GroupRank(engine, group)
     local = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     total = int(mx.distributed.all_sum(mx.array([local], dtype=mx.int64), group=group).item())
     log.info("rank ready", seconds=round(time.monotonic() - started, 2), shard_bytes=local)
     if rank != 0:
-        engine.run_steps()
+        stepper.run_steps()
         _exit(0)
-    return _serve(engine, plan, {"weight_bytes": total, "max_context": engine.max_context,
+    return _serve(stepper, plan, {"weight_bytes": total, "max_context": engine.max_context,
                                  "vocab_size": engine.vocab_size, "drafter": engine.drafter})
 
 
-def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
+def _serve(stepper: GroupRank, plan: GroupPlan, info: dict) -> int:
     """Rank 0: requests in from the daemon, outputs and status back."""
+    engine = stepper.engine
     host, port = plan.control.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
     sending = threading.Lock()
@@ -202,7 +211,7 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
 
     def step_thread() -> None:
         try:
-            engine.run_steps()
+            stepper.run_steps()
         except Exception as exc:  # the group cannot go on; the daemon restarts it
             try:
                 send(("fatal", f"{type(exc).__name__}: {exc}"))
@@ -212,8 +221,8 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
     def report() -> None:
         while True:
             time.sleep(0.5)
-            send(("status", {"steps": engine.steps, "in_flight": engine.in_flight,
-                             "control_bytes": engine.bytes_sent, "speculation": _status(engine),
+            send(("status", {"steps": stepper.steps, "in_flight": engine.in_flight,
+                             "control_bytes": stepper.bytes_sent, "speculation": _status(engine),
                              "metrics": generate_latest(engine.metrics.registry).decode()}))
 
     send(("hello", plan.token, info))
@@ -235,7 +244,7 @@ def _serve(engine: GroupEngine, plan: GroupPlan, info: dict) -> int:
         elif kind == "cancel":
             engine.cancel(message[1])
         elif kind == "policy":
-            engine.set_policy(message[1], message[2])
+            stepper.set_policy(message[1], message[2])
         elif kind == "stop":
             break
     engine.stop()
@@ -251,7 +260,7 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _status(engine: GroupEngine) -> dict:
+def _status(engine: Engine) -> dict:
     try:
         return engine.speculation_status()
     except RuntimeError:  # a dict changed size under us: report next time

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..control.reconciler import Reconciler
 from ..control.registry import ModelRegistry
 from ..control.watcher import ManifestDirectory
-from ..dist.group import with_group_metrics
+from ..dist.group import with_engine_metrics
 from . import admin, openai
 from .errors import APIError
 
@@ -73,7 +73,7 @@ async def readyz(request: web.Request) -> web.Response:
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     registry: ModelRegistry = request.app["registry"]
-    body = generate_latest(with_group_metrics(registry.metrics.registry, registry.groups()))
+    body = generate_latest(with_engine_metrics(registry.metrics.registry, registry.engines()))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -12,10 +12,12 @@ from aiohttp import web
 
 from ..api.manifest import MAX_SPECULATIVE_TOKENS
 from ..control.registry import ModelNotFound, ModelNotReady, ModelRegistry
-from ..engine.engine import Engine, EngineOverloaded, EngineUnavailable
-from ..engine.sampling import SamplingParams
-from ..engine.sequence import GenerationRequest, StepOutput, TokenLogprob
-from ..spec.config import METHODS, SpeculationConfig
+from ..engine.engine import EngineOverloaded, EngineUnavailable
+from ..engine.interface import ServingEngine
+from ..engine.scheduler import RequestRejected
+from ..core.sampling import SamplingParams
+from ..core.request import GenerationRequest, StepOutput, TokenLogprob
+from ..core.request import Method, SpeculationConfig
 from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
 
 routes = web.RouteTableDef()
@@ -123,25 +125,21 @@ def _speculation(body: dict) -> dict | None:
     unknown = set(spec) - {"method", "num_speculative_tokens"}
     if unknown:
         raise bad_request(f"unknown field '{sorted(unknown)[0]}'", f"speculation.{sorted(unknown)[0]}")
-    method = spec.get("method", "none")
-    if method not in METHODS:
-        raise bad_request(f"'speculation.method' must be one of {', '.join(METHODS)}", "speculation.method")
+    try:
+        method = Method(spec.get("method", Method.NONE))
+    except ValueError:
+        raise bad_request(f"'speculation.method' must be one of {', '.join(Method)}", "speculation.method") from None
     k = _integer(spec, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, "speculation.")
     return {"method": method, "num_speculative_tokens": k}
 
 
-def speculation_for(engine: Engine, asked: dict | None) -> SpeculationConfig | None:
+def speculation_for(engine: ServingEngine, asked: dict | None) -> SpeculationConfig | None:
     """The request's speculation, filling what it left out from the model's pairing."""
     if asked is None:
         return None
     default = engine.speculation
-    method = asked["method"]
-    if method in ("draft", "eagle") and engine.drafter != method:
-        what = "draft model" if method == "draft" else "EAGLE head"
-        raise bad_request(f"model '{engine.name}' has no {what} (declare a DraftPairing with "
-                          f"method: {method})", "speculation.method")
     k = asked["num_speculative_tokens"] or default.num_speculative_tokens
-    return SpeculationConfig(method, k, default.ngram_min, default.ngram_max, default.tree_top_k,
+    return SpeculationConfig(asked["method"], k, default.ngram_min, default.ngram_max, default.tree_top_k,
                              default.tree_tokens)
 
 
@@ -158,7 +156,7 @@ def _message_text(content: Any, index: int) -> str:
     raise bad_request("message content must be a string or a list of text parts", f"messages[{index}].content")
 
 
-def chat_prompt(engine: Engine, body: dict) -> list[int]:
+def chat_prompt(engine: ServingEngine, body: dict) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -174,7 +172,7 @@ def chat_prompt(engine: Engine, body: dict) -> list[int]:
     return list(tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True))
 
 
-def completion_prompt(engine: Engine, body: dict) -> list[int]:
+def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -188,7 +186,7 @@ def completion_prompt(engine: Engine, body: dict) -> list[int]:
     raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
 
 
-def _engine(request: web.Request, name: str) -> Engine:
+def _engine(request: web.Request, name: str) -> ServingEngine:
     registry: ModelRegistry = request.app["registry"]
     try:
         return registry.engine(name)
@@ -205,7 +203,7 @@ async def _read_json(request: web.Request) -> Any:
         raise bad_request(f"request body is not valid JSON: {err}") from None
 
 
-def _token_text(engine: Engine, token: int) -> tuple[str, list[int]]:
+def _token_text(engine: ServingEngine, token: int) -> tuple[str, list[int]]:
     """A token's text and UTF-8 bytes, as OpenAI's logprobs report them."""
     text = engine.tokenizer.decode([token])
     return text, list(text.encode())
@@ -214,7 +212,7 @@ def _token_text(engine: Engine, token: int) -> tuple[str, list[int]]:
 class Completion:
     """Runs one request against an engine and renders it in OpenAI's shape."""
 
-    def __init__(self, engine: Engine, parsed: ParsedRequest, prompt: list[int], chat: bool):
+    def __init__(self, engine: ServingEngine, parsed: ParsedRequest, prompt: list[int], chat: bool):
         self.engine, self.parsed, self.chat = engine, parsed, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -224,8 +222,9 @@ class Completion:
                                          speculation_for(engine, parsed.speculation))
         try:
             engine.check_prompt(self.request)
-        except ValueError as err:
-            raise bad_request(str(err), "messages" if chat else "prompt") from None
+        except RequestRejected as err:
+            field = "messages" if chat and err.field == "prompt" else err.field
+            raise bad_request(str(err), field) from None
         self.text_offset = 0
 
     async def outputs(self) -> AsyncIterator[StepOutput]:

@@ -1,29 +1,21 @@
-"""How a model (or a single request) speculates."""
+"""What a SpecPolicy lets a model's speculation controller do."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "ngram", "draft", "eagle")
-
 
 @dataclass(frozen=True)
-class SpeculationConfig:
-    """``method`` none|ngram|draft|eagle; k proposals per round (an EAGLE
-    tree's depth); n-gram match lengths; EAGLE tree shape (``tree_top_k`` 1
-    drafts a chain; else each expansion keeps that many children and the
-    tree is cut to ``tree_tokens`` nodes)."""
+class PolicySettings:
+    """What a SpecPolicy sets for a model's speculation controller (``mode``
+    static|goodput).  The control plane converts the manifest's spec into it,
+    so the algorithm does not depend on the API schema; the defaults are the
+    manifest's."""
 
-    method: str = "none"
-    num_speculative_tokens: int = 3
-    ngram_min: int = 1
-    ngram_max: int = 4
-    tree_top_k: int = 1
-    tree_tokens: int = 16
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "none" and self.num_speculative_tokens > 0
-
-
-NO_SPECULATION = SpeculationConfig()
+    enabled: bool = True
+    mode: str = "goodput"
+    max_speculative_tokens: int = 16
+    disable_by_batch_size: int | None = None
+    acceptance_rate_threshold: float = 0.0
+    ema_alpha: float = 0.1
+    probe_interval: int = 16

@@ -64,7 +64,7 @@ class DraftStepFit:
     """Seconds of one draft step for B rows, d0 + d1 * B, by least squares with
     forgetting and a ridge prior.  Kept as running sums of plain floats and
     solved in closed form: it is fed every speculative step and read by
-    every plan, where a numpy solve cost ~1% of a small batch's step."""
+    every plan, where a numpy solve would show in a small batch's step."""
 
     def __init__(self, decay: float = 0.02, ridge: float = 1e-6):
         self.decay, self.ridge = decay, ridge

@@ -1,6 +1,6 @@
 """Draft-model proposals: a small model drafts k tokens for every speculating row.
 
-The draft keeps its own batched KV cache whose rows follow the sequences that
+The draft keeps its own batched cache whose rows follow the sequences that
 speculate with it.  A row is prefilled lazily, on its sequence's first
 speculation round.  Between rounds each row holds ``pending`` tokens the draft
 has not seen yet (the target's correction or bonus token, plus the last draft
@@ -11,44 +11,53 @@ accepted context, like the target's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.batch import make_batch_cache, rollback
-from ..engine.sampling import SamplingParams, sample_rows
+from ..core.cache import make_row_cache
+from ..core.sampling import SamplingParams, sample_rows
+from ..core.sequence import Sequence
+from ..core.request import Method, SpeculationConfig
+from .proposer import Drafts, FollowedRows, Outcome, Round
 
 GREEDY = SamplingParams(temperature=0)
-from ..engine.sequence import Sequence
 
 
 @dataclass
-class DraftProposal:
-    drafts: mx.array  # (B, K) tokens
-    probs: mx.array | None  # (S, K, V) q of the sampling rows that drafted, in row order (greedy rows need none)
-    keys: list[mx.array]  # advanced RNG keys of the rows
+class DraftRow:
+    pending: list[int]  # tokens the draft has not been fed yet
+    drafting: bool = False  # drafted in the current round
+    drafted: list[int] = field(default_factory=list)  # what it drafted then
 
 
 class DraftModelProposer:
-    method = "draft"
+    method = Method.DRAFT
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.rows: list[Sequence] = []
-        self.cache: list = []
-        self.pending: list[list[int]] = []
-        self._drafted = 0
-        self._drafting: list[bool] = []  # rows that drafted in the current step
-        self.caught_up = False  # the last propose prefilled rows or fed a backlog: a one-off cost in its time
+        self.rows: FollowedRows[DraftRow] = FollowedRows()
+        self._drafted = 0  # k of the current round (0: the proposer did not run)
+        self.caught_up = False
+
+    def can_draft(self, seq: Sequence) -> bool:
+        return True
+
+    def prefilled(self, seqs: list[Sequence], specs: list[SpeculationConfig], columns: list[list[int]],
+                  started: bool) -> None:
+        """The draft prefills lazily, on a sequence's first round."""
+
+    def release(self, seqs: list[Sequence]) -> None:
+        self.rows.release(seqs)
 
     def _forward(self, tokens: list[list[int]]) -> mx.array:
         """Feed each row its tokens (right-padded); return each row's last logits."""
         width = max(len(t) for t in tokens)
         inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
-        logits = self.model(inputs, cache=self.cache)
+        logits = self.model(inputs, cache=self.rows.cache.layers)
         last = mx.array([len(t) - 1 for t in tokens])
-        rollback(self.cache, [width - len(t) for t in tokens])
+        self.rows.cache.rollback([width - len(t) for t in tokens])
         return logits[mx.arange(len(tokens)), last]
 
     def _admit(self, seqs: list[Sequence], last_tokens: list[int]) -> None:
@@ -56,103 +65,88 @@ class DraftModelProposer:
         context = [s.prompt + s.tokens[:-1] for s in seqs]
         width = max(len(c) for c in context)
         padding = [width - len(c) for c in context]
-        cache = make_batch_cache(self.model, padding)
-        self.model(mx.array([[0] * p + c for p, c in zip(padding, context)]), cache=cache)
-        mx.eval([c.state for c in cache])
-        if self.rows:
-            for mine, theirs in zip(self.cache, cache):
-                mine.extend(theirs)
-        else:
-            self.cache = cache
-        self.rows += seqs
-        self.pending += [[t] for t in last_tokens]
+        cache = make_row_cache(self.model, padding)
+        self.model(mx.array([[0] * p + c for p, c in zip(padding, context)]), cache=cache.layers)
+        mx.eval(cache.state)
+        self.rows.add([(s, DraftRow([t])) for s, t in zip(seqs, last_tokens)], cache)
 
-    def _select(self, rows: list[int]) -> None:
-        """Keep (and reorder to) the given cache rows."""
-        if rows == list(range(len(self.rows))):
-            return
-        drafting = self._drafting if len(self._drafting) == len(self.rows) else [False] * len(self.rows)
-        self._drafting = [drafting[i] for i in rows]
-        self.rows = [self.rows[i] for i in rows]
-        self.pending = [self.pending[i] for i in rows]
-        if rows:
-            idx = mx.array(rows)
-            for layer in self.cache:
-                layer.filter(idx)
-        else:
-            self.cache = []
-
-    def retain(self, alive: set[int]) -> None:
-        """Drop the rows of sequences (by ``id``) that are no longer running."""
-        self._select([i for i, s in enumerate(self.rows) if id(s) in alive])
-
-    def _sync_rows(self, seqs: list[Sequence], last_tokens: list[int]) -> int:
-        """Make the cache rows exactly ``seqs``, in order: drop sequences that
-        left or stopped drafting, prefill newcomers (returns how many)."""
-        self.retain({id(s) for s in seqs})
-        known = {id(s) for s in self.rows}
-        new = [(s, t) for s, t in zip(seqs, last_tokens) if id(s) not in known]
+    def propose(self, round_: Round) -> Drafts:
+        """Draft for the draft-model rows whose k is positive; every such row
+        already in the draft cache takes part, so rows not drafting this round
+        still catch up on their pending tokens in the first forward (resuming
+        later needs no new prefill); their draft steps are discarded and do
+        not consume their RNG."""
+        ks = round_.ks
+        members = [i for i in round_.rows(self.method) if ks[i] or round_.seqs[i] in self.rows]
+        seqs = [round_.seqs[i] for i in members]
+        new = self.rows.follow(seqs)
         if new:
-            self._admit([s for s, _ in new], [t for _, t in new])
-        row_of = {id(s): i for i, s in enumerate(self.rows)}
-        self._select([row_of[id(s)] for s in seqs])
-        return len(new)
-
-    @property
-    def known(self) -> set[int]:
-        return {id(s) for s in self.rows}
-
-    def propose(self, seqs: list[Sequence], last_tokens: list[int], drafting: list[bool], k: int,
-                params: list[SamplingParams], keys: list[mx.array]) -> DraftProposal:
-        """Draft ``k`` tokens for the ``drafting`` rows of ``seqs``; rows are then exactly ``seqs``.
-
-        Rows not drafting this step still catch up on their pending tokens in
-        the first forward (so resuming later needs no new prefill); their draft
-        steps are discarded and do not consume their RNG.
-        """
-        admitted = self._sync_rows(seqs, last_tokens)
+            last = {s: t for s, t in zip(round_.seqs, round_.last_tokens)}
+            self._admit(new, [last[s] for s in new])
+        self.rows.order(seqs)
+        rows = [self.rows.state[s] for s in seqs]
         # a round feeds a row one or two pending tokens, three after a plain step
         # in between (as a controller's try interleaves them); more is a backlog
-        self.caught_up = admitted > 0 or max(map(len, self.pending)) > 3
-        self._drafting = list(drafting)
-        params = [p if d else GREEDY for p, d in zip(params, drafting)]
-        new_keys = list(keys)
+        self.caught_up = bool(new) or max(len(r.pending) for r in rows) > 3
+        k = max(ks[i] for i in members)
+        drafting = [ks[i] > 0 for i in members]
+        params = [s.params if d else GREEDY for s, d in zip(seqs, drafting)]
+        keys = [s.key for s in seqs]
         drafts, probs = [], []
-        logits = self._forward(self.pending)
+        logits = self._forward([r.pending for r in rows])
         for step in range(k):
-            token, new_keys, logprobs = sample_rows(logits, params, new_keys)
+            token, keys, logprobs = sample_rows(logits, params, keys)
             drafts.append(token)
             if logprobs is not None:
                 probs.append(mx.exp(logprobs))
             if step < k - 1:
-                logits = self.model(token[:, None], cache=self.cache)[:, -1]
+                logits = self.model(token[:, None], cache=self.rows.cache.layers)[:, -1]
         self._drafted = k
-        return DraftProposal(mx.stack(drafts, axis=1), mx.stack(probs, axis=1) if probs else None, new_keys)
+        tokens = mx.stack(drafts, axis=1)
+        q = mx.stack(probs, axis=1) if probs else None
+        mx.eval(tokens, keys, *([] if q is None else [q]))
+        tokens = tokens.tolist()
+        out = Drafts(shape=(len(members), k))
+        sampled = 0  # q holds the sampling rows that drafted, in row order (greedy rows need none)
+        for j, (i, seq, row) in enumerate(zip(members, seqs, rows)):
+            row.drafting = drafting[j]
+            if not row.drafting:
+                continue
+            row.drafted = tokens[j]
+            out.chains[i] = tokens[j][: ks[i]]
+            seq.key = keys[j]
+            if not seq.params.greedy:
+                out.q[i] = q[sampled]
+                sampled += 1
+        return out
 
-    def commit(self, accepted: list[int], drafts: list[list[int]], next_tokens: list[int]) -> None:
+    def commit(self, round_: Round, outcome: Outcome) -> None:
         """Roll each row back to its accepted context and queue what it must see next.
 
         After k draft steps a row's cache holds pending + d_1..d_{k-1}.  Keeping
         a accepted drafts means dropping k-1-a of them; when all k were accepted
         d_k was never fed, so it goes into pending ahead of the target's token.
-        Rows that did not draft keep only their caught-up context; what they
-        emit is queued by ``observe``.  Arguments are for the drafting rows, in order.
+        Rows that did not draft keep only their caught-up context and queue
+        what they emitted.
         """
-        k = self._drafted
-        rejected = [k - 1] * len(self.rows)
-        results = iter(zip(accepted, drafts, next_tokens))
-        for i, drafting in enumerate(self._drafting):
-            if drafting:
-                a, d, t = next(results)
-                rejected[i] = max(k - 1 - a, 0)
-                self.pending[i] = [d[k - 1], t] if a == k else [t]
-            else:
-                self.pending[i] = []
-        rollback(self.cache, rejected)
+        if not len(self.rows):
+            return
+        row_of = {s: i for i, s in enumerate(round_.seqs)}
+        k, self._drafted = self._drafted, 0
+        rejected = []
+        for seq in self.rows.seqs:
+            row, i = self.rows.state[seq], row_of[seq]
+            if row.drafting:
+                a, token = outcome.accepted[i], outcome.emitted[i][-1]
+                rejected.append(max(k - 1 - a, 0))
+                row.pending = [row.drafted[k - 1], token] if a == k else [token]
+                row.drafting = False
+                continue
+            rejected.append(k - 1 if k else 0)
+            row.pending = (row.pending if not k else []) + outcome.emitted[i]
+        if k:
+            self.rows.cache.rollback(rejected)
 
-    def observe(self, emitted: dict[int, list[int]]) -> None:
-        """Queue the tokens each non-drafting row emitted this step (by sequence ``id``)."""
-        for i, seq in enumerate(self.rows):
-            if not self._drafting[i] and id(seq) in emitted:
-                self.pending[i] += emitted[id(seq)]
-        self._drafting = [False] * len(self.rows)
+    def settle(self) -> None:
+        if len(self.rows):
+            self.rows.cache.settle()

@@ -9,6 +9,10 @@ O(context).
 
 from __future__ import annotations
 
+from ..core.sequence import Sequence
+from ..core.request import Method, SpeculationConfig
+from .proposer import Drafts, Outcome, Round
+
 
 class NgramIndex:
     """Most recent end position of every n-gram (min_n..max_n) of one sequence.
@@ -40,3 +44,48 @@ class NgramIndex:
             if end is not None:
                 return toks[end:end + k]
         return []
+
+
+class NgramProposer:
+    """Prompt lookup for every n-gram row: an index per sequence, made on its first round."""
+
+    method = Method.NGRAM
+    caught_up = False  # the index catches up on the host: nothing to bill
+
+    def __init__(self) -> None:
+        self.indexes: dict[Sequence, NgramIndex] = {}
+
+    def can_draft(self, seq: Sequence) -> bool:
+        return True
+
+    def prefilled(self, seqs: list[Sequence], specs: list[SpeculationConfig], columns: list[list[int]],
+                  started: bool) -> None:
+        """Lookups read the sequence's tokens; prefill adds none."""
+
+    def propose(self, round_: Round) -> Drafts:
+        out = Drafts()
+        for i in round_.rows(self.method):
+            k = round_.ks[i]
+            if not k:
+                continue
+            seq, spec = round_.seqs[i], round_.specs[i]
+            index = self.indexes.get(seq)
+            if index is None:
+                index = self.indexes[seq] = NgramIndex(spec.ngram_min, spec.ngram_max)
+                index.extend(seq.prompt)
+            unseen = seq.context_length - len(index.tokens)
+            index.extend(seq.tokens[len(seq.tokens) - unseen:])
+            found = index.propose(k)
+            if found:
+                out.chains[i] = found
+        return out
+
+    def commit(self, round_: Round, outcome: Outcome) -> None:
+        """The index reads accepted tokens from the sequence at the next lookup."""
+
+    def settle(self) -> None:
+        """Nothing on the device."""
+
+    def release(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.indexes.pop(seq, None)

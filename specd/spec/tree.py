@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from ..core.cache import RowCache
+from .hooks import hook
 
 
 @dataclass
@@ -103,8 +105,8 @@ class TreePositions:
     """Per-token RoPE positions for a model whose attention rotates with
     ``self.rope(x, offset=cache.offset)`` (mlx-lm's models): while a layout
     is set, column j of every row is rotated to ``offset + depth(j)``.
-    Installed by giving each rope module a per-instance subclass, like the
-    feature capture."""
+    Installed by hooking each rope module (``hooks.hook``), like the feature
+    capture; a later ``TreePositions`` of the same model takes them over."""
 
     def __init__(self, model: nn.Module):
         self.depths: mx.array | None = None  # (W,) depth of each verify column
@@ -112,22 +114,13 @@ class TreePositions:
             attn = getattr(layer, "self_attn", None)
             if attn is None or not hasattr(attn, "rope"):
                 raise ValueError(f"{type(layer).__name__} has no self_attn.rope: draft trees need one")
-            _hook_rope(attn.rope, self)
+            hook(attn.rope, self._rotate)
 
-
-def _hook_rope(rope: nn.Module, positions: TreePositions) -> None:
-    """Subclass the instance once; a later ``TreePositions`` of the same model takes it over."""
-    if "_specd_positions" not in type(rope).__dict__:
-        base = type(rope)
-
-        def __call__(self, x, offset=0):
-            depths = type(self)._specd_positions.depths
-            if depths is None:
-                return base.__call__(self, x, offset=offset)
-            return rotate_at(partial(base.__call__, self), x, mx.array(offset).reshape(-1, 1) + depths)
-
-        rope.__class__ = type(base.__name__, (base,), {"__call__": __call__, "_specd_positions": None})
-    type(rope)._specd_positions = positions
+    def _rotate(self, rope: Callable[..., mx.array], x: mx.array, offset=0) -> mx.array:
+        """A rope module's call: as its own unless a layout is set."""
+        if self.depths is None:
+            return rope(x, offset=offset)
+        return rotate_at(rope, x, mx.array(offset).reshape(-1, 1) + self.depths)
 
 
 def rotate_at(rope: Callable[..., mx.array], x: mx.array, positions: mx.array) -> mx.array:
@@ -141,18 +134,14 @@ def rotate_at(rope: Callable[..., mx.array], x: mx.array, positions: mx.array) -
 
 
 @contextmanager
-def verifying(positions: TreePositions, cache: list, tree: TreeLayout):
+def verifying(positions: TreePositions, cache: RowCache, tree: TreeLayout) -> Iterator[None]:
     """The model's next forward over ``cache`` verifies ``tree``."""
-    ancestry = mx.array(tree.ancestry)
     positions.depths = mx.array(tree.depths)
-    for layer in cache:
-        layer.tree = ancestry
     try:
-        yield
+        with cache.tree_attention(mx.array(tree.ancestry)):
+            yield
     finally:
         positions.depths = None
-        for layer in cache:
-            layer.tree = None
 
 
 @dataclass

@@ -9,8 +9,7 @@ p_{k+1}.  The emitted tokens are then distributed exactly as the target's.
 
 Greedy rows need none of those distributions: they are decided on the raw
 logits' argmax (no sampling transform moves it).  Only the sampling rows take
-the full-vocabulary path, which for 8 greedy rows of 3 proposals cost 4.7 ms
-against the argmax's 0.24 ms (the verify forward itself: ~13 ms, this CPU).
+the full-vocabulary path, which costs a sizeable part of a small model's step.
 
 Deterministic proposers (n-gram) are the point-mass case q = one_hot(d): the
 acceptance probability is p(d) and the residual is p with d removed, which is
@@ -25,7 +24,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..engine.sampling import SamplingParams, transform_logprobs
+from ..core.sampling import SamplingParams, transform_logprobs
 
 
 @dataclass

@@ -1,16 +1,21 @@
 """Hidden-state capture from an mlx-lm model, without forking its model file.
 
 The modules whose outputs EAGLE reads (the final norm for EAGLE-1, three
-decoder layers for EAGLE-3) get a per-instance subclass whose ``__call__``
-also keeps its output, so the model's own forward, weights, parameter names
-and caches stay exactly as mlx-lm wrote them.  After any forward (prefill
-chunk or verify step) ``take()`` returns what the last one produced.
+decoder layers for EAGLE-3) are hooked (``hooks.hook``) to also keep their
+outputs, so the model's own forward, weights, parameter names and caches
+stay exactly as mlx-lm wrote them.  After any forward (prefill chunk or
+verify step) ``take()`` returns what the last one produced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..hooks import hook, unhook
 
 
 class FeatureCapture:
@@ -20,8 +25,16 @@ class FeatureCapture:
         inner = model.model
         self.modules = [inner.layers[i] for i in feature_layers] if feature_layers else [inner.norm]
         self.outputs: list[mx.array | None] = [None] * len(self.modules)
-        for slot, module in enumerate(self.modules):
-            _hook(module, self, slot)
+        # one wrapper per module, kept: removing checks it is still the module's hook
+        self._hooks = [partial(self._keep, slot) for slot in range(len(self.modules))]
+        for module, around in zip(self.modules, self._hooks):
+            hook(module, around)
+
+    def _keep(self, slot: int, call: Callable[..., mx.array], *args, **kwargs) -> mx.array:
+        """The module's output, kept in its slot."""
+        out = call(*args, **kwargs)
+        self.outputs[slot] = out
+        return out
 
     def take(self) -> mx.array:
         """The captured features of the last forward, (B, N, H x modules)."""
@@ -32,23 +45,6 @@ class FeatureCapture:
         return out
 
     def remove(self) -> None:
-        """Give the modules their own class back."""
-        for module in self.modules:
-            if type(module)._specd_capture is self:
-                module.__class__ = type(module).__bases__[0]
-
-
-def _hook(module: nn.Module, capture: FeatureCapture, slot: int) -> None:
-    """Subclass the instance once; a later capture of the same module takes it over."""
-    if "_specd_capture" not in type(module).__dict__:
-        base = type(module)
-
-        def __call__(self, *args, **kwargs):
-            out = base.__call__(self, *args, **kwargs)
-            hooked = type(self)
-            hooked._specd_capture.outputs[hooked._specd_slot] = out
-            return out
-
-        module.__class__ = type(base.__name__, (base,), {"__call__": __call__, "_specd_capture": None,
-                                                          "_specd_slot": 0})
-    type(module)._specd_capture, type(module)._specd_slot = capture, slot
+        """Give the modules their own class back (those a later capture has not taken over)."""
+        for module, around in zip(self.modules, self._hooks):
+            unhook(module, around)

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...engine.loader import resolve_source
+from ...core.loader import resolve_source
 from .head import EagleConfig, EagleHead
 
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"  # what SafeAILab's EAGLE-1 configs say

@@ -22,25 +22,25 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...engine.batch import SpeculativeKVCache, rollback
-from ...engine.sequence import Sequence
+from ...core.cache import KVRowCache, SpeculativeKVCache
+from ...core.sequence import Sequence
+from ...core.request import Method, SpeculationConfig
+from ..proposer import Drafts, FollowedRows, Outcome, Round
 from ..tree import DraftTree
 from .capture import FeatureCapture
 from .head import EagleHead, target_parts
 
 
 class EagleProposer:
-    method = "eagle"
+    method = Method.EAGLE
 
     def __init__(self, head: EagleHead, target: nn.Module):
         self.head = head
         self.embed, self.lm_head = target_parts(target)
         self.capture = FeatureCapture(target, head.config.feature_layers)
-        self.rows: list[Sequence] = []
-        self.cache: SpeculativeKVCache | None = None
-        self.queued: dict[int, list[mx.array]] = {}  # id(seq) -> fused features not fed to the head yet
-        self.fed: dict[int, int] = {}  # id(seq) -> positions in the head's cache
-        self.caught_up = False  # the last propose fed a row its context or a backlog: a one-off cost in its time
+        self.rows: FollowedRows[int] = FollowedRows()  # per row: positions in the head's cache
+        self.queued: dict[Sequence, list[mx.array]] = {}  # fused features not fed to the head yet
+        self.caught_up = False
 
     def detach(self) -> None:
         """Unhook the target (the pairing changed)."""
@@ -48,55 +48,48 @@ class EagleProposer:
 
     # -- the target's forwards feed the head ----------------------------------
 
-    def observe(self, seqs: list[Sequence], columns: list[list[int] | None]) -> None:
-        """The last target forward kept ``columns[b]`` of row b (None: not an EAGLE row)."""
+    def _observe(self, seqs: list[Sequence], columns: list[list[int]]) -> None:
+        """The last target forward kept ``columns[b]`` of row b."""
         features = self.head.fuse(self.capture.take())
         for b, (seq, cols) in enumerate(zip(seqs, columns)):
-            if cols:
-                self.queued[id(seq)].append(features[b, mx.array(cols)])
+            if cols and seq in self.queued:
+                self.queued[seq].append(features[b, mx.array(cols)])
 
-    def track(self, seqs: list[Sequence]) -> None:
-        """Start keeping features for sequences whose prefill begins now."""
+    def prefilled(self, seqs: list[Sequence], specs: list[SpeculationConfig], columns: list[list[int]],
+                  started: bool) -> None:
+        """Keep the features of EAGLE sequences from their first prefill chunk
+        on (only those the head saw whole can draft)."""
+        if started:
+            for s, spec in zip(seqs, specs):
+                if spec.method == self.method:
+                    self.queued.setdefault(s, [])
+        self._observe(seqs, columns)
+
+    def commit(self, round_: Round, outcome: Outcome) -> None:
+        self._observe(round_.seqs, outcome.kept_columns)
+
+    def settle(self) -> None:
+        """The head's cache only ever receives accepted context: nothing to settle."""
+
+    def can_draft(self, seq: Sequence) -> bool:
+        """Whether the head has seen this sequence's every feature."""
+        return seq in self.queued
+
+    def release(self, seqs: list[Sequence]) -> None:
+        self.rows.release(seqs)
         for s in seqs:
-            self.queued.setdefault(id(s), [])
-
-    def tracks(self, seq: Sequence) -> bool:
-        """Whether the head has seen this sequence's every feature (only those can draft)."""
-        return id(seq) in self.queued
-
-    def admitted(self, seq: Sequence) -> bool:
-        return id(seq) in self.fed
-
-    def retain(self, alive: set[int]) -> None:
-        """Forget sequences (by ``id``) that left."""
-        keep = [i for i, s in enumerate(self.rows) if id(s) in alive]
-        self._select(keep)
-        self.queued = {k: v for k, v in self.queued.items() if k in alive}
-        self.fed = {k: v for k, v in self.fed.items() if k in alive}
-
-    def _select(self, rows: list[int]) -> None:
-        if rows == list(range(len(self.rows))):
-            return
-        self.rows = [self.rows[i] for i in rows]
-        if rows:
-            self.cache.filter(mx.array(rows))
-        else:
-            self.cache = None
+            self.queued.pop(s, None)
 
     # -- drafting ---------------------------------------------------------------
 
-    def _pairs(self, seq: Sequence) -> tuple[mx.array, list[int]]:
-        """A sequence's queued (feature, next token) pairs."""
-        features = mx.concatenate(self.queued[id(seq)], axis=0)
-        self.queued[id(seq)] = []
-        start = self.fed.get(id(seq), 0)
+    def _pairs(self, seq: Sequence, start: int) -> tuple[mx.array, list[int]]:
+        """A sequence's queued (feature, next token) pairs, from cache position ``start``."""
+        features = mx.concatenate(self.queued[seq], axis=0)
+        self.queued[seq] = []
         context = seq.prompt + seq.tokens
-        n = features.shape[0]
-        self.fed[id(seq)] = start + n
-        return features, context[start + 1: start + 1 + n]
+        return features, context[start + 1: start + 1 + features.shape[0]]
 
-    def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: SpeculativeKVCache,
-              left: bool) -> mx.array:
+    def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: KVRowCache, left: bool) -> mx.array:
         """Feed each row its pairs, padded on the left (a fresh cache) or on the
         right (rolled back after); returns each row's last output (B, H)."""
         width = max(len(t) for _, t in pairs)
@@ -105,39 +98,57 @@ class EagleProposer:
             pad = width - len(t)
             hidden.append(mx.pad(f, [(pad, 0) if left else (0, pad), (0, 0)]))
             tokens.append([0] * pad + t if left else t + [0] * pad)
-        out = self.head(mx.stack(hidden), self.embed(mx.array(tokens)), cache)
+        out = self.head(mx.stack(hidden), self.embed(mx.array(tokens)), cache.layers[0])
         if left:
             return out[:, -1]
-        rollback([cache], [width - len(t) for _, t in pairs])
+        cache.rollback([width - len(t) for _, t in pairs])
         return out[mx.arange(len(pairs)), mx.array([len(t) - 1 for _, t in pairs])]
 
     def _catch_up(self, seqs: list[Sequence]) -> mx.array:
         """Make the head's rows exactly ``seqs`` and feed everything queued; (B, H) root outputs."""
-        wanted = {id(s) for s in seqs}
-        self._select([i for i, s in enumerate(self.rows) if id(s) in wanted])
-        known = {id(s) for s in self.rows}
-        new = [s for s in seqs if id(s) not in known]
+        new = self.rows.follow(seqs)
+        rows = self.rows
         # a round feeds a row one step's features, two after a plain step in between; more is a backlog
-        self.caught_up = bool(new) or any(len(self.queued[id(s)]) > 2 for s in self.rows)
+        self.caught_up = bool(new) or any(len(self.queued[s]) > 2 for s in rows.seqs)
         outputs = {}
-        if self.rows:
-            last = self._feed([self._pairs(s) for s in self.rows], self.cache, left=False)
-            outputs.update({id(s): last[i] for i, s in enumerate(self.rows)})
+        if len(rows):
+            pairs = []
+            for s in rows.seqs:
+                pairs.append(self._pairs(s, rows.state[s]))
+                rows.state[s] += pairs[-1][0].shape[0]
+            last = self._feed(pairs, rows.cache, left=False)
+            outputs.update({s: last[i] for i, s in enumerate(rows.seqs)})
         if new:
-            pairs = [self._pairs(s) for s in new]
-            cache = SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])
+            pairs = [self._pairs(s, 0) for s in new]
+            cache = KVRowCache([SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
             last = self._feed(pairs, cache, left=True)
-            outputs.update({id(s): last[i] for i, s in enumerate(new)})
-            if self.rows:
-                self.cache.extend(cache)
-            else:
-                self.cache = cache
-            self.rows += new
-        row_of = {id(s): i for i, s in enumerate(self.rows)}
-        self._select([row_of[id(s)] for s in seqs])
-        return mx.stack([outputs[id(s)] for s in seqs])
+            outputs.update({s: last[i] for i, s in enumerate(new)})
+            rows.add([(s, f.shape[0]) for s, (f, _) in zip(new, pairs)], cache)
+        rows.order(seqs)
+        return mx.stack([outputs[s] for s in seqs])
 
-    def propose(self, seqs: list[Sequence], drafting: list[bool], depth: int, top_k: int,
+    def propose(self, round_: Round) -> Drafts:
+        """Every EAGLE row the head knows catches up; drafting rows get a
+        chain, or a branching tree when their tree shape asks for one."""
+        ks = round_.ks
+        members = [i for i in round_.rows(self.method) if ks[i] or round_.seqs[i] in self.rows]
+        specs = [round_.specs[i] for i in members]
+        top_k = max(spec.tree_top_k for spec in specs)
+        depth = max(ks[i] for i in members)
+        budget = max(spec.tree_tokens for spec in specs) if top_k > 1 else depth
+        trees = self._expand([round_.seqs[i] for i in members], [ks[i] > 0 for i in members], depth, top_k, budget)
+        out = Drafts()
+        for i, tree in zip(members, trees):
+            if tree is None:
+                continue
+            tree = tree.pruned(ks[i])
+            if all(p == j - 1 for j, p in enumerate(tree.parents)):
+                out.chains[i] = tree.tokens
+            else:
+                out.trees[i] = tree
+        return out
+
+    def _expand(self, seqs: list[Sequence], drafting: list[bool], depth: int, top_k: int,
                 budget: int) -> list[DraftTree | None]:
         """Trees (up to ``depth`` deep, ``budget`` nodes) for the ``drafting``
         rows of ``seqs`` (every EAGLE row of the batch, so the others catch up too).
@@ -179,7 +190,7 @@ class EagleProposer:
             new = mx.concatenate([inherited, own], axis=-1)
             ancestry = mx.concatenate([mx.pad(ancestry, [(0, 0), (0, 0), (0, top_k)]), new], axis=1)
             embeds = self.embed(mx.take_along_axis(tokens[-1], pick, axis=-1))
-            outputs, nodes = self.head.draft_step(parent_out, embeds, self.cache, level, nodes, new)
+            outputs, nodes = self.head.draft_step(parent_out, embeds, self.rows.cache.layers[0], level, nodes, new)
         tokens, parents, scores = (mx.concatenate(a, axis=1) for a in (tokens, parents, scores))
         mx.eval(tokens, parents, scores)
         tokens, parents, scores = tokens.tolist(), parents.tolist(), scores.tolist()

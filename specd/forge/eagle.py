@@ -42,11 +42,11 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ...forge.tokenizer import stdlib_sources
-from ...forge.train import TrainConfig, encode_corpus, lr_at, windows
-from .capture import FeatureCapture
-from .checkpoint import default_feature_layers, save_head
-from .head import EagleConfig, EagleHead, target_parts
+from ..spec.eagle.capture import FeatureCapture
+from ..spec.eagle.checkpoint import default_feature_layers, save_head
+from ..spec.eagle.head import EagleConfig, EagleHead, target_parts
+from .tokenizer import stdlib_sources
+from .train import TrainConfig, encode_corpus, lr_at, windows
 
 Log = Callable[[str], None]
 Loss = Callable[[EagleHead, mx.array, mx.array, mx.array], mx.array]

@@ -8,61 +8,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..spec.config import SpeculationConfig
-from .sampling import SamplingParams, make_key
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A tokenised request, as the HTTP layer hands it to an engine."""
-
-    request_id: str
-    prompt_tokens: list[int]
-    params: SamplingParams = SamplingParams()
-    max_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    speculation: SpeculationConfig | None = None  # None: the model's default
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass
-class SpecStats:
-    """A request's speculation so far: rounds with proposals, drafted and accepted tokens."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    method: str = "none"
-
-    def as_dict(self) -> dict:
-        return {
-            "method": self.method,
-            "rounds": self.rounds,
-            "draft_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
-            "mean_accepted_length": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
-        }
-
-
-@dataclass
-class StepOutput:
-    """What one engine step produced for one request (possibly several tokens)."""
-
-    text: str
-    tokens: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    spec: SpecStats | None = None  # set on the final output of a speculating request
+from .request import GenerationRequest, SpecStats, StepOutput, TokenLogprob
+from .sampling import SamplingParams, make_key, sample_rows
 
 
 class StopMatcher:
@@ -115,9 +62,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    ngram: object = None  # the n-gram proposer's index, made on first use
-    estimate: object = None  # the speculation controller's acceptance estimate
-    stats: SpecStats = field(default_factory=SpecStats)
+    stats: SpecStats = field(default_factory=SpecStats)  # its speculation, as the final output reports it
 
     def __post_init__(self) -> None:
         self.key = make_key(self.request.params.seed)
@@ -177,3 +122,12 @@ class Sequence:
             completion_tokens=len(self.tokens),
             spec=self.stats if self.finish_reason is not None and self._speculated() else None,
         )
+
+
+def sample_tokens(seqs: list[Sequence], logits: mx.array) -> list[int]:
+    """One token per row from (B, V) logits, with each row's settings and RNG."""
+    tokens, keys, _ = sample_rows(logits, [s.params for s in seqs], [s.key for s in seqs])
+    mx.eval(tokens, keys)
+    for seq, key in zip(seqs, keys):
+        seq.key = key
+    return tokens.tolist()

@@ -40,3 +40,22 @@ def load_tokenizer(source: str):
                      allow_patterns=["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"])
     config = json.loads((path / "config.json").read_text())
     return mlx_lm_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+def load_draft_model(source: str, target: nn.Module, target_tokenizer, pairing: str) -> nn.Module:
+    """A DraftPairing's draft model, refused unless its tokens mean the same as the target's."""
+    draft, draft_tokenizer = load_model(source)
+    check_draft_pair(target, target_tokenizer, draft, draft_tokenizer, pairing)
+    return draft
+
+
+def check_draft_pair(target: nn.Module, target_tokenizer, draft: nn.Module, draft_tokenizer, pairing: str) -> None:
+    """Refuse a draft whose tokens do not mean the same as the target's."""
+    tv, dv = target.args.vocab_size, draft.args.vocab_size
+    if tv != dv:
+        raise ValueError(f"DraftPairing {pairing}: draft vocabulary has {dv} tokens, the target's {tv}")
+    if set(target_tokenizer.eos_token_ids) != set(draft_tokenizer.eos_token_ids):
+        raise ValueError(f"DraftPairing {pairing}: draft EOS ids {sorted(draft_tokenizer.eos_token_ids)} "
+                         f"differ from the target's {sorted(target_tokenizer.eos_token_ids)}")
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError(f"DraftPairing {pairing}: draft and target tokenizers differ")

@@ -1,0 +1,93 @@
+"""What a request asks of an engine and what it gets back, as plain data
+shared by the HTTP layer, the scheduler and speculation."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .sampling import SamplingParams
+
+
+class Method(enum.StrEnum):
+    """How proposals are made; a member equals (and serialises as) its string."""
+
+    NONE = "none"
+    NGRAM = "ngram"
+    DRAFT = "draft"
+    EAGLE = "eagle"
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """``method``; k proposals per round (an EAGLE tree's depth); n-gram
+    match lengths; EAGLE tree shape (``tree_top_k`` 1 drafts a chain; else
+    each expansion keeps that many children and the tree is cut to
+    ``tree_tokens`` nodes)."""
+
+    method: Method = Method.NONE
+    num_speculative_tokens: int = 3
+    ngram_min: int = 1
+    ngram_max: int = 4
+    tree_top_k: int = 1
+    tree_tokens: int = 16
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != Method.NONE and self.num_speculative_tokens > 0
+
+
+NO_SPECULATION = SpeculationConfig()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A tokenised request, as the HTTP layer hands it to an engine."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams = SamplingParams()
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    speculation: SpeculationConfig | None = None  # None: the model's default
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class SpecStats:
+    """A request's speculation so far: rounds with proposals, drafted and accepted tokens."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    method: Method = Method.NONE
+
+    def as_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "rounds": self.rounds,
+            "draft_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "mean_accepted_length": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
+        }
+
+
+@dataclass
+class StepOutput:
+    """What one engine step produced for one request (possibly several tokens)."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    spec: SpecStats | None = None  # set on the final output of a speculating request

@@ -1,0 +1,70 @@
+"""What serves a Model, as the control plane and the HTTP routes see it.
+
+A local ``Engine`` (one process) and a tensor-parallel group's client
+(``dist.group.GroupClient``, whose engine runs in rank processes) both
+implement it; the registry, the reconciler and the server use nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+import mlx.nn as nn
+
+from ..core.request import GenerationRequest, StepOutput
+from ..core.request import Method, SpeculationConfig
+from ..spec.config import PolicySettings
+
+
+class ServingEngine(Protocol):
+    name: str
+    tokenizer: object  # mlx-lm's TokenizerWrapper: the HTTP layer renders and tokenizes with it
+    failure: str | None  # set when the engine can no longer serve (a group lost a rank)
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        """The model's default speculation (its DraftPairing's)."""
+
+    @property
+    def drafter(self) -> Method | None:
+        """The attached drafter's method (a draft model or an EAGLE head), if any."""
+
+    @property
+    def drafter_module(self) -> nn.Module | None:
+        """The attached draft model or EAGLE head, to keep when only a pairing's settings change."""
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    def check_prompt(self, request: GenerationRequest) -> None:
+        """Raise RequestRejected if the request can never be served as asked."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        """Serve one request: its outputs until the last (cancelled if the consumer stops)."""
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish within ``grace``, then stop."""
+
+    def set_policy(self, policy: PolicySettings | None, name: str | None) -> None: ...
+
+    def load_drafter(self, method: Method, source: str, pairing: str) -> nn.Module:
+        """Load (blocking) a pairing's drafter, checked against this target."""
+
+    def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
+        """Attach, change or detach the pairing between steps."""
+
+    def speculation_status(self) -> dict: ...
+
+    def group_status(self) -> dict | None:
+        """A tensor-parallel group's ranks and progress (None for a local engine)."""
+
+    def exported_metrics(self) -> str | None:
+        """Prometheus text of series kept outside the daemon's registry (a group's rank 0)."""

@@ -1,0 +1,259 @@
+"""The continuous-batching scheduler: one model, many requests, one step at a time.
+
+Every step admits waiting requests, runs one bounded chunk of prompt prefill
+for newcomers, then one decode round for the running batch, and hands each
+request its new tokens.  Requests join and leave the batch only between
+steps, so each step is a plain batched forward over left-padded rows.  The
+decode round belongs to speculation (``Speculator.round``): the scheduler
+decides who is in the batch, the speculator how many tokens each row gets.
+
+The scheduler is driven by a thread that owns it: a local ``Engine``, or a
+rank of a tensor-parallel group, which feeds every rank the same inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.batch import RunningBatch
+from ..core.cache import RowCache, make_row_cache
+from ..core.sampling import SamplingParams
+from ..core.request import GenerationRequest, StepOutput, TokenLogprob
+from ..core.sequence import Sequence, sample_tokens
+from ..metrics import Metrics
+from ..core.request import Method, SpeculationConfig
+from ..spec.speculator import Speculator
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16
+    max_waiting: int = 64
+    prefill_step_tokens: int = 512
+    max_context: int | None = None
+
+
+@dataclass
+class StepInputs:
+    """What reaches the scheduler between two steps."""
+
+    arrivals: list[Sequence] = field(default_factory=list)
+    cancelled: set[str] = field(default_factory=set)
+    updates: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass
+class _PrefillGroup:
+    """Newcomers whose prompts are being prefilled together, chunk by chunk."""
+
+    seqs: list[Sequence]
+    tokens: mx.array  # (B, L) left-padded prompts
+    cache: RowCache
+    done: int = 0
+
+
+class Scheduler:
+    """The engine thread's state: waiting requests, the prefill group and the running batch."""
+
+    def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig, metrics: Metrics,
+                 speculation: SpeculationConfig, drafter: nn.Module | None):
+        self.name = name
+        self.model = model
+        self.config = config
+        self.metrics = metrics
+        self.eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.max_context = model_context(model, config.max_context)
+        self.vocab_size = model.args.vocab_size
+        self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, speculation, drafter)
+        self._detokenizer = tokenizer.detokenizer
+        self.waiting: deque[Sequence] = deque()
+        self.prefill: _PrefillGroup | None = None
+        self.batch = RunningBatch()
+
+    def sequence(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> Sequence:
+        return Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
+                        eos_ids=self.eos_ids, max_total_tokens=self.max_context)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefill or self.batch)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.batch) + (len(self.prefill.seqs) if self.prefill else 0)
+
+    def step(self, inputs: StepInputs) -> None:
+        self.waiting.extend(inputs.arrivals)
+        for update in inputs.updates:
+            update()
+        if inputs.cancelled:
+            self._drop_cancelled(inputs.cancelled)
+        self._admit()
+        self._update_gauges()
+        if self.prefill is not None:
+            self._prefill_chunk()
+        if self.batch:
+            self.speculator.round(self.batch, self._emit)
+            self._leave(self.batch.keep([i for i, s in enumerate(self.batch.seqs) if s.finish_reason is None]))
+        self._update_gauges()
+
+    def fail_all(self, message: str, also: list[Sequence] = ()) -> None:
+        """End every request (and ``also``, arrivals not yet stepped) with ``message``."""
+        seqs = list(self.waiting) + list(self.batch.seqs) + (self.prefill.seqs if self.prefill else []) + list(also)
+        self.waiting.clear()
+        self.prefill = None
+        self.batch = RunningBatch()
+        self._leave(seqs)
+        for seq in seqs:
+            self.metrics.request_failure.labels(self.name, "engine_error").inc()
+            seq.emit(StepOutput(text="", tokens=[], logprobs=None, error=message,
+                                prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens)))
+        self._update_gauges()
+
+    def _leave(self, seqs: list[Sequence]) -> None:
+        if seqs:
+            self.speculator.release(seqs)
+
+    def _update_gauges(self) -> None:
+        self.metrics.requests_waiting.labels(self.name).set(len(self.waiting))
+        self.metrics.requests_running.labels(self.name).set(
+            len(self.batch) + (len(self.prefill.seqs) if self.prefill else 0))
+
+    def _drop_cancelled(self, ids: set[str]) -> None:
+        """Requests whose client went away leave now, counted as ``abort`` like vLLM."""
+        aborted = [s for s in self.waiting if s.request.request_id in ids]
+        self.waiting = deque(s for s in self.waiting if s.request.request_id not in ids)
+        if self.prefill is not None:
+            for s in self.prefill.seqs:
+                if s.request.request_id in ids and not s.cancelled:
+                    s.cancelled = True
+                    aborted.append(s)
+        left = self.batch.keep([i for i, s in enumerate(self.batch.seqs) if s.request.request_id not in ids])
+        self._leave(left)
+        for _ in aborted + left:
+            self.metrics.request_success.labels(self.name, "abort").inc()
+
+    def _admit(self) -> None:
+        """Start prefilling as many waiting requests as the batch has room for."""
+        room = self.config.max_batch_size - len(self.batch)
+        if self.prefill is not None or room <= 0 or not self.waiting:
+            return
+        seqs = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        now = time.monotonic()
+        for s in seqs:
+            self.metrics.queue_time.labels(self.name).observe(now - s.arrival)
+        width = max(len(s.prompt) for s in seqs)
+        padding = [width - len(s.prompt) for s in seqs]
+        tokens = mx.array([[0] * p + s.prompt for p, s in zip(padding, seqs)])
+        self.prefill = _PrefillGroup(seqs, tokens, make_row_cache(self.model, padding))
+
+    def _prefill_chunk(self) -> None:
+        """Run one bounded chunk of the prefill group; on its last chunk the
+        group samples its first tokens and joins the running batch."""
+        group = self.prefill
+        width = group.tokens.shape[1]
+        chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
+        end = min(width, group.done + chunk)
+        logits = self.model(group.tokens[:, group.done:end], cache=group.cache.layers)
+        self.speculator.prefilled(group.seqs, group.done, end, [width - len(s.prompt) for s in group.seqs])
+        group.done = end
+        if end < width:
+            mx.eval(group.cache.state)
+            return
+        self.prefill = None
+        self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
+        tokens = sample_tokens(group.seqs, logits[:, -1, :])
+        self._emit(group.seqs, logits[:, -1:, :], [[t] for t in tokens])
+        keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
+        self._leave([s for i, s in enumerate(group.seqs) if i not in keep])
+        if not keep:
+            return
+        if len(keep) < len(group.seqs):
+            group.cache.select(keep)
+        self.batch.extend([group.seqs[i] for i in keep], group.cache, [tokens[i] for i in keep])
+
+    def _emit(self, seqs: list[Sequence], logits: mx.array, emitted: list[list[int]]) -> None:
+        """Hand each sequence its new tokens; ``logits[b, j]`` produced ``emitted[b][j]``."""
+        reported = _report_logprobs(logits, emitted, [s.params for s in seqs])
+        now = time.monotonic()
+        for i, seq in enumerate(seqs):
+            self._deliver(seq, emitted[i], reported.get(i), now)
+
+    def _deliver(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> None:
+        out = seq.accept(tokens, logprobs)
+        m, name = self.metrics, self.name
+        m.generation_tokens.labels(name).inc(len(out.tokens))
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            m.time_to_first_token.labels(name).observe(now - seq.arrival)
+        else:
+            m.inter_token_latency.labels(name).observe((now - seq.last_token_at) / max(1, len(out.tokens)))
+        seq.last_token_at = now
+        if out.finish_reason is not None:
+            m.request_success.labels(name, out.finish_reason).inc()
+            m.e2e_latency.labels(name).observe(now - seq.arrival)
+            m.request_prompt_tokens.labels(name).observe(len(seq.prompt))
+            m.request_generation_tokens.labels(name).observe(len(seq.tokens))
+        if not seq.cancelled:
+            seq.emit(out)
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked; ``field`` names what is wrong."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_request(request: GenerationRequest, model: str, drafter: Method | None, max_context: int) -> None:
+    """Raise RequestRejected if the request can never be served as asked."""
+    spec = request.speculation
+    if spec is not None and spec.method in (Method.DRAFT, Method.EAGLE) and drafter != spec.method:
+        what = "draft model" if spec.method == Method.DRAFT else "EAGLE head"
+        raise RequestRejected(f"model {model!r} has no {what}; declare a DraftPairing "
+                              f"with method: {spec.method}, or ask for ngram", "speculation.method")
+    if not request.prompt_tokens:
+        raise RequestRejected("prompt is empty", "prompt")
+    if len(request.prompt_tokens) >= max_context:
+        raise RequestRejected(
+            f"prompt has {len(request.prompt_tokens)} tokens; this model's context "
+            f"window is {max_context} tokens", "prompt")
+
+
+def _report_logprobs(logits: mx.array, emitted: list[list[int]],
+                     params: list[SamplingParams]) -> dict[int, list[TokenLogprob]]:
+    """Log-probabilities of the emitted tokens (and the top alternatives) under
+    the model's own distribution, as OpenAI's ``logprobs`` reports them."""
+    rows = [i for i, p in enumerate(params) if p.logprobs]
+    if not rows:
+        return {}
+    raw = logits[mx.array(rows)].astype(mx.float32)
+    raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    out: dict[int, list[TokenLogprob]] = {}
+    for r, i in enumerate(rows):
+        n = params[i].top_logprobs
+        items = []
+        for j, token in enumerate(emitted[i]):
+            row = raw[r, j]
+            top: tuple[tuple[int, float], ...] = ()
+            if n > 0:
+                ids = mx.argsort(-row)[:n]
+                top = tuple(zip(ids.tolist(), row[ids].tolist()))
+            items.append(TokenLogprob(token, row[token].item(), top))
+        out[i] = items
+    return out
+
+
+def model_context(model: nn.Module, configured: int | None) -> int:
+    """The context window: the manifest's limit, else the model's own."""
+    args = getattr(model, "args", None)
+    native = getattr(args, "max_position_embeddings", None) or 4096
+    return min(configured, native) if configured else native
