@@ -67,7 +67,9 @@ class RowCache(Protocol):
 
     layers: list
 
-    def __len__(self) -> int: ...
+    @property
+    def state(self) -> list:
+        """Every array the cache holds (evaluated after a prefill chunk)."""
 
     def rollback(self, rejected: list[int]) -> None: ...
 
@@ -177,9 +179,6 @@ class KVRowCache:
 
     def __init__(self, layers: list[SpeculativeKVCache]):
         self.layers = layers
-
-    def __len__(self) -> int:
-        return self.layers[0].offset.shape[0]
 
     def rollback(self, rejected: list[int]) -> None:
         if any(rejected):
