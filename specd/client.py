@@ -15,8 +15,7 @@ from typing import Any
 
 import yaml
 
-from .api.manifest import ManifestError, parse_documents
-from .control.store import SERVER_ANNOTATIONS, SOURCE_ANNOTATION
+from .api.manifest import SERVER_ANNOTATIONS, SOURCE_ANNOTATION, ManifestError, parse_documents
 
 KIND_NAMES = {
     "Model": ("model", "models", "mo"),

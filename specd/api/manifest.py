@@ -297,6 +297,10 @@ def _string_map(obj: Any, path: str) -> dict[str, str]:
 
 # Set by the server; accepted back (``get -o yaml | apply``), never taken from clients.
 SERVER_METADATA = ("uid", "generation", "resourceVersion", "creationTimestamp")
+SOURCE_ANNOTATION = "specd.dev/source-file"  # the watched manifest file that owns the object
+# Annotations the daemon writes and clients do not, as Kubernetes keeps managedFields:
+# a client's apply neither sets, changes nor removes them (nor does ``specd diff`` show them).
+SERVER_ANNOTATIONS = frozenset({SOURCE_ANNOTATION})
 KINDS_WITH_SOURCE = ("Model", "DraftPairing")
 
 

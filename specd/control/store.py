@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..api.manifest import SERVER_ANNOTATIONS
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
     kind TEXT NOT NULL,
@@ -45,10 +47,6 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 INSERT OR IGNORE INTO counters VALUES ('resourceVersion', 0);
 """
 MAX_EVENTS_PER_OBJECT = 50
-SOURCE_ANNOTATION = "specd.dev/source-file"  # the watched manifest file that owns the object
-# Annotations the daemon writes and clients do not, as Kubernetes keeps managedFields:
-# a client's apply neither sets, changes nor removes them (nor does ``specd diff`` show them).
-SERVER_ANNOTATIONS = frozenset({SOURCE_ANNOTATION})
 
 
 class Conflict(Exception):

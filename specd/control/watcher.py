@@ -1,7 +1,7 @@
 """``--manifests DIR``: files own the objects they declare, and the store follows them.
 
 Each object applied from a file carries the annotation ``specd.dev/source-file``,
-which only this watcher writes (``store.SERVER_ANNOTATIONS``): a client's apply of
+which only this watcher writes (``api.manifest.SERVER_ANNOTATIONS``): a client's apply of
 the same object keeps it, and ``specd diff`` leaves it out.
 Adding or editing a file applies its objects (all or none); objects the file
 no longer declares, or whose file is gone, are deleted.  A file that does not
@@ -16,8 +16,8 @@ from pathlib import Path
 import structlog
 from watchfiles import awatch
 
-from ..api.manifest import ManifestError, parse_documents
-from .store import SOURCE_ANNOTATION, Conflict, Store
+from ..api.manifest import SOURCE_ANNOTATION, ManifestError, parse_documents
+from .store import Conflict, Store
 
 log = structlog.get_logger(__name__)
 MANIFEST_SUFFIXES = (".yaml", ".yml")
