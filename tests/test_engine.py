@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from conftest import run_engine
-from specd.engine.engine import Engine, EngineOverloaded
-from specd.core.sampling import SamplingParams
+from conftest import code_sample, run_engine
 from specd.core.request import GenerationRequest
+from specd.core.sampling import SamplingParams
+from specd.engine.engine import Engine, EngineOverloaded
+from specd.spec.hooks import hook, unhook
 
 GREEDY = SamplingParams(temperature=0)
 _ids = itertools.count()
@@ -39,8 +41,7 @@ def with_engine(target, fn, **config):
 
 
 def prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    text = open(__file__).read()
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode(code_sample("engine"))
     return [ids[i * 7: i * 7 + length + i * 5] for i in range(n)]
 
 
@@ -97,3 +98,63 @@ def test_waiting_queue_is_bounded(target):
 
     finish, queued = with_engine(target, go, max_batch_size=1, max_waiting=2)
     assert finish == "length" and [r[2] for r in queued] == ["length", "length"]
+
+
+def test_an_engine_fault_fails_its_requests_and_the_engine_keeps_serving(target):
+    """A fault in the step that samples a prefill group's first tokens (the
+    group has left the prefill and not yet joined the batch) fails those
+    requests instead of leaving them waiting, and the next request is served."""
+    model, tokenizer = target
+    prompt = prompts(tokenizer, 1, 8)[0]
+    # lazy, on this thread's stream: the engine thread cannot evaluate it (what
+    # an array built at load time in another thread does)
+    poisoned = mx.zeros((1,)) + 1
+    faults = [True]
+
+    def around(call, *args, **kwargs):
+        out = call(*args, **kwargs)
+        return out + poisoned if faults and faults.pop() else out
+
+    async def go(engine):
+        request = GenerationRequest("faulty", prompt, GREEDY, 4)
+        outputs = await asyncio.wait_for(_collect(engine.generate(request)), 30)
+        return outputs[-1], await asyncio.wait_for(run(engine, prompt, 4), 30)
+
+    hook(model, around)
+    try:
+        failed, (tokens, _, finish) = with_engine(target, go)
+    finally:
+        unhook(model, around)
+    assert failed.error and "engine error" in failed.error and not faults
+    assert finish == "length" and len(tokens) == 4
+
+
+async def _collect(outputs):
+    return [out async for out in outputs]
+
+
+def test_a_model_that_builds_arrays_at_load_time_serves_from_the_engine_thread(forged, tmp_path):
+    """Llama 3 RoPE scaling computes its frequencies when the model is built
+    (arrays that are not parameters): ``load_model`` evaluates them, so the
+    engine thread can run the model; its greedy output is mlx-lm's."""
+    import json
+    import shutil
+
+    from mlx_lm.generate import generate_step
+
+    from specd.core.loader import load_model
+
+    shutil.copytree(forged / "target", tmp_path / "llama3")
+    config_path = tmp_path / "llama3" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    config_path.write_text(json.dumps(config))
+    model, tokenizer = load_model(str(tmp_path / "llama3"))
+    prompt = prompts(tokenizer, 1, 12)[0]
+
+    async def go(engine):
+        return await asyncio.wait_for(run(engine, prompt, 16), 60)
+    tokens, _, finish = run_engine(model, tokenizer, go)  # first: the reference would evaluate them here
+    reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
+    assert tokens == reference and finish == "length"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 
@@ -28,7 +30,17 @@ def resolve_source(source: str) -> str:
 def load_model(source: str) -> tuple[nn.Module, object]:
     """Load a model with mlx-lm.  Local paths must exist; anything else is a
     Hugging Face repo id that mlx-lm downloads (what Mac users serve)."""
-    return mlx_lm_load(resolve_source(source))
+    model, tokenizer = mlx_lm_load(resolve_source(source))
+    materialize(model)
+    return model, tokenizer
+
+
+def materialize(module: nn.Module) -> None:
+    """Evaluate every array the module holds, parameters or not (llama3-scaled
+    RoPE frequencies, say): an array left lazy belongs to the stream of the
+    thread that built it, and the engine thread that runs the model cannot
+    evaluate it."""
+    mx.eval([value for _, value in tree_flatten(module) if isinstance(value, mx.array)])
 
 
 def load_tokenizer(source: str):

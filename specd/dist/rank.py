@@ -32,7 +32,7 @@ import structlog
 from mlx.utils import tree_flatten
 from prometheus_client import generate_latest
 
-from ..core.loader import load_model, resolve_source
+from ..core.loader import load_model, materialize, resolve_source
 from ..core.sequence import Sequence
 from ..engine.engine import Engine
 from ..engine.scheduler import EngineConfig, StepInputs
@@ -160,6 +160,7 @@ def load_shard(source: str, group: mx.distributed.Group):
     from mlx_lm.utils import sharded_load
 
     model, tokenizer = sharded_load(resolve_source(source), tensor_group=group)
+    materialize(model)
     return model, tokenizer
 
 

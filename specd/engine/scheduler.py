@@ -167,10 +167,10 @@ class Scheduler:
         if end < width:
             mx.eval(group.cache.state)
             return
-        self.prefill = None
         self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
         tokens = sample_tokens(group.seqs, logits[:, -1, :])
         self._emit(group.seqs, logits[:, -1:, :], [[t] for t in tokens])
+        self.prefill = None  # only now: until the group joins the batch, a fault must still find it
         keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
         self._leave([s for i, s in enumerate(group.seqs) if i not in keep])
         if not keep:

@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...core.loader import resolve_source
+from ...core.loader import materialize, resolve_source
 from .head import EagleConfig, EagleHead
 
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"  # what SafeAILab's EAGLE-1 configs say
@@ -68,7 +68,7 @@ def load_head(source: str | Path, target: nn.Module) -> EagleHead:
     head.load_weights(list(weights.items()))
     head.eval()
     head.freeze()
-    mx.eval(head.parameters())
+    materialize(head)
     return head
 
 
