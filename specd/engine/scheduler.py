@@ -104,9 +104,9 @@ class Scheduler:
             self._leave(self.batch.keep([i for i, s in enumerate(self.batch.seqs) if s.finish_reason is None]))
         self._update_gauges()
 
-    def fail_all(self, message: str, also: list[Sequence] = ()) -> None:
+    def fail_all(self, message: str, also: list[Sequence] | None = None) -> None:
         """End every request (and ``also``, arrivals not yet stepped) with ``message``."""
-        seqs = list(self.waiting) + list(self.batch.seqs) + (self.prefill.seqs if self.prefill else []) + list(also)
+        seqs = list(self.waiting) + list(self.batch.seqs) + (self.prefill.seqs if self.prefill else []) + (also or [])
         self.waiting.clear()
         self.prefill = None
         self.batch = RunningBatch()

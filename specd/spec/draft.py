@@ -142,7 +142,7 @@ class DraftModelProposer:
                 row.pending = [row.drafted[k - 1], token] if a == k else [token]
                 row.drafting = False
                 continue
-            rejected.append(k - 1 if k else 0)
+            rejected.append(max(k - 1, 0))
             row.pending = (row.pending if not k else []) + outcome.emitted[i]
         if k:
             self.rows.cache.rollback(rejected)
