@@ -47,6 +47,8 @@ class Metrics:
         self.request_failure = Counter(
             "specd_request_failure", "Requests that ended with an engine error or were rejected.",
             m + ["reason"], registry=r)
+        self.engine_faults = Counter(
+            "specd_engine_faults", "Engine steps that raised: their requests got errors.", m, registry=r)
         self.prompt_tokens = Counter(
             "specd_prompt_tokens", "Prefilled prompt tokens.", m, registry=r)
         self.generation_tokens = Counter(
@@ -124,6 +126,7 @@ class Metrics:
         self.model_weight_bytes.labels(name).set(weight_bytes)
         for reason in FAILURE_REASONS:
             self.request_failure.labels(name, reason)
+        self.engine_faults.labels(name)
 
     def forget_model(self, name: str) -> None:
         """A deleted model leaves no readiness or weight series behind (its

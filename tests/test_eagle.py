@@ -101,7 +101,7 @@ def test_requests_asking_for_eagle_need_a_head(target, prompts):
 def test_draft_steps_see_the_context_and_their_own_ancestors_only(target, version):
     """Siblings share a position, and a node's output is the head's causal
     output over the context followed by its own branch."""
-    from specd.core.cache import SpeculativeKVCache
+    from specd.core.kv import SpeculativeKVCache
 
     head = head_for(target[0], version)
     H = head.config.hidden_size

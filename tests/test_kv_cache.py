@@ -7,7 +7,8 @@ import random
 import mlx.core as mx
 import numpy as np
 
-from specd.core.cache import KVRowCache, SpeculativeKVCache
+from specd.core.cache import BatchRowCache
+from specd.core.kv import SpeculativeKVCache
 
 
 def live_keys(cache: SpeculativeKVCache, row: int) -> np.ndarray:
@@ -40,7 +41,7 @@ def test_random_rollbacks_match_a_reference_of_kept_tokens():
         block = np.array(new, dtype=np.float32)[:, None, :, None]
         cache.update_and_fetch(mx.array(block), mx.array(block))
         rejected = [rng.randint(0, width - 1) for _ in lengths]
-        KVRowCache([cache]).rollback(rejected)
+        BatchRowCache([cache]).rollback(rejected)
         for b, r in enumerate(rejected):
             kept[b] += new[b][: width - r]
         for b in range(3):
@@ -53,3 +54,42 @@ def test_random_rollbacks_match_a_reference_of_kept_tokens():
     for b in range(3):
         lp = int(np.array(cache.left_padding)[b])
         assert np.array(cache.keys[b, 0, lp: cache._idx, 0]).tolist() == kept[b]
+
+
+def test_sliding_window_sees_the_last_positions_through_rollbacks_and_evictions():
+    """A windowed cache: after any mix of rejected tails (holes) and
+    evictions, each new token sees exactly the ``window`` newest kept tokens
+    of its row, itself included, and memory stays bounded."""
+    rng = random.Random(1)
+    window, lengths = 6, [2, 9, 5]
+    cache = SpeculativeKVCache([9 - n for n in lengths], window=window)
+    rows = BatchRowCache([cache])
+    counter = iter(range(1, 10**6))
+    kept: list[list[float]] = [[] for _ in lengths]
+    prompts = [[float(next(counter)) for _ in range(n)] for n in lengths]
+    block = np.zeros((3, 1, 9, 1), dtype=np.float32)
+    for b, p in enumerate(prompts):
+        block[b, 0, 9 - len(p):, 0] = p
+        kept[b] += p
+    cache.update_and_fetch(mx.array(block), mx.array(block))
+    widest = 0
+    for step in range(120):
+        if cache.needs_eviction():
+            cache.evict()
+        width = rng.randint(1, 4)
+        mask = np.array(cache.make_mask(width, return_array=True))  # (B, 1, width, _idx + width)
+        keys = np.array(cache.keys[:, 0, : cache._idx, 0])
+        new = [[float(next(counter)) for _ in range(width)] for _ in lengths]
+        for b in range(3):
+            for j in range(width):
+                seen = keys[b][mask[b, 0, j, : cache._idx]].tolist() + [new[b][i] for i in range(width)
+                                                                         if mask[b, 0, j, cache._idx + i]]
+                assert seen == (kept[b] + new[b][: j + 1])[-window:], (step, b, j)
+        cache.update_and_fetch(mx.array(np.array(new, dtype=np.float32)[:, None, :, None]),
+                               mx.array(np.array(new, dtype=np.float32)[:, None, :, None]))
+        rejected = [rng.randint(0, width - 1) for _ in lengths]
+        rows.rollback(rejected)
+        for b, r in enumerate(rejected):
+            kept[b] += new[b][: width - r]
+        widest = max(widest, cache._idx)
+    assert widest <= 2 * window + SpeculativeKVCache.EVICT_SLACK + 4

@@ -103,6 +103,7 @@ class Reconciler:
             self._reconcile_model(obj, spec, pairing, topologies)
             served = self.registry.models.get(name)
             if served is not None and served.engine is not None:
+                self._note_faults(served)
                 if spec.topology_ref is None:  # a group's pairing is part of its placement
                     self._reconcile_pairing(served, pairing)
                 self._reconcile_policy(served, obj, policy_specs)
@@ -147,6 +148,14 @@ class Reconciler:
             served.phase = Phase.LOADING
         served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement))
 
+    def _note_faults(self, served: ServedModel) -> None:
+        """An event for every engine fault since the last pass (the engine recovers by itself)."""
+        engine = served.engine
+        if engine.faults > served.faults_seen:
+            self.store.record_event("Model", served.name, "Warning", "EngineFault",
+                                    f"{engine.faults - served.faults_seen} failed step(s); last: {engine.fault}")
+            served.faults_seen = engine.faults
+
     def _check_group(self, served: ServedModel) -> None:
         """A failed tensor-parallel group: stop routing to it and schedule a restart (with backoff)."""
         group = served.engine
@@ -170,7 +179,7 @@ class Reconciler:
         self.store.record_event("Model", served.name, "Normal", "Loading", f"loading {spec.source}")
         try:
             if topology is None:
-                built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing)
+                built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing, self.trigger)
             else:
                 if served.engine is not None:
                     old, served.engine, served.phase = served.engine, None, Phase.LOADING
@@ -196,7 +205,7 @@ class Reconciler:
         old = served.engine
         served.engine, served.spec, served.generation = built.engine, spec, generation
         served.phase, served.reason, served.loading_generation = Phase.READY, "", None
-        served.placement, served.retry_at = placement, None
+        served.placement, served.retry_at, served.faults_seen = placement, None, 0
         served.load_seconds, served.weight_bytes = time.monotonic() - started, built.weight_bytes
         served.pairing, served.pairing_error, served.policy = pairing, built.pairing_error, None
         if built.pairing_error:
@@ -312,8 +321,10 @@ class Reconciler:
         status: dict[str, Any] = {
             "observedGeneration": obj.generation, "phase": served.phase.value,
             "conditions": [condition("Ready", ready, reason, message, obj.generation, obj.status)]}
+        status["conditions"].append(self._degraded(obj, served))
+        if served.engine is not None and served.engine.faults:
+            status["faults"] = served.engine.faults
         if served.spec.topology_ref is not None:
-            status["conditions"].append(self._degraded(obj, served))
             running = served.engine.group_status() if served.engine is not None else None
             status["group"] = {"topology": served.spec.topology_ref, "restarts": served.restarts,
                                "lastFailure": served.last_failure or None,
@@ -336,7 +347,14 @@ class Reconciler:
 
     @staticmethod
     def _degraded(obj: StoredObject, served: ServedModel) -> dict[str, Any]:
-        """A tensor-parallel model is Degraded while its group is down and being restarted."""
+        """A model is Degraded while its last engine step failed (until one
+        succeeds), a tensor-parallel one while its group is down and being restarted."""
+        if served.spec.topology_ref is None:
+            fault = served.engine.fault if served.engine is not None else None
+            if fault is not None:
+                return condition("Degraded", True, "EngineFault", fault, obj.generation, obj.status)
+            return condition("Degraded", False, "Serving", "no engine fault since the last successful step",
+                             obj.generation, obj.status)
         down = served.engine is None and served.retry_at is not None
         if down:
             return condition("Degraded", True, "GroupFailed", served.reason, obj.generation, obj.status)

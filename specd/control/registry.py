@@ -87,6 +87,7 @@ class ServedModel:
     placement: tuple | None = None
     restarts: int = 0
     last_failure: str = ""
+    faults_seen: int = 0  # engine faults already reported as events
     retry_at: float | None = None
 
 
@@ -105,23 +106,24 @@ class Built:
     pairing_error: str = ""  # the pairing could not be attached; the model serves without it
 
 
-def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None) -> Built:
+def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None,
+                 on_fault: Callable[[], None] | None = None) -> Built:
     """Load weights (and the pairing's drafter) and build an engine ready to start.
 
     A drafter that fails to load or does not match fails the pairing, not the model.
     """
-    model, tokenizer = load_model(spec.source)
+    model, tokenizer = load_model(spec.source, spec.revision)
     config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     if pairing is None:
-        return Built(Engine(name, model, tokenizer, config, metrics), weights)
+        return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights)
     try:
         drafter = None if pairing.method == Method.NGRAM else load_drafter(
             pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
     except Exception as exc:
-        return Built(Engine(name, model, tokenizer, config, metrics), weights, f"{type(exc).__name__}: {exc}")
-    return Built(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter), weights)
+        return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights, f"{type(exc).__name__}: {exc}")
+    return Built(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter, on_fault), weights)
 
 
 async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairing: Pairing | None,

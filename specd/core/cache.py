@@ -1,4 +1,4 @@
-"""The per-row cache protocol, and its implementation over KV caches.
+"""The per-row cache protocol, over every cache kind mlx-lm's models use.
 
 A continuous batch decodes sequences of different lengths together, and
 speculation keeps a different number of proposed tokens in every row, so
@@ -7,11 +7,16 @@ speaks one protocol (``RowCache``): the model's forward appends columns to
 every row, then each row rolls back or forgets its own rejected columns, and
 rows are selected and merged as sequences leave and join.
 
-Rows of a KV cache are left-padded (mlx-lm's ``BatchKVCache`` convention):
-the newest token of every sequence sits at the same column, the mask hides
-each row's padding, and RoPE positions come from each row's own offset.
-Per-row rollback is exact: a row's rejected tail is hidden from attention and
-positions, and later squeezed out into left padding (``SpeculativeKVCache``).
+``BatchRowCache`` implements it over a model's own layer caches, batched:
+
+- attention (``KVCache``) and sliding-window attention (``RotatingKVCache``)
+  become ``SpeculativeKVCache`` rows (``core.kv``): rollback hides columns;
+- recurrent state (``ArraysCache``: Mamba SSM and conv states, gated delta
+  nets, short convs) stays mlx-lm's ``ArraysCache``, which batches and masks
+  padding itself but has no columns to hide: the state before a provisional
+  forward is kept, and rollback restores it and re-advances each row over its
+  accepted tokens only;
+- ``CacheList`` (Falcon-H1) holds one of each, and each member follows its kind.
 """
 
 from __future__ import annotations
@@ -22,20 +27,23 @@ from typing import Iterator, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+
+from .kv import SpeculativeKVCache
 
 
 class RowCache(Protocol):
     """A model's batched cache, every layer, one row per sequence.
 
-    ``layers`` is what the model's forward takes as ``cache=``; the forward
-    appends the same number of columns to every row.  After it:
+    ``forward(model, inputs, provisional)`` runs the model over it, appending
+    the same number of columns to every row; a ``provisional`` forward's
+    columns may be rolled back.  After it:
 
     - ``rollback(rejected)`` drops row b's last ``rejected[b]`` columns, so
       each row holds exactly its accepted tokens and no row is cut short
       because of another;
     - ``forget(drop)`` drops any of the last columns per row (a draft tree
-      keeps one path of its nodes);
+      keeps one path of its nodes; ``chains_only`` caches cannot);
     - ``select(rows)`` keeps and reorders rows, ``merge(other)`` appends
       another cache's rows (a sequence leaves or joins between steps);
     - ``compact()`` squeezes out what rollback only hid, ``settle()``
@@ -43,33 +51,16 @@ class RowCache(Protocol):
       for it;
     - ``tree_attention(ancestry)`` restricts the next forward's new columns
       to their ancestors (draft trees).
-
-    How each mlx-lm cache kind satisfies it:
-
-    - KV (``SpeculativeKVCache``): rollback trims the columns every row drops
-      and hides the rest as holes (masked, skipped by positions) until
-      ``compact`` gathers them out.
-    - Rotating window (sliding-window attention, ``keep`` sink tokens): the
-      ring holds ``window + k_max`` slots, so writing a round's k + 1 columns
-      never evicts a column that a rejected proposal's replacement still
-      attends to; rollback moves each row's write position back and hides
-      the rejected slots, the mask applies the window per row.
-    - Recurrent state (SSM, gated delta net, short convs): there are no
-      columns to hide, so rollback must return each row to the state after
-      its last accepted token: the forward records the state after every
-      verified position (or the state before it, and rollback re-advances
-      the accepted tokens), and rollback picks row b's state at its accepted
-      length; conv states are a tiny rotating window.  ``forget`` of inner
-      columns and ``tree_attention`` have no meaning there: such models
-      verify chains only.
-    - ``CacheList``: each member follows its own kind.
     """
 
     layers: list
+    chains_only: bool
 
     @property
     def state(self) -> list:
         """Every array the cache holds (evaluated after a prefill chunk)."""
+
+    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array: ...
 
     def rollback(self, rejected: list[int]) -> None: ...
 
@@ -86,171 +77,188 @@ class RowCache(Protocol):
     def tree_attention(self, ancestry: mx.array): ...
 
 
-class SpeculativeKVCache(BatchKVCache):
-    """``BatchKVCache`` with exact per-row rollback that copies nothing.
+class BatchRowCache:
+    """``RowCache`` over a model's layer caches (``layers``, what its forward
+    takes as ``cache=``), attention and recurrent mixed as the model mixes them."""
 
-    Rolling every row's rejected tail into left padding rewrites the whole
-    cache each step, a large part of a small model's step.  Instead the
-    write index is rewound by the smallest rejection (free), and the rest of
-    each row's rejected tail becomes a *hole*: still stored, never attended
-    to (the mask hides it) and skipped by RoPE positions (``offset``).  When
-    holes pile up they are squeezed out in one gather that turns them into
-    left padding, which is the roll done once instead of every step.
-
-    ``valid`` (B, _idx) marks the columns a row may attend to beyond its left
-    padding; it is None while there are no holes.  ``holes`` counts each
-    row's on the host, so deciding to compact costs no device sync.  While a
-    draft tree is verified, ``tree`` restricts the new tokens to their
-    ancestors, and ``forget`` keeps the accepted path's columns (the rest
-    become holes).
-    """
-
-    COMPACT_FRACTION = 0.25
-
-    def __init__(self, left_padding: list[int]):
-        super().__init__(left_padding)
-        self.valid: mx.array | None = None
-        self.holes: np.ndarray | None = None  # (B,) hidden columns per row, while ``valid`` is set
-        self.tree: mx.array | None = None  # (B, N, N) ancestry of the N tokens being verified as a tree
-
-    def update_and_fetch(self, keys, values):
-        if self.valid is not None:
-            self.valid = mx.concatenate(
-                [self.valid, mx.ones((self.valid.shape[0], keys.shape[2]), dtype=mx.bool_)], axis=1)
-        return super().update_and_fetch(keys, values)
-
-    def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        if (not return_array and self.valid is None and self.tree is None and self.left_padding.shape[0] == 1
-                and self.left_padding.item() == 0):
-            return None if N == 1 else "causal"  # a lone unpadded row needs no mask array (a faster path)
-        mask = super().make_mask(N, return_array=return_array or self.tree is not None, **kwargs)
-        if self.valid is not None:
-            seen = mx.concatenate([self.valid, mx.ones((self.valid.shape[0], N), dtype=mx.bool_)], axis=1)
-            mask = mask & seen[:, None, None, :]
-        if self.tree is not None:  # each new token sees the context and its own ancestors only
-            mask = mx.concatenate([mask[..., :-N], mask[..., -N:] & self.tree[:, None]], axis=-1)
-        return mask
-
-    def trim(self, n):
-        n = super().trim(n)
-        if self.valid is not None:
-            self.valid = self.valid[:, : self._idx]
-        return n
-
-    def hide(self, kept: mx.array, hidden: np.ndarray) -> None:
-        """Make holes where ``kept`` (B, _idx) is False, ``hidden`` (B,) of them per row."""
-        self.valid = kept if self.valid is None else self.valid & kept
-        self.holes = hidden if self.holes is None else self.holes + hidden
-        self.offset = self.offset - mx.array(hidden)
-
-    def needs_compaction(self) -> bool:
-        """Whether some row's holes fill more than COMPACT_FRACTION of the cache."""
-        return self.holes is not None and self.holes.max() > self.COMPACT_FRACTION * self._idx
-
-    def compact(self) -> None:
-        """Squeeze the holes out: each row's live tokens move right, in order,
-        and everything before them becomes left padding."""
-        if self.valid is None:
-            return
-        n = self._idx
-        cols = mx.arange(n)[None, :]
-        live = self.valid & (cols >= self.left_padding[:, None])
-        order = mx.argsort(live.astype(mx.int32) * n + cols, axis=1)  # dead columns first, then live in order
-        index = order[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., :n, :], index, axis=2)
-        self.values = mx.take_along_axis(self.values[..., :n, :], index, axis=2)
-        self.left_padding = n - live.sum(axis=1)
-        self.valid = self.holes = None
-
-    def filter(self, batch_indices):
-        if self.valid is not None:
-            self.compact()
-        super().filter(batch_indices)
-
-    def extend(self, other):
-        self.compact()
-        if isinstance(other, SpeculativeKVCache):
-            other.compact()
-        super().extend(other)
-
-
-class KVRowCache:
-    """``RowCache`` over one ``SpeculativeKVCache`` per layer."""
-
-    def __init__(self, layers: list[SpeculativeKVCache]):
+    def __init__(self, layers: list, padding: int = 0):
         self.layers = layers
+        leaves = list(_leaves(layers))
+        by_window: dict[int | None, list[SpeculativeKVCache]] = {}
+        for leaf in leaves:
+            if isinstance(leaf, SpeculativeKVCache):
+                by_window.setdefault(leaf.window, []).append(leaf)
+        # layers of one window hold the same columns: the model builds one mask for all of them
+        self.attention = list(by_window.values())
+        self.recurrent = [leaf for leaf in leaves if isinstance(leaf, ArraysCache)]
+        self.chains_only = bool(self.recurrent)
+        self._padding = padding  # prompt columns still to come that some recurrent row masks as padding
+        self._model: nn.Module | None = None
+        self._journal: list[mx.array] = []  # inputs of the provisional forwards since the last rollback
+        self._saved: list[list] = []  # the recurrent states before them
+
+    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array:
+        if not self._journal:
+            for group in self.attention:
+                if group[0].needs_eviction():
+                    for leaf in group:
+                        leaf.evict()
+        if provisional and self.recurrent:
+            if not self._journal:
+                self._model = model
+                self._saved = [list(leaf.cache) for leaf in self.recurrent]
+            self._journal.append(inputs)
+        logits = model(inputs, cache=self.layers)
+        if self._padding > 0:
+            self._padding -= inputs.shape[1]
+            if self._padding <= 0:  # every row is past its padding: no mask, the faster kernels
+                for leaf in self.recurrent:
+                    leaf.left_padding = None
+        return logits
 
     def rollback(self, rejected: list[int]) -> None:
-        if any(rejected):
-            width = max(rejected)
-            self.forget(np.arange(width)[None, :] >= width - np.array(rejected)[:, None])
+        width = max(rejected, default=0)
+        self.forget(np.arange(width)[None, :] >= width - np.array(rejected)[:, None])
 
     def forget(self, drop: np.ndarray) -> None:
         """Forget, in each row b, the last ``width`` columns where ``drop[b]``
-        (B, width) is set: the ones every row drops at the end are trimmed,
-        the others become holes."""
+        (B, width) is set."""
+        if self._journal:
+            if drop.any():
+                drop = self._readvance(drop)
+            self._journal, self._saved = [], []
         if not drop.any():
             return
-        width = drop.shape[1]
-        shared = 0
-        while shared < width and drop[:, width - 1 - shared].all():
-            shared += 1
-        inner = drop[:, : width - shared]
-        if inner.any():
-            end = self.layers[0]._idx  # every layer holds the same columns
-            hole = np.zeros((drop.shape[0], end), dtype=bool)
-            hole[:, end - width: end - shared] = inner
-            kept, hidden = mx.array(~hole), inner.sum(axis=1)
-            for layer in self.layers:
-                layer.hide(kept, hidden)
-        for layer in self.layers:
-            layer.trim(shared)
-        if self.layers[0].needs_compaction():  # every layer has the same holes
-            self.compact()
+        for group in self.attention:
+            _forget(group, drop)
+
+    def _readvance(self, drop: np.ndarray) -> np.ndarray:
+        """Restore the recurrent states from before the provisional forwards
+        and run the model again over the kept columns, in segments that end
+        where some row's kept columns end: each row takes its recurrent state
+        from the end of its own segment (no padding masks, which not every
+        family applies to its state), and the attention layers rewrite the
+        same columns.  Returns what the attention layers must drop after it."""
+        kept = drop.shape[1] - drop.sum(axis=1)
+        if (drop != (np.arange(drop.shape[1])[None, :] >= kept[:, None])).any():
+            raise ValueError("recurrent state can drop only a row's last columns (draft chains, not trees)")
+        inputs = self._journal[0] if len(self._journal) == 1 else mx.concatenate(self._journal, axis=1)
+        written = inputs.shape[1]
+        keep = kept + (written - drop.shape[1])  # per row, of all the provisional columns
+        for leaf, saved in zip(self.recurrent, self._saved):
+            leaf.cache = list(saved)
+        for group in self.attention:
+            for leaf in group:
+                leaf.trim(written)
+        chosen = [list(saved) for saved in self._saved]
+        done = 0
+        for end in sorted(set(keep.tolist())):
+            if end > done:
+                self._model(inputs[:, done:end], cache=self.layers)
+                done = end
+            rows = mx.array(keep == end)
+            for leaf, picked in zip(self.recurrent, chosen):
+                for i, state in enumerate(leaf.cache):
+                    if state is not None:
+                        picked[i] = mx.where(rows.reshape(-1, *[1] * (state.ndim - 1)), state, picked[i])
+        for leaf, picked in zip(self.recurrent, chosen):
+            leaf.cache = picked
+        return np.arange(done)[None, :] >= keep[:, None]
 
     def select(self, rows: list[int]) -> None:
         idx = mx.array(rows)
-        for layer in self.layers:
-            layer.filter(idx)
+        for leaf in self._all():
+            leaf.filter(idx)
 
-    def merge(self, other: "KVRowCache") -> None:
-        for mine, theirs in zip(self.layers, other.layers):
+    def merge(self, other: "BatchRowCache") -> None:
+        for mine, theirs in zip(self._all(), other._all()):
             mine.extend(theirs)
 
     def compact(self) -> None:
-        for layer in self.layers:
-            layer.compact()
+        for group in self.attention:
+            for leaf in group:
+                leaf.compact()
 
     def settle(self) -> None:
         """Evaluate what rolling back left lazy (hole masks, offsets, a
-        compaction's gather), so that the step that rolled back pays for it:
-        the controller compares whole steps' times, and deferred work would
-        be billed to the next step, which during a try from plain decoding is
-        a plain one, making speculation look cheaper than it is."""
-        mx.eval([array for layer in self.layers for array in (layer.keys, layer.values, layer.offset,
-                                                               layer.left_padding, layer.valid)
-                 if array is not None])
+        compaction's gather, re-advanced states), so that the step that
+        rolled back pays for it: the controller compares whole steps' times,
+        and deferred work would be billed to the next step, which during a
+        try from plain decoding is a plain one, making speculation look
+        cheaper than it is."""
+        mx.eval(self.state)
 
     @property
     def state(self) -> list:
-        return [layer.state for layer in self.layers]
+        arrays = []
+        for group in self.attention:
+            for leaf in group:
+                arrays += [leaf.keys, leaf.values, leaf.offset, leaf.left_padding, leaf.valid]
+        for leaf in self.recurrent:
+            arrays += leaf.cache
+        return [a for a in arrays if a is not None]
 
     @contextmanager
     def tree_attention(self, ancestry: mx.array) -> Iterator[None]:
-        for layer in self.layers:
-            layer.tree = ancestry
+        for group in self.attention:
+            for leaf in group:
+                leaf.tree = ancestry
         try:
             yield
         finally:
-            for layer in self.layers:
-                layer.tree = None
+            for group in self.attention:
+                for leaf in group:
+                    leaf.tree = None
+
+    def _all(self) -> list:
+        return [leaf for group in self.attention for leaf in group] + self.recurrent
 
 
-def make_row_cache(model: nn.Module, left_padding: list[int]) -> KVRowCache:
-    """One batched KV cache per layer; refuses models whose caches cannot batch."""
-    layers = make_prompt_cache(model)
-    kinds = {type(c) for c in layers}
-    if kinds != {KVCache}:
-        names = ", ".join(sorted(k.__name__ for k in kinds))
-        raise ValueError(f"continuous batching needs plain KV caches; this model uses {names}")
-    return KVRowCache([SpeculativeKVCache(list(left_padding)) for _ in layers])
+def _forget(group: list[SpeculativeKVCache], drop: np.ndarray) -> None:
+    """Forget ``drop``'s columns in layers that hold the same columns: the
+    ones every row drops at the end are trimmed, the others become holes."""
+    width = drop.shape[1]
+    shared = 0
+    while shared < width and drop[:, width - 1 - shared].all():
+        shared += 1
+    inner = drop[:, : width - shared]
+    if inner.any():
+        end = group[0]._idx
+        hole = np.zeros((drop.shape[0], end), dtype=bool)
+        hole[:, end - width: end - shared] = inner
+        kept, hidden = mx.array(~hole), inner.sum(axis=1)
+        for leaf in group:
+            leaf.hide(kept, hidden)
+    for leaf in group:
+        leaf.trim(shared)
+    if group[0].needs_compaction():
+        for leaf in group:
+            leaf.compact()
+
+
+def _leaves(layers: list) -> Iterator:
+    for layer in layers:
+        if isinstance(layer, CacheList):
+            yield from _leaves(list(layer.caches))
+        else:
+            yield layer
+
+
+def make_row_cache(model: nn.Module, left_padding: list[int]) -> BatchRowCache:
+    """The model's own caches (``make_prompt_cache``), each batched with rows
+    left-padded by ``left_padding``; refuses kinds that cannot batch."""
+    return BatchRowCache([_batched(c, list(left_padding)) for c in make_prompt_cache(model)], max(left_padding))
+
+
+def _batched(cache, padding: list[int]):
+    if type(cache) is KVCache:
+        return SpeculativeKVCache(padding)
+    if type(cache) is RotatingKVCache:
+        if cache.keep:
+            raise ValueError(f"a sliding window that keeps {cache.keep} sink tokens cannot batch")
+        return SpeculativeKVCache(padding, window=cache.max_size)
+    if isinstance(cache, ArraysCache):
+        return ArraysCache(len(cache.cache), left_padding=padding if any(padding) else None)
+    if isinstance(cache, CacheList):
+        return CacheList(*(_batched(c, padding) for c in cache.caches))
+    raise ValueError(f"continuous batching does not support {type(cache).__name__} caches yet")

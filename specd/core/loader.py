@@ -27,12 +27,53 @@ def resolve_source(source: str) -> str:
     return str(path)
 
 
-def load_model(source: str) -> tuple[nn.Module, object]:
+def load_model(source: str, revision: str | None = None) -> tuple[nn.Module, object]:
     """Load a model with mlx-lm.  Local paths must exist; anything else is a
-    Hugging Face repo id that mlx-lm downloads (what Mac users serve)."""
-    model, tokenizer = mlx_lm_load(resolve_source(source))
+    Hugging Face repo id that mlx-lm downloads (what Mac users serve), at
+    ``revision`` (a branch, tag or commit) when given."""
+    model, tokenizer = mlx_lm_load(resolve_source(source), revision=revision)
     materialize(model)
     return model, tokenizer
+
+
+def text_config(model: nn.Module) -> dict:
+    """The language model's configuration: the model's args, with a nested
+    ``text_config`` (multimodal checkpoints: Mistral 3, Qwen 3.5, Llama 4,
+    Gemma 3) taking precedence."""
+    args = getattr(model, "args", None)
+    values = dict(vars(args)) if args is not None and not isinstance(args, dict) else dict(args or {})
+    nested = values.get("text_config")
+    if nested is not None:
+        values.update(nested if isinstance(nested, dict) else vars(nested))
+    return values
+
+
+def vocab_size(model: nn.Module) -> int:
+    """The number of logits the model produces (its configuration's, else
+    the shape of an unevaluated forward: shapes are known without running it)."""
+    size = text_config(model).get("vocab_size")
+    return int(size) if size else int(model(mx.array([[0]])).shape[-1])
+
+
+POSITION_KEYS = ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions", "max_sequence_length")
+UNDECLARED_CONTEXT = 131072  # a model that declares no limit (recurrent ones): a bound on what one request may hold
+STRETCHING_ROPE = ("yarn", "dynamic", "linear")  # the scaled window is original x factor
+
+
+def context_window(model: nn.Module, tokenizer) -> int:
+    """The context the model was built for: its declared maximum position,
+    widened by RoPE scaling that stretches an original window, else the
+    tokenizer's ``model_max_length``, else ``UNDECLARED_CONTEXT``."""
+    config = text_config(model)
+    declared = next((int(config[k]) for k in POSITION_KEYS if config.get(k)), None)
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in STRETCHING_ROPE and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
+        declared = max(declared or 0, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    if declared:
+        return declared
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and 0 < limit < 10**7 else UNDECLARED_CONTEXT
 
 
 def materialize(module: nn.Module) -> None:
@@ -43,12 +84,12 @@ def materialize(module: nn.Module) -> None:
     mx.eval([value for _, value in tree_flatten(module) if isinstance(value, mx.array)])
 
 
-def load_tokenizer(source: str):
+def load_tokenizer(source: str, revision: str | None = None):
     """Only the tokenizer (the daemon's side of a tensor-parallel model)."""
     from mlx_lm.utils import _download
     from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
 
-    path = _download(resolve_source(source),
+    path = _download(resolve_source(source), revision,
                      allow_patterns=["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"])
     config = json.loads((path / "config.json").read_text())
     return mlx_lm_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
@@ -63,7 +104,7 @@ def load_draft_model(source: str, target: nn.Module, target_tokenizer, pairing: 
 
 def check_draft_pair(target: nn.Module, target_tokenizer, draft: nn.Module, draft_tokenizer, pairing: str) -> None:
     """Refuse a draft whose tokens do not mean the same as the target's."""
-    tv, dv = target.args.vocab_size, draft.args.vocab_size
+    tv, dv = vocab_size(target), vocab_size(draft)
     if tv != dv:
         raise ValueError(f"DraftPairing {pairing}: draft vocabulary has {dv} tokens, the target's {tv}")
     if set(target_tokenizer.eos_token_ids) != set(draft_tokenizer.eos_token_ids):

@@ -67,6 +67,8 @@ class GroupClient:
         self.weight_bytes: int = info["weight_bytes"]
         self.speculation = speculation
         self.failure: str | None = None  # set once; the reconciler restarts the group
+        self.fault: str | None = None  # a rank's step fault fails the group (``failure``)
+        self.faults = 0
         self.on_failure = on_failure  # the reconciler restarts the group
         self.status: dict = {}
         self._reader, self._writer = reader, writer
@@ -321,7 +323,7 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_fai
                       draft_source: str | None = None, ready_timeout: float = 900.0) -> GroupClient:
     """Start every rank, wait for rank 0 to report the group loaded."""
     check_placement(topology)
-    tokenizer = await asyncio.to_thread(load_tokenizer, spec.source)
+    tokenizer = await asyncio.to_thread(load_tokenizer, spec.source, spec.revision)
     hello: asyncio.Future = asyncio.get_running_loop().create_future()
     token = secrets.token_hex(16)
 
@@ -340,7 +342,7 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_fai
     control = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     plan = GroupPlan(name, spec.source, topology.backend, topology.tensor_parallel_size,
                      mlx_environment(topology, group_ports(topology)), control, token, engine_fields(spec),
-                     asdict(speculation) if speculation.enabled else None, draft_source)
+                     asdict(speculation) if speculation.enabled else None, draft_source, spec.revision)
     procs = []
     for rank in range(topology.tensor_parallel_size):
         cmd, env = rank_command(topology, rank, plan)

@@ -155,11 +155,13 @@ class GroupRank:
         return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
 
 
-def load_shard(source: str, group: mx.distributed.Group):
-    """The target, sharded across the group the way mlx-lm shards it."""
-    from mlx_lm.utils import sharded_load
+def load_shard(source: str, revision: str | None, group: mx.distributed.Group):
+    """The target, sharded across the group the way mlx-lm shards it (a hub
+    source at a revision is fetched whole first: mlx-lm's sharded load takes none)."""
+    from mlx_lm.utils import _download, sharded_load
 
-    model, tokenizer = sharded_load(resolve_source(source), tensor_group=group)
+    path = resolve_source(source) if revision is None else str(_download(resolve_source(source), revision))
+    model, tokenizer = sharded_load(path, tensor_group=group)
     materialize(model)
     return model, tokenizer
 
@@ -182,7 +184,7 @@ def run(plan: GroupPlan) -> int:
     rank = group.rank()
     structlog.contextvars.bind_contextvars(model=plan.model, rank=rank)
     started = time.monotonic()
-    model, tokenizer = load_shard(plan.source, group)
+    model, tokenizer = load_shard(plan.source, plan.revision, group)
     draft = load_model(plan.draft_source)[0] if plan.draft_source else None
     speculation = (SpeculationConfig(**{**plan.speculation, "method": Method(plan.speculation["method"])})
                    if plan.speculation else NO_SPECULATION)

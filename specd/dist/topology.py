@@ -64,6 +64,7 @@ class GroupPlan:
     engine: dict = field(default_factory=dict)  # EngineConfig fields
     speculation: dict | None = None  # SpeculationConfig fields of the model's DraftPairing
     draft_source: str | None = None  # replicated on every rank
+    revision: str | None = None  # of a hub source
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -115,8 +115,11 @@ class Engine:
 
     def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig = EngineConfig(),
                  metrics: Metrics | None = None, speculation: SpeculationConfig = NO_SPECULATION,
-                 drafter: nn.Module | None = None):
+                 drafter: nn.Module | None = None, on_fault: Callable[[], None] | None = None):
         self.name = name
+        self.fault: str | None = None  # the last step's fault, until a later step succeeds
+        self.faults = 0
+        self._on_fault = on_fault
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -229,6 +232,10 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------
 
+    def _notify(self) -> None:
+        if self._on_fault is not None:
+            self._on_fault()
+
     def _run(self) -> None:
         scheduler = self.scheduler
         while (inputs := self.inbox.take(scheduler.busy)) is not None:
@@ -236,5 +243,12 @@ class Engine:
                 scheduler.step(inputs)
             except Exception as exc:  # an engine fault fails its requests, not the daemon
                 log.exception("engine step failed", model=self.name)
-                scheduler.fail_all(f"engine error: {exc}", self.inbox.drain())
+                self.fault, self.faults = f"{type(exc).__name__}: {exc}", self.faults + 1
+                self.metrics.engine_faults.labels(self.name).inc()
+                scheduler.fail_all(f"engine error: {self.fault}", self.inbox.drain())
+                self._notify()
+            else:
+                if self.fault is not None:  # recovered: the failed step's state went with its requests
+                    self.fault = None
+                    self._notify()
         scheduler.fail_all("engine stopped", self.inbox.drain())

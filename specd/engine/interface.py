@@ -20,6 +20,8 @@ class ServingEngine(Protocol):
     name: str
     tokenizer: object  # mlx-lm's TokenizerWrapper: the HTTP layer renders and tokenizes with it
     failure: str | None  # set when the engine can no longer serve (a group lost a rank)
+    fault: str | None  # the last step's error while no later step has succeeded (the Model is Degraded)
+    faults: int  # steps that failed so far
 
     @property
     def max_context(self) -> int: ...

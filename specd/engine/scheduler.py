@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from ..core.batch import RunningBatch
 from ..core.cache import RowCache, make_row_cache
+from ..core.loader import context_window, vocab_size
 from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence, sample_tokens
@@ -69,8 +70,9 @@ class Scheduler:
         self.config = config
         self.metrics = metrics
         self.eos_ids = frozenset(tokenizer.eos_token_ids)
-        self.max_context = model_context(model, config.max_context)
-        self.vocab_size = model.args.vocab_size
+        native = context_window(model, tokenizer)
+        self.max_context = min(config.max_context, native) if config.max_context else native
+        self.vocab_size = vocab_size(model)
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, speculation, drafter)
         self._detokenizer = tokenizer.detokenizer
         self.waiting: deque[Sequence] = deque()
@@ -161,7 +163,7 @@ class Scheduler:
         width = group.tokens.shape[1]
         chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
         end = min(width, group.done + chunk)
-        logits = self.model(group.tokens[:, group.done:end], cache=group.cache.layers)
+        logits = group.cache.forward(self.model, group.tokens[:, group.done:end])
         self.speculator.prefilled(group.seqs, group.done, end, [width - len(s.prompt) for s in group.seqs])
         group.done = end
         if end < width:
@@ -250,10 +252,3 @@ def _report_logprobs(logits: mx.array, emitted: list[list[int]],
             items.append(TokenLogprob(token, row[token].item(), top))
         out[i] = items
     return out
-
-
-def model_context(model: nn.Module, configured: int | None) -> int:
-    """The context window: the manifest's limit, else the model's own."""
-    args = getattr(model, "args", None)
-    native = getattr(args, "max_position_embeddings", None) or 4096
-    return min(configured, native) if configured else native

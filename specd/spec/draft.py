@@ -55,7 +55,7 @@ class DraftModelProposer:
         """Feed each row its tokens (right-padded); return each row's last logits."""
         width = max(len(t) for t in tokens)
         inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
-        logits = self.model(inputs, cache=self.rows.cache.layers)
+        logits = self.rows.cache.forward(self.model, inputs, provisional=True)
         last = mx.array([len(t) - 1 for t in tokens])
         self.rows.cache.rollback([width - len(t) for t in tokens])
         return logits[mx.arange(len(tokens)), last]
@@ -66,7 +66,7 @@ class DraftModelProposer:
         width = max(len(c) for c in context)
         padding = [width - len(c) for c in context]
         cache = make_row_cache(self.model, padding)
-        self.model(mx.array([[0] * p + c for p, c in zip(padding, context)]), cache=cache.layers)
+        cache.forward(self.model, mx.array([[0] * p + c for p, c in zip(padding, context)]))
         mx.eval(cache.state)
         self.rows.add([(s, DraftRow([t])) for s, t in zip(seqs, last_tokens)], cache)
 
@@ -100,7 +100,7 @@ class DraftModelProposer:
             if logprobs is not None:
                 probs.append(mx.exp(logprobs))
             if step < k - 1:
-                logits = self.model(token[:, None], cache=self.rows.cache.layers)[:, -1]
+                logits = self.rows.cache.forward(self.model, token[:, None], provisional=True)[:, -1]
         self._drafted = k
         tokens = mx.stack(drafts, axis=1)
         q = mx.stack(probs, axis=1) if probs else None

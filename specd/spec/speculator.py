@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import mlx.core as mx
@@ -24,6 +24,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..core.batch import RunningBatch
+from ..core.cache import make_row_cache
 from ..core.sampling import transform_logprobs
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
@@ -78,6 +79,8 @@ class Speculator:
         self.ngram = NgramProposer()
         self.drafter: DraftModelProposer | EagleProposer | None = None
         self.positions: TreePositions | None = None  # installed on the target at the first draft tree
+        # recurrent state cannot keep one branch of a tree: EAGLE drafts chains for such targets
+        self.chains_only = make_row_cache(target, [0]).chains_only
         self.configure(default, drafter)
         self.costs = CostModel()
         self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
@@ -149,7 +152,8 @@ class Speculator:
     # -- the engine's calls ----------------------------------------------------
 
     def spec_for(self, seq: Sequence) -> SpeculationConfig:
-        return seq.request.speculation or self.default
+        spec = seq.request.speculation or self.default
+        return replace(spec, tree_top_k=1) if self.chains_only and spec.tree_top_k > 1 else spec
 
     def prefilled(self, seqs: list[Sequence], start: int, end: int, padding: list[int]) -> None:
         """A prefill chunk ran prompt columns [start, end) of left-padded rows:
@@ -184,7 +188,7 @@ class Speculator:
         with ExitStack() as stack:
             if proposal.tree is not None:
                 stack.enter_context(verifying(self.positions, batch.cache, proposal.tree))
-            logits = self.target(inputs, cache=batch.cache.layers)
+            logits = batch.cache.forward(self.target, inputs, provisional=width > 0)
         if width == 0:
             emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
             self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))

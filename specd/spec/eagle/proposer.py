@@ -22,7 +22,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...core.cache import KVRowCache, SpeculativeKVCache
+from ...core.cache import BatchRowCache
+from ...core.kv import SpeculativeKVCache
 from ...core.sequence import Sequence
 from ...core.request import Method, SpeculationConfig
 from ..proposer import Drafts, FollowedRows, Outcome, Round
@@ -89,7 +90,7 @@ class EagleProposer:
         context = seq.prompt + seq.tokens
         return features, context[start + 1: start + 1 + features.shape[0]]
 
-    def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: KVRowCache, left: bool) -> mx.array:
+    def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: BatchRowCache, left: bool) -> mx.array:
         """Feed each row its pairs, padded on the left (a fresh cache) or on the
         right (rolled back after); returns each row's last output (B, H)."""
         width = max(len(t) for _, t in pairs)
@@ -120,7 +121,7 @@ class EagleProposer:
             outputs.update({s: last[i] for i, s in enumerate(rows.seqs)})
         if new:
             pairs = [self._pairs(s, 0) for s in new]
-            cache = KVRowCache([SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
+            cache = BatchRowCache([SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
             last = self._feed(pairs, cache, left=True)
             outputs.update({s: last[i] for i, s in enumerate(new)})
             rows.add([(s, f.shape[0]) for s, (f, _) in zip(new, pairs)], cache)
