@@ -116,17 +116,19 @@ def test_an_engine_fault_fails_its_requests_and_the_engine_keeps_serving(target)
         return out + poisoned if faults and faults.pop() else out
 
     async def go(engine):
-        request = GenerationRequest("faulty", prompt, GREEDY, 4)
-        outputs = await asyncio.wait_for(_collect(engine.generate(request)), 30)
-        return outputs[-1], await asyncio.wait_for(run(engine, prompt, 4), 30)
+        hook(model, around)  # after the engine's warm-up forward at load
+        try:
+            request = GenerationRequest("faulty", prompt, GREEDY, 4)
+            outputs = await asyncio.wait_for(_collect(engine.generate(request)), 30)
+            fault = (engine.fault, engine.faults)
+            return outputs[-1], fault, await asyncio.wait_for(run(engine, prompt, 4), 30), engine.fault
+        finally:
+            unhook(model, around)
 
-    hook(model, around)
-    try:
-        failed, (tokens, _, finish) = with_engine(target, go)
-    finally:
-        unhook(model, around)
+    failed, fault, (tokens, _, finish), recovered = with_engine(target, go)
     assert failed.error and "engine error" in failed.error and not faults
-    assert finish == "length" and len(tokens) == 4
+    assert fault[0] is not None and "Stream" in fault[0] and fault[1] == 1  # the Model is Degraded until...
+    assert finish == "length" and len(tokens) == 4 and recovered is None  # ...a step succeeds
 
 
 async def _collect(outputs):

@@ -10,26 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from conftest import code_sample, run_engine
+from conftest import code_sample, free_port, model_manifest, run_engine
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
 from specd.forge.families import FAMILIES, build
+from specd.spec.hooks import hook, unhook
 
 GREEDY = SamplingParams(temperature=0)
 NGRAM = SpeculationConfig("ngram", 4, 1, 3)
 DRAFT = SpeculationConfig("draft", 3)
 MAX_TOKENS = 40
-QUANTIZED = {"llama": {"group_size": 64, "bits": 4, "mode": "affine"},
-             "gemma3_text": {"group_size": 64, "bits": 4, "mode": "affine"},
-             "qwen3_next": {"group_size": 64, "bits": 4, "mode": "affine"},
-             "gpt_oss": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}
+AFFINE_4BIT = {"group_size": 64, "bits": 4, "mode": "affine"}
+AFFINE_8BIT = {"group_size": 64, "bits": 8, "mode": "affine"}
+QUANTIZED = [("llama", AFFINE_4BIT), ("gemma3_text", AFFINE_4BIT), ("qwen3_next", AFFINE_4BIT),
+             ("gpt_oss", {"group_size": 32, "bits": 4, "mode": "mxfp4"}),  # as mlx-community publishes gpt-oss
+             ("gemma4_text", AFFINE_8BIT), ("granitemoehybrid", AFFINE_8BIT)]
 _ids = itertools.count()
 
 
@@ -109,6 +115,183 @@ def test_draft_models_of_rotating_and_recurrent_families(family, family_models):
     check_family(family_models(family), family_models(family, seed=1))
 
 
-@pytest.mark.parametrize("family", sorted(QUANTIZED))
-def test_quantized_family(family, family_models):
-    check_family(family_models(family, quantization=QUANTIZED[family]))
+@pytest.mark.parametrize("family,quantization", QUANTIZED, ids=[f"{f}-{q['mode']}{q['bits']}" for f, q in QUANTIZED])
+def test_quantized_family(family, quantization, family_models):
+    check_family(family_models(family, quantization=quantization))
+
+
+@contextmanager
+def in_process_daemon(tmp: Path, manifests: str):
+    """The daemon (store, reconciler, OpenAI and admin routes) on a loopback
+    port, in this process, so a test can reach the engines it serves."""
+    from aiohttp import web
+
+    from specd.control.reconciler import Reconciler
+    from specd.control.registry import ModelRegistry
+    from specd.control.store import Store
+    from specd.control.watcher import ManifestDirectory
+    from specd.metrics import Metrics
+    from specd.server.app import create_app
+
+    (tmp / "manifests").mkdir()
+    (tmp / "manifests" / "models.yaml").write_text(manifests)
+    store = Store(tmp / "specd.db")
+    directory = ManifestDirectory(tmp / "manifests", store)
+    directory.sync_all()
+    reconciler = Reconciler(store, ModelRegistry(Metrics()), drain_grace=1)
+    runner = web.AppRunner(create_app(reconciler, directory, drain_grace=1))
+    loop = asyncio.new_event_loop()
+    port = free_port()
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", reconciler
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
+        # the threads that loaded the models must end before the interpreter does (MLX aborts otherwise)
+        asyncio.run_coroutine_threadsafe(loop.shutdown_default_executor(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_one_daemon_serves_every_family_and_a_faulting_model_fails_alone(family_models, tmp_path):
+    """Every family as a Model of one daemon, each answering a chat
+    completion through the openai client, spec off and n-gram; then one
+    model's engine faults: its requests get an error within seconds, it is
+    Degraded with the reason, the others keep answering, and it recovers."""
+    from openai import APIError, OpenAI
+
+    names = {family: family.replace("_", "-") for family in sorted(FAMILIES)}
+    manifests = "---\n".join(model_manifest(name, family_models(family)) for family, name in names.items())
+    with in_process_daemon(tmp_path, manifests) as (url, reconciler):
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        models = reconciler.registry.models
+        wait_until(lambda: all(m.engine is not None for m in models.values()) and len(models) == len(names))
+        messages = [{"role": "user", "content": code_sample("speculation")[:200]}]
+
+        def chat(name: str, spec: bool):
+            extra = {"speculation": {"method": "ngram", "num_speculative_tokens": 3}} if spec else None
+            return client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
+                                                  extra_body=extra)
+        with ThreadPoolExecutor(8) as pool:
+            plain = dict(zip(names.values(), pool.map(lambda n: chat(n, False), names.values())))
+            ngram = dict(zip(names.values(), pool.map(lambda n: chat(n, True), names.values())))
+        for name in names.values():
+            assert plain[name].usage.completion_tokens > 0, name
+            assert ngram[name].choices[0].message.content == plain[name].choices[0].message.content, name
+
+        faulty = models["gemma3-text"].engine
+        raised = [True]
+
+        def fault(call, *args, **kwargs):
+            if raised:
+                raise RuntimeError("injected device fault")
+            return call(*args, **kwargs)
+        hook(faulty.model, fault)
+        try:
+            started = time.monotonic()
+            with pytest.raises(APIError, match="injected device fault"):
+                chat("gemma3-text", False)
+            assert time.monotonic() - started < 10
+            assert chat("qwen3-next", True).choices[0].message.content == plain["qwen3-next"].choices[0].message.content
+            degraded = wait_until(lambda: condition(reconciler, "gemma3-text", "Degraded", "True"))
+            assert degraded["reason"] == "EngineFault" and "injected device fault" in degraded["message"]
+            assert condition(reconciler, "qwen3-next", "Degraded", "False")
+            raised.clear()
+            assert chat("gemma3-text", False).choices[0].message.content == plain["gemma3-text"].choices[0].message.content
+            wait_until(lambda: condition(reconciler, "gemma3-text", "Degraded", "False"))
+        finally:
+            unhook(faulty.model, fault)
+
+
+def wait_until(predicate, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def condition(reconciler, model: str, kind: str, status: str) -> dict | None:
+    """The Model's ``kind`` condition, if its status is ``status``."""
+    reconciler.trigger()
+    obj = reconciler.store.get("Model", model)
+    found = next((c for c in obj.status.get("conditions", []) if c["type"] == kind), None)
+    return found if found is not None and found["status"] == status else None
+
+
+def test_a_family_whose_cache_cannot_batch_fails_at_load_with_the_reason(forged, tmp_path):
+    """DeepSeek V4's compressed-KV ``LayerCache`` has no batched form or
+    rollback: the Model fails to load and says why; nothing waits on it."""
+    import shutil
+
+    from mlx_lm.utils import save_config, save_model
+
+    from specd.forge.families import make_model
+    from specd.forge.llama import TOKENIZER_FILES
+
+    config = {"model_type": "deepseek_v41", "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "o_groups": 1,
+              "o_lora_rank": 32, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "sliding_window": 8, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8, "hc_mult": 2,
+              "tie_word_embeddings": False}
+    path = tmp_path / "deepseek-v41"
+    save_model(path, make_model(config))
+    save_config(config, path / "config.json")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(forged / "target" / name, path / name)
+    with in_process_daemon(tmp_path, model_manifest("deepseek-v41", path)) as (url, reconciler):
+        status = wait_until(lambda: reconciler.store.get("Model", "deepseek-v41").status.get("phase") == "Failed"
+                            and reconciler.store.get("Model", "deepseek-v41").status)
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "LoadFailed" and "LayerCache" in ready["message"], ready
+
+
+def test_limits_come_from_the_text_config(family_models):
+    """Vocabulary and context window from each family's own config: nested
+    ``text_config`` (Mistral 3, Qwen 3.5, Llama 4, Gemma 3), a YaRN-stretched
+    window (Ministral 3), a declared one (the rest)."""
+    from mlx_lm import load
+
+    from specd.core.loader import context_window, text_config, vocab_size
+
+    for family, config in FAMILIES.items():
+        model, tokenizer = load(str(family_models(family)))
+        text = config.get("text_config", config)
+        assert vocab_size(model) == text["vocab_size"] == model(mx.array([[0]])).shape[-1], family
+        scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
+        declared = text.get("max_position_embeddings")
+        if scaling.get("rope_type") == "yarn" and "original_max_position_embeddings" in scaling:
+            stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+            assert context_window(model, tokenizer) == max(declared or 0, stretched), family
+        elif declared and "max_position_embeddings" in text_config(model):
+            assert context_window(model, tokenizer) == declared, family
+
+
+def test_revision_selects_the_hub_snapshot(forged, tmp_path):
+    """A Model's ``revision`` picks the snapshot mlx-lm loads from the Hugging
+    Face cache (offline here: the same lookup a download resolves through)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    repo = tmp_path / "hub" / "models--specd--tiny"
+    for ref, commit, model in (("main", "a" * 40, "target"), ("small", "b" * 40, "draft")):
+        shutil.copytree(forged / model, repo / "snapshots" / commit)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    layers = {name: json.loads((forged / name / "config.json").read_text())["num_hidden_layers"]
+              for name in ("target", "draft")}
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    script = ("import sys; from specd.core.loader import load_model; "
+              "print(len(load_model('specd/tiny', sys.argv[1] or None)[0].layers))")
+    for revision, expected in (("", layers["target"]), ("small", layers["draft"]), ("b" * 40, layers["draft"])):
+        out = subprocess.run([sys.executable, "-c", script, revision], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout.split()[-1]) == expected, revision

@@ -177,9 +177,9 @@ def child_env() -> tuple[dict[str, str], str]:
 
 
 def specd_spec(model: Path, workdir: Path, port: int, draft: Path | None = None,
-               num_draft: int = 3) -> ServerSpec:
+               num_draft: int = 3, ngram: bool = False) -> ServerSpec:
     """specd serving ``model`` from a one-file manifest directory (with a
-    draft-model DraftPairing when ``draft`` is given)."""
+    draft-model DraftPairing when ``draft`` is given, an n-gram one with ``ngram``)."""
     manifests = workdir / "manifests"
     manifests.mkdir()
     text = (
@@ -191,10 +191,10 @@ def specd_spec(model: Path, workdir: Path, port: int, draft: Path | None = None,
         f"  source: {model}\n"
         "  maxBatchSize: 16\n"
     )
-    if draft is not None:
+    if draft is not None or ngram:
+        source = f"  method: draft\n  source: {draft}\n" if draft is not None else "  method: ngram\n"
         text += ("---\napiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata:\n  name: bench-draft\n"
-                 f"spec:\n  targetRef: {SPECD_MODEL_ID}\n  method: draft\n  source: {draft}\n"
-                 f"  numSpeculativeTokens: {num_draft}\n")
+                 f"spec:\n  targetRef: {SPECD_MODEL_ID}\n{source}  numSpeculativeTokens: {num_draft}\n")
     (manifests / "bench.yaml").write_text(text)
     argv = [sys.executable, "-m", "specd.cli", "daemon", "--manifests", str(manifests),
             "--state-dir", str(workdir / "state"), "--host", "127.0.0.1", "--port", str(port)]

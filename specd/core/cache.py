@@ -17,6 +17,10 @@ rows are selected and merged as sequences leave and join.
   forward is kept, and rollback restores it and re-advances each row over its
   accepted tokens only;
 - ``CacheList`` (Falcon-H1) holds one of each, and each member follows its kind.
+
+A model whose forward cannot take rows at different positions at all (Llama
+4: its chunked-attention mask and its NoPE layers' temperature read one offset
+for the whole batch) runs row by row over mlx-lm's own caches (``RowwiseCache``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Iterator, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .kv import SpeculativeKVCache
 
@@ -53,7 +57,6 @@ class RowCache(Protocol):
       to their ancestors (draft trees).
     """
 
-    layers: list
     chains_only: bool
 
     @property
@@ -244,10 +247,70 @@ def _leaves(layers: list) -> Iterator:
             yield layer
 
 
-def make_row_cache(model: nn.Module, left_padding: list[int]) -> BatchRowCache:
+class RowwiseCache:
+    """``RowCache`` as one mlx-lm cache list per row, the model run row by
+    row: for models whose forward reads one position for the whole batch.
+    Rollback trims each row's caches; prompt padding is skipped, not fed."""
+
+    chains_only = True
+
+    def __init__(self, model: nn.Module, left_padding: list[int]):
+        self.rows = [make_prompt_cache(model) for _ in left_padding]
+        self.padding = list(left_padding)  # per row: padding columns still to come
+
+    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array:
+        width = inputs.shape[1]
+        outs = []
+        for b, cache in enumerate(self.rows):
+            skip = min(self.padding[b], width)
+            self.padding[b] -= skip
+            outs.append(model(inputs[b: b + 1, skip:], cache=cache) if skip < width else None)
+        vocab = next(o for o in outs if o is not None).shape[-1]
+        return mx.concatenate([mx.zeros((1, width, vocab)) if o is None else
+                               mx.pad(o, [(0, 0), (width - o.shape[1], 0), (0, 0)]) for o in outs])
+
+    def rollback(self, rejected: list[int]) -> None:
+        for cache, r in zip(self.rows, rejected):
+            if r:
+                for layer in cache:
+                    layer.trim(r)
+
+    def forget(self, drop: np.ndarray) -> None:
+        kept = drop.shape[1] - drop.sum(axis=1)
+        if (drop != (np.arange(drop.shape[1])[None, :] >= kept[:, None])).any():
+            raise ValueError("a row-by-row cache drops only a row's last columns (draft chains, not trees)")
+        self.rollback(drop.sum(axis=1).tolist())
+
+    def select(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        self.padding = [self.padding[i] for i in rows]
+
+    def merge(self, other: "RowwiseCache") -> None:
+        self.rows += other.rows
+        self.padding += other.padding
+
+    def compact(self) -> None:
+        """Nothing is hidden: rollback trims."""
+
+    def settle(self) -> None:
+        mx.eval(self.state)
+
+    @property
+    def state(self) -> list:
+        return [a for cache in self.rows for layer in cache for a in (layer.keys, layer.values) if a is not None]
+
+    def tree_attention(self, ancestry: mx.array):
+        raise ValueError("a row-by-row cache verifies draft chains only")
+
+
+def make_row_cache(model: nn.Module, left_padding: list[int]) -> BatchRowCache | RowwiseCache:
     """The model's own caches (``make_prompt_cache``), each batched with rows
-    left-padded by ``left_padding``; refuses kinds that cannot batch."""
-    return BatchRowCache([_batched(c, list(left_padding)) for c in make_prompt_cache(model)], max(left_padding))
+    left-padded by ``left_padding``, or row by row for chunked attention;
+    refuses kinds that cannot batch."""
+    caches = make_prompt_cache(model)
+    if any(isinstance(c, ChunkedKVCache) for c in caches):
+        return RowwiseCache(model, left_padding)
+    return BatchRowCache([_batched(c, list(left_padding)) for c in caches], max(left_padding))
 
 
 def _batched(cache, padding: list[int]):

@@ -65,6 +65,7 @@ class Scheduler:
 
     def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig, metrics: Metrics,
                  speculation: SpeculationConfig, drafter: nn.Module | None):
+        warm_up(model)
         self.name = name
         self.model = model
         self.config = config
@@ -252,3 +253,10 @@ def _report_logprobs(logits: mx.array, emitted: list[list[int]],
             items.append(TokenLogprob(token, row[token].item(), top))
         out[i] = items
     return out
+
+
+def warm_up(model: nn.Module) -> None:
+    """One token through a batched cache, at load: a model whose caches
+    cannot batch, or whose forward fails on this machine, fails to load with
+    the reason instead of failing its first request."""
+    mx.eval(make_row_cache(model, [0]).forward(model, mx.array([[0]])))

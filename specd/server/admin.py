@@ -15,6 +15,7 @@ from aiohttp import web
 
 from ..api.manifest import API_VERSION, ManifestError, parse_resource
 from ..control.store import Conflict, NotFound, Store
+from .keys import ADMIN_TOKEN, STORE
 
 PREFIX = "/apis/specd.dev/v1alpha1"
 KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "SpecPolicy",
@@ -41,7 +42,7 @@ async def admin_guard(request: web.Request, handler):
     """Bearer token (when configured) or loopback only, and Status-shaped errors."""
     if not request.path.startswith(PREFIX):
         return await handler(request)
-    token: str | None = request.app["admin_token"]
+    token: str | None = request.app.get(ADMIN_TOKEN)
     try:
         if token is not None:
             sent = request.headers.get("Authorization", "")
@@ -70,7 +71,7 @@ def _kind(request: web.Request) -> str:
 
 
 def _store(request: web.Request) -> Store:
-    return request.app["store"]
+    return request.app[STORE]
 
 
 def _dry_run(request: web.Request) -> bool:

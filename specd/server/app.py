@@ -11,11 +11,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..control.reconciler import Reconciler
-from ..control.registry import ModelRegistry
 from ..control.watcher import ManifestDirectory
 from ..dist.group import with_engine_metrics
 from . import admin, openai
 from .errors import APIError
+from .keys import ADMIN_TOKEN, REGISTRY, STARTED, STORE
 
 log = structlog.get_logger(__name__)
 routes = web.RouteTableDef()
@@ -61,18 +61,18 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
-    registry: ModelRegistry = request.app["registry"]
-    store = request.app["store"]
+    registry = request.app[REGISTRY]
+    store = request.app[STORE]
     problems = registry.not_ready()
     problems.update({o.name: "Pending" for o in store.list("Model") if o.name not in registry.models})
-    if problems or not request.app["started"].is_set():
+    if problems or not request.app[STARTED].is_set():
         return web.json_response({"status": "not ready", "models": problems}, status=503)
     return web.json_response({"status": "ready"})
 
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    registry: ModelRegistry = request.app["registry"]
+    registry = request.app[REGISTRY]
     body = generate_latest(with_engine_metrics(registry.metrics.registry, registry.engines()))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -82,10 +82,11 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
     """App factory.  The reconciler starts after the server listens, so
     ``/healthz`` and ``/readyz`` answer while weights load."""
     app = web.Application(middlewares=[request_context, admin.admin_guard], client_max_size=16 * 1024 * 1024)
-    app["registry"] = reconciler.registry
-    app["store"] = reconciler.store
-    app["admin_token"] = admin_token
-    app["started"] = asyncio.Event()
+    app[REGISTRY] = reconciler.registry
+    app[STORE] = reconciler.store
+    if admin_token is not None:
+        app[ADMIN_TOKEN] = admin_token
+    app[STARTED] = asyncio.Event()
     app.add_routes(routes)
     app.add_routes(openai.routes)
     app.add_routes(admin.routes)
@@ -95,7 +96,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
         tasks = [asyncio.create_task(reconciler.run())]
         if manifests is not None:
             tasks.append(asyncio.create_task(manifests.watch(stop)))
-        app["started"].set()
+        app[STARTED].set()
         yield
         stop.set()
         for task in tasks:

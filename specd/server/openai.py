@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from ..api.manifest import MAX_SPECULATIVE_TOKENS
-from ..control.registry import ModelNotFound, ModelNotReady, ModelRegistry
+from ..control.registry import ModelNotFound, ModelNotReady
 from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
 from ..engine.scheduler import RequestRejected
@@ -19,6 +19,7 @@ from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.request import Method, SpeculationConfig
 from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
+from .keys import REGISTRY
 
 routes = web.RouteTableDef()
 MAX_TOP_LOGPROBS = 20
@@ -187,7 +188,7 @@ def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
 
 
 def _engine(request: web.Request, name: str) -> ServingEngine:
-    registry: ModelRegistry = request.app["registry"]
+    registry = request.app[REGISTRY]
     try:
         return registry.engine(name)
     except ModelNotFound:
@@ -359,7 +360,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
-    registry: ModelRegistry = request.app["registry"]
+    registry = request.app[REGISTRY]
     data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "specd",
              "status": m.phase.value} for m in registry.models.values()]
     return web.json_response({"object": "list", "data": data})
@@ -367,7 +368,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 @routes.get("/v1/models/{name}")
 async def get_model(request: web.Request) -> web.Response:
-    registry: ModelRegistry = request.app["registry"]
+    registry = request.app[REGISTRY]
     m = registry.models.get(request.match_info["name"])
     if m is None:
         raise model_not_found(request.match_info["name"])
