@@ -264,7 +264,7 @@ def test_limits_come_from_the_text_config(family_models):
         assert vocab_size(model) == text["vocab_size"] == model(mx.array([[0]])).shape[-1], family
         scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
         declared = text.get("max_position_embeddings")
-        if scaling.get("rope_type") == "yarn" and "original_max_position_embeddings" in scaling:
+        if (scaling.get("rope_type") or scaling.get("type")) == "yarn" and "original_max_position_embeddings" in scaling:
             stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
             assert context_window(model, tokenizer) == max(declared or 0, stretched), family
         elif declared and "max_position_embeddings" in text_config(model):
@@ -295,3 +295,31 @@ def test_revision_selects_the_hub_snapshot(forged, tmp_path):
                              timeout=120)
         assert out.returncode == 0, out.stderr
         assert int(out.stdout.split()[-1]) == expected, revision
+
+
+EAGLE_CHAIN = SpeculationConfig("eagle", 3)
+EAGLE_TREE = SpeculationConfig("eagle", 3, tree_top_k=3, tree_tokens=8)
+
+
+@pytest.mark.parametrize("family,version", [("gemma3_text", 1), ("gemma3", 3), ("gpt_oss", 1), ("olmo3", 3),
+                                            ("qwen3_next", 1), ("nemotron_h", 3), ("falcon_h1", 1)])
+def test_eagle_heads_on_sliding_nested_and_recurrent_families(family, version, family_models, tmp_path):
+    """A random EAGLE head (written and loaded as a published checkpoint) on
+    targets of other families: chains everywhere, trees where the cache can
+    keep one branch (attention only); greedy output stays mlx-lm's."""
+    from specd.core.loader import text_config, vocab_size
+    from specd.spec.eagle.checkpoint import load_head, save_head
+    from specd.spec.eagle.head import EagleConfig, EagleHead
+
+    path = family_models(family)
+    model, tokenizer = load_model(str(path))
+    hidden = text_config(model)["hidden_size"]
+    mx.random.seed(0)
+    head = EagleHead(EagleConfig(version, hidden, 2 * hidden, 4, 2, vocab_size(model),
+                                 feature_layers=(0, 1, 2) if version == 3 else ()))
+    save_head(head, tmp_path / "head")
+    head = load_head(tmp_path / "head", model)
+    batch = prompts(tokenizer)
+    expected = [reference(model, tokenizer, p) for p in batch]
+    for spec in (EAGLE_CHAIN, EAGLE_TREE):
+        assert staggered(model, tokenizer, batch, spec, head) == expected, spec

@@ -142,9 +142,7 @@ class BatchRowCache:
         from the end of its own segment (no padding masks, which not every
         family applies to its state), and the attention layers rewrite the
         same columns.  Returns what the attention layers must drop after it."""
-        kept = drop.shape[1] - drop.sum(axis=1)
-        if (drop != (np.arange(drop.shape[1])[None, :] >= kept[:, None])).any():
-            raise ValueError("recurrent state can drop only a row's last columns (draft chains, not trees)")
+        kept = _kept_prefix(drop)
         inputs = self._journal[0] if len(self._journal) == 1 else mx.concatenate(self._journal, axis=1)
         written = inputs.shape[1]
         keep = kept + (written - drop.shape[1])  # per row, of all the provisional columns
@@ -239,6 +237,15 @@ def _forget(group: list[SpeculativeKVCache], drop: np.ndarray) -> None:
             leaf.compact()
 
 
+def _kept_prefix(drop: np.ndarray) -> np.ndarray:
+    """How many of the last ``drop.shape[1]`` columns each row keeps, when
+    every row drops only a suffix of them (a chain's rejected tail)."""
+    kept = drop.shape[1] - drop.sum(axis=1)
+    if (drop != (np.arange(drop.shape[1])[None, :] >= kept[:, None])).any():
+        raise ValueError("this cache drops only a row's last columns (draft chains, not trees)")
+    return kept
+
+
 def _leaves(layers: list) -> Iterator:
     for layer in layers:
         if isinstance(layer, CacheList):
@@ -276,10 +283,7 @@ class RowwiseCache:
                     layer.trim(r)
 
     def forget(self, drop: np.ndarray) -> None:
-        kept = drop.shape[1] - drop.sum(axis=1)
-        if (drop != (np.arange(drop.shape[1])[None, :] >= kept[:, None])).any():
-            raise ValueError("a row-by-row cache drops only a row's last columns (draft chains, not trees)")
-        self.rollback(drop.sum(axis=1).tolist())
+        self.rollback((drop.shape[1] - _kept_prefix(drop)).tolist())
 
     def select(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]

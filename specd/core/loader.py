@@ -66,7 +66,7 @@ def context_window(model: nn.Module, tokenizer) -> int:
     tokenizer's ``model_max_length``, else ``UNDECLARED_CONTEXT``."""
     config = text_config(model)
     declared = next((int(config[k]) for k in POSITION_KEYS if config.get(k)), None)
-    scaling = config.get("rope_scaling") or {}
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 5 renamed it
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in STRETCHING_ROPE and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
         declared = max(declared or 0, int(scaling["original_max_position_embeddings"] * scaling["factor"]))

@@ -44,7 +44,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..spec.eagle.capture import FeatureCapture
 from ..spec.eagle.checkpoint import default_feature_layers, save_head
-from ..spec.eagle.head import EagleConfig, EagleHead, target_parts
+from ..core.model_parts import final_norm, target_parts
+from ..spec.eagle.head import EagleConfig, EagleHead
 from .tokenizer import stdlib_sources
 from .train import TrainConfig, encode_corpus, lr_at, windows
 
@@ -138,7 +139,7 @@ def build_head(config: dict, version: int, data: np.ndarray, draft_vocab: int | 
         rows = lm_head(mx.eye(cfg.hidden_size, dtype=mx.float32)).T  # any head: tied, quantized
         head.lm_head.weight = rows[ids].astype(mx.float32)
         # A copy: an array shared with the target would alias it inside the compiled step.
-        head.norm.weight = mx.array(np.array(model.model.norm.weight.astype(mx.float32)))
+        head.norm.weight = mx.array(np.array(final_norm(model).weight.astype(mx.float32)))
         head.freeze(recurse=False, keys=["d2t"])
     mx.eval(head.parameters())
     return head

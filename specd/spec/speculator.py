@@ -289,9 +289,10 @@ class Speculator:
         self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
 
         started = time.perf_counter()
-        batch.cache.rollback([width - a for a in verdict.accepted])
         emitted = [d[:a] + [t] for d, a, t in zip(proposal.drafts, verdict.accepted, verdict.next_tokens)]
         outcome = Outcome(verdict.accepted, emitted, [list(range(len(e))) for e in emitted])
+        self._commit(proposal, outcome)
+        batch.cache.rollback([width - a for a in verdict.accepted])
         self._settle(batch, proposal, lengths, outcome)
         self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
         return emitted, logits
@@ -319,26 +320,30 @@ class Speculator:
         drop = np.ones((len(seqs), tree.width), dtype=bool)
         for b, cols in enumerate(kept):
             drop[b, cols] = False
-        batch.cache.forget(drop)
         emitted = [[t.tokens[n] for n in path] + [nxt] for t, path, nxt in zip(trees, verdict.paths, verdict.next_tokens)]
         depths = [max(t.depths(), default=0) for t in trees]
-        self._settle(batch, proposal, depths, Outcome([len(p) for p in verdict.paths], emitted, kept))
+        outcome = Outcome([len(p) for p in verdict.paths], emitted, kept)
+        self._commit(proposal, outcome)
+        batch.cache.forget(drop)
+        self._settle(batch, proposal, depths, outcome)
         self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
         width = max(len(c) for c in kept)
         columns = mx.array([c + [0] * (width - len(c)) for c in kept])
         return emitted, mx.take_along_axis(logits, columns[..., None], axis=1)
 
     def _commit(self, proposal: Proposal, outcome: Outcome) -> None:
-        """Every drafter brings its state to each row's accepted context."""
+        """Every drafter brings its state to each row's accepted context;
+        before the target's rollback, which may run the target again (to
+        re-advance recurrent state), so an EAGLE head still reads the
+        features of the verify forward."""
         if self.drafter is not None:
             self.drafter.commit(proposal.round, outcome)
 
     def _settle(self, batch: RunningBatch, proposal: Proposal, proposed: list[int], outcome: Outcome) -> None:
-        """After a verdict and the target's rollback: the drafters' rollback,
+        """After a verdict, the drafters' commit and the target's rollback:
         all evaluated now so this step pays for them, then statistics and the
         controller's estimates (a tree counts as a proposal as long as its
         deepest branch)."""
-        self._commit(proposal, outcome)
         batch.cache.settle()
         if self.drafter is not None:
             self.drafter.settle()

@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..core.cache import RowCache
+from ..core.model_parts import decoder
 from .hooks import hook
 
 
@@ -110,7 +111,7 @@ class TreePositions:
 
     def __init__(self, model: nn.Module):
         self.depths: mx.array | None = None  # (W,) depth of each verify column
-        for layer in model.model.layers:
+        for layer in decoder(model).layers:
             attn = getattr(layer, "self_attn", None)
             if attn is None or not hasattr(attn, "rope"):
                 raise ValueError(f"{type(layer).__name__} has no self_attn.rope: draft trees need one")

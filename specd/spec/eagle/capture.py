@@ -16,14 +16,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..hooks import hook, unhook
+from ...core.model_parts import decoder, final_norm
 
 
 class FeatureCapture:
     """Keeps the outputs of chosen modules of a target model, in order."""
 
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()):
-        inner = model.model
-        self.modules = [inner.layers[i] for i in feature_layers] if feature_layers else [inner.norm]
+        self.modules = [decoder(model).layers[i] for i in feature_layers] if feature_layers else [final_norm(model)]
         self.outputs: list[mx.array | None] = [None] * len(self.modules)
         # one wrapper per module, kept: removing checks it is still the module's hook
         self._hooks = [partial(self._keep, slot) for slot in range(len(self.modules))]

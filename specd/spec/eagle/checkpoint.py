@@ -27,7 +27,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...core.loader import materialize, resolve_source
+from ...core.loader import materialize, resolve_source, text_config, vocab_size
+from ...core.model_parts import decoder, final_norm
 from .head import EagleConfig, EagleHead
 
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"  # what SafeAILab's EAGLE-1 configs say
@@ -133,13 +134,13 @@ def _is_eagle3(config: dict, tensors: dict) -> bool:
 
 
 def _eagle_config(config: dict, version: int, tensors: dict, target: nn.Module, path: Path) -> EagleConfig:
-    args = target.args
-    for key, theirs in (("hidden_size", args.hidden_size), ("vocab_size", args.vocab_size)):
+    hidden = text_config(target)["hidden_size"]
+    for key, theirs in (("hidden_size", hidden), ("vocab_size", vocab_size(target))):
         if config.get(key) != theirs:
             raise ValueError(f"{path}: EAGLE-{version} head has {key} {config.get(key)}, the target {theirs}")
-    if config.get("target_hidden_size", args.hidden_size) != args.hidden_size:
+    if config.get("target_hidden_size", hidden) != hidden:
         raise ValueError(f"{path}: target_hidden_size {config['target_hidden_size']} is not the "
-                         f"target's hidden_size {args.hidden_size}")
+                         f"target's hidden_size {hidden}")
     _check_supported(config, path)
     rope = config.get("rope_parameters") or {}  # transformers >= 5 moves rope settings here
     rope_scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -158,7 +159,7 @@ def _eagle_config(config: dict, version: int, tensors: dict, target: nn.Module, 
     if version == 1:
         return EagleConfig(version=1, fc_bias="fc.bias" in tensors, rope_scaling=rope_scaling, **kwargs)
     return EagleConfig(version=3, draft_vocab_size=config.get("draft_vocab_size"), rope_scaling=rope_scaling,
-                       feature_layers=_feature_layers(config, len(target.model.layers), path),
+                       feature_layers=_feature_layers(config, len(decoder(target).layers), path),
                        fc_bias=False, **kwargs)
 
 
@@ -218,7 +219,7 @@ def _head_weights(head: EagleHead, tensors: dict[str, mx.array], target: nn.Modu
                          f"missing tensors {missing}, unexpected tensors {unexpected}")
     for name, shape in expected.items():
         _check_shape(named[name], shape, path)
-    dtype = target.model.norm.weight.dtype
+    dtype = final_norm(target).weight.dtype
     weights = {name: a.astype(dtype) for name, (_, a) in named.items() if name != "d2t"}
     if c.version == 3:
         weights["d2t"] = _check_d2t(named["d2t"][1], t2d, c.vocab_size, path)

@@ -191,10 +191,3 @@ class EagleHead(nn.Module):
         full = mx.full((*draft.shape[:-1], self.config.vocab_size), -mx.inf, dtype=draft.dtype)
         full[..., ids] = draft
         return full
-
-
-def target_parts(model: nn.Module) -> tuple[nn.Module, object]:
-    """The target's token embedding and LM head (tied embeddings included)."""
-    inner = model.model
-    head = model.lm_head if getattr(model, "lm_head", None) is not None else inner.embed_tokens.as_linear
-    return inner.embed_tokens, head

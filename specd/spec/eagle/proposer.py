@@ -29,7 +29,8 @@ from ...core.request import Method, SpeculationConfig
 from ..proposer import Drafts, FollowedRows, Outcome, Round
 from ..tree import DraftTree
 from .capture import FeatureCapture
-from .head import EagleHead, target_parts
+from ...core.model_parts import target_parts
+from .head import EagleHead
 
 
 class EagleProposer:
