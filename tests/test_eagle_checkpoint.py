@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from specd.spec.eagle.checkpoint import default_feature_layers, load_head, save_head
-from specd.spec.eagle.head import target_parts
+from specd.core.model_parts import target_parts
 
 # The forged test target: hidden 64, 4 heads, 2 KV heads, 4 layers, vocab 1024.
 H, HEADS, KV, D, VOCAB = 64, 4, 2, 16, 1024

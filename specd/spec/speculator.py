@@ -143,6 +143,8 @@ class Speculator:
             drafter = f"eagle-{self.drafter.head.config.version}"
         return {"default": self.default.method,
                 "drafter": drafter,
+                # a tree asked of a target with recurrent state is drafted as a chain
+                "draftTrees": not self.chains_only,
                 "acceptanceEMA": None if ema is None else round(ema, 4),
                 "acceptanceRate": None if rate is None else round(rate, 4),
                 "acceptanceByPosition": [round(r, 4) for r in self.history.by_position()],
