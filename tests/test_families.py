@@ -82,13 +82,16 @@ async def generate(engine, prompt, spec=None, delay=0.0) -> list[int]:
 
 def staggered(model, tokenizer, batch: list[list[int]], spec=None, draft=None) -> list[list[int]]:
     """The prompts in one engine, arriving a little apart so rows join a batch
-    mid-flight; a speculating run must have had proposals rejected (rolled back)."""
+    mid-flight; ``spec`` is one for all, or one per prompt (a mixed batch).  A
+    speculating run must have had proposals rejected (rolled back)."""
+    specs = spec if isinstance(spec, list) else [spec] * len(batch)
+
     async def go(engine):
-        out = await asyncio.gather(*(generate(engine, p, spec, 0.01 * i) for i, p in enumerate(batch)))
+        out = await asyncio.gather(*(generate(engine, p, s, 0.01 * i) for i, (p, s) in enumerate(zip(batch, specs))))
         speculator = engine.scheduler.speculator
         return out, speculator.drafted_total, speculator.accepted_total
     out, drafted, accepted = run_engine(model, tokenizer, go, draft, max_batch_size=4, prefill_step_tokens=16)
-    if spec is not None and draft is not model:
+    if any(specs) and draft is not model:
         assert drafted > accepted, f"{drafted} tokens drafted, {accepted} accepted: nothing was rolled back"
     return out
 
@@ -99,10 +102,13 @@ def check_family(path: Path, draft_path: Path | None = None) -> None:
     expected = [reference(model, tokenizer, p) for p in batch]
     assert staggered(model, tokenizer, batch) == expected, "batched spec-off differs from mlx-lm alone"
     assert staggered(model, tokenizer, batch, NGRAM) == expected, "n-gram speculation changed the output"
+    assert staggered(model, tokenizer, batch, [NGRAM, None, NGRAM]) == expected, "a mixed batch changed it"
     if draft_path is not None:
         draft, _ = load_model(str(draft_path))
         for drafter in (draft, model):  # mostly rejected, then always accepted
+            mixed = [DRAFT, NGRAM, None]
             assert staggered(model, tokenizer, batch, DRAFT, drafter) == expected, "draft speculation changed it"
+            assert staggered(model, tokenizer, batch, mixed, drafter) == expected, "a mixed batch changed it"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

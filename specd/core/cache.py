@@ -272,8 +272,8 @@ class RowwiseCache:
             skip = min(self.padding[b], width)
             self.padding[b] -= skip
             outs.append(model(inputs[b: b + 1, skip:], cache=cache) if skip < width else None)
-        vocab = next(o for o in outs if o is not None).shape[-1]
-        return mx.concatenate([mx.zeros((1, width, vocab)) if o is None else
+        real = next(o for o in outs if o is not None)
+        return mx.concatenate([mx.zeros((1, width, real.shape[-1]), real.dtype) if o is None else
                                mx.pad(o, [(0, 0), (width - o.shape[1], 0), (0, 0)]) for o in outs])
 
     def rollback(self, rejected: list[int]) -> None:

@@ -42,6 +42,7 @@ class SpeculativeKVCache(BatchKVCache):
     """
 
     COMPACT_FRACTION = 0.25
+    EVICT_SLACK = 16  # columns past twice the window before evicting
 
     def __init__(self, left_padding: list[int], window: int | None = None):
         super().__init__(left_padding)
@@ -88,7 +89,7 @@ class SpeculativeKVCache(BatchKVCache):
             depth = mx.arange(N)[None, :]
         else:
             depth = self.tree.sum(axis=-1) - 1
-        after = live.sum(axis=1, keepdims=True) - mx.cumsum(live.astype(mx.int32), axis=1)  # live columns after
+        after = _live_after(live)
         old = (after[:, None, :] + 1 + depth[..., None]) < window  # (B, N, _idx)
         new = (depth[..., None] - depth[:, None, :]) < window
         return mx.concatenate([old, mx.broadcast_to(new, (old.shape[0], N, N))], axis=-1)
@@ -131,8 +132,6 @@ class SpeculativeKVCache(BatchKVCache):
         self._idx -= front
         self.left_padding = self.left_padding - front
 
-    EVICT_SLACK = 16
-
     def needs_eviction(self) -> bool:
         """Whether a window's cache holds so many columns that evicting pays
         (about one gather per ``window`` steps)."""
@@ -142,8 +141,7 @@ class SpeculativeKVCache(BatchKVCache):
         """Drop every column no future token can see: each row keeps its
         ``window - 1`` newest tokens (and its holes go too)."""
         live = self._live()
-        after = live.sum(axis=1, keepdims=True) - mx.cumsum(live.astype(mx.int32), axis=1)
-        self._gather(live & (after < self.window - 1))
+        self._gather(live & (_live_after(live) < self.window - 1))
         self.valid = self.holes = None
 
     def filter(self, batch_indices):
@@ -156,3 +154,8 @@ class SpeculativeKVCache(BatchKVCache):
         if isinstance(other, SpeculativeKVCache):
             other.compact()
         super().extend(other)
+
+
+def _live_after(live: mx.array) -> mx.array:
+    """(B, n): how many live columns follow each column in its row."""
+    return live.sum(axis=1, keepdims=True) - mx.cumsum(live.astype(mx.int32), axis=1)
