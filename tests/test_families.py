@@ -48,7 +48,8 @@ def family_models(forged, tmp_path_factory):
     def get(family: str, seed: int = 0, quantization: dict | None = None) -> Path:
         key = (family, seed, None if quantization is None else tuple(sorted(quantization.items())))
         if key not in built:
-            name = f"{family}-{seed}" + ("" if quantization is None else f"-{quantization['mode']}{quantization['bits']}")
+            quantized = "" if quantization is None else f"-{quantization['mode']}{quantization['bits']}"
+            name = f"{family}-{seed}{quantized}"
             built[key] = build(family, root / name, forged / "target", seed=seed, quantization=quantization)
         return built[key]
     return get
@@ -206,7 +207,8 @@ def test_one_daemon_serves_every_family_and_a_faulting_model_fails_alone(family_
             assert degraded["reason"] == "EngineFault" and "injected device fault" in degraded["message"]
             assert condition(reconciler, "qwen3-next", "Degraded", "False")
             raised.clear()
-            assert chat("gemma3-text", False).choices[0].message.content == plain["gemma3-text"].choices[0].message.content
+            recovered = chat("gemma3-text", False).choices[0].message.content
+            assert recovered == plain["gemma3-text"].choices[0].message.content
             wait_until(lambda: condition(reconciler, "gemma3-text", "Degraded", "False"))
         finally:
             unhook(faulty.model, fault)
@@ -270,7 +272,8 @@ def test_limits_come_from_the_text_config(family_models):
         assert vocab_size(model) == text["vocab_size"] == model(mx.array([[0]])).shape[-1], family
         scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
         declared = text.get("max_position_embeddings")
-        if (scaling.get("rope_type") or scaling.get("type")) == "yarn" and "original_max_position_embeddings" in scaling:
+        kind = scaling.get("rope_type") or scaling.get("type")
+        if kind == "yarn" and "original_max_position_embeddings" in scaling:
             stretched = int(scaling["original_max_position_embeddings"] * scaling["factor"])
             assert context_window(model, tokenizer) == max(declared or 0, stretched), family
         elif declared and "max_position_embeddings" in text_config(model):

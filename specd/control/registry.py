@@ -122,7 +122,8 @@ def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing 
         drafter = None if pairing.method == Method.NGRAM else load_drafter(
             pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
     except Exception as exc:
-        return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights, f"{type(exc).__name__}: {exc}")
+        return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights,
+                     f"{type(exc).__name__}: {exc}")
     return Built(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter, on_fault), weights)
 
 

@@ -58,7 +58,8 @@ class SpeculativeKVCache(BatchKVCache):
         return super().update_and_fetch(keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
-        window = min(w for w in (self.window, window_size) if w) if (self.window or window_size) else None
+        windows = [w for w in (self.window, window_size) if w]
+        window = min(windows) if windows else None
         plain = self.valid is None and self.tree is None
         if (plain and not return_array and window is None and self.left_padding.shape[0] == 1
                 and self.left_padding.item() == 0):
