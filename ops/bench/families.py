@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import serve_vs_mlx_lm as anchor
+from spec_decode import write_result
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO = REPO_ROOT / "models" / "demo"
@@ -208,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
               "host": anchor.host_info(), "openblas_preload": preload,
               "versions": {p: anchor.package_version(p) for p in ("mlx", "mlx-lm", "specd")},
               "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, report)
     return 0
 
 

@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from specd.core.cache import _forget, make_row_cache
+from spec_decode import write_result
 from specd.core.loader import load_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -92,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(f"{batch:>5} {name:<26} {row['verify_ms']:>12.2f} {row['readvance_ms']:>10.2f} "
                   f"{row['checkpoint_ms']:>11.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "recurrent_rollback", "model": str(args.model),
-                                    "created_unix": time.time(), "results": results}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, {"benchmark": "recurrent_rollback", "model": str(args.model),
+                            "created_unix": time.time(), "results": results})
     return 0
 
 
