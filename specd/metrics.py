@@ -50,7 +50,16 @@ class Metrics:
         self.engine_faults = Counter(
             "specd_engine_faults", "Engine steps that raised: their requests got errors.", m, registry=r)
         self.prompt_tokens = Counter(
-            "specd_prompt_tokens", "Prefilled prompt tokens.", m, registry=r)
+            "specd_prompt_tokens", "Prompt tokens of admitted requests (cached ones included).", m, registry=r)
+        self.prefix_cache_queries = Counter(
+            "specd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r)
+        self.prefix_cache_hits = Counter(
+            "specd_prefix_cache_hits", "Prompt tokens restored from the prefix cache.", m, registry=r)
+        self.prefix_cache_bytes = Gauge(
+            "specd_prefix_cache_bytes", "Bytes the prefix cache holds (target, draft model, EAGLE head).",
+            m, registry=r)
+        self.prefix_cache_max_bytes = Gauge(
+            "specd_prefix_cache_max_bytes", "The prefix cache's budget (prefixCache.maxBytes).", m, registry=r)
         self.generation_tokens = Counter(
             "specd_generation_tokens", "Generated tokens.", m, registry=r)
         self.time_to_first_token = Histogram(
@@ -131,6 +140,7 @@ class Metrics:
     def forget_model(self, name: str) -> None:
         """A deleted model leaves no readiness or weight series behind (its
         counters and histograms stay, as Prometheus expects of counters)."""
-        for gauge in (self.model_ready, self.model_weight_bytes):
+        for gauge in (self.model_ready, self.model_weight_bytes, self.prefix_cache_bytes,
+                      self.prefix_cache_max_bytes):
             with suppress(KeyError):  # older prometheus_client versions raise for unknown labels
                 gauge.remove(name)

@@ -157,12 +157,13 @@ def test_a_row_that_has_not_drafted_yet_keeps_its_features_while_others_draft(ta
     import copy
 
     from specd.core.cache import make_row_cache
+    from specd.core.prefix import RowPrefixes
     from specd.core.sequence import Sequence
     from specd.spec.eagle.proposer import EagleProposer
     from specd.spec.proposer import Outcome, Round
 
     model, tokenizer = target
-    proposer = EagleProposer(head_for(model, 1), model)
+    proposer = EagleProposer(head_for(model, 1), model, RowPrefixes(None, []))
     eagle = SpeculationConfig("eagle", 3, tree_top_k=2, tree_tokens=4)
     seqs = [Sequence(GenerationRequest(f"e{next(_ids)}", p, GREEDY, 16), lambda out: None,
                      copy.copy(tokenizer.detokenizer), frozenset(tokenizer.eos_token_ids), 2048)

@@ -38,6 +38,7 @@ class ModelSpec:
     max_waiting: int = 64
     max_context: int | None = None
     prefill_step_tokens: int = 512
+    prefix_cache_max_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,9 @@ def _optional_str(obj: dict, key: str, path: str) -> str | None:
 
 def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     keys = {"source", "revision", "topologyRef", "maxBatchSize", "maxWaiting", "maxContext",
-            "prefillStepTokens"}
+            "prefillStepTokens", "prefixCache"}
     _fields(spec, path, keys, {"source"})
+    prefix_cache = _fields(spec.get("prefixCache", {}), f"{path}.prefixCache", {"maxBytes"})
     source = _optional_str(spec, "source", path)
     defaults = ModelSpec(source=source)
     return ModelSpec(
@@ -115,7 +117,29 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         max_waiting=_positive_int(spec, "maxWaiting", path, defaults.max_waiting),
         max_context=_positive_int(spec, "maxContext", path, None),
         prefill_step_tokens=_positive_int(spec, "prefillStepTokens", path, defaults.prefill_step_tokens),
+        prefix_cache_max_bytes=_byte_size(prefix_cache, "maxBytes", f"{path}.prefixCache"),
     )
+
+
+BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+              "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+BYTE_SIZE_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+
+
+def _byte_size(obj: dict, key: str, path: str) -> int | None:
+    """A size in bytes: an integer, or a Kubernetes quantity such as "8Gi" or "500M"."""
+    if key not in obj:
+        return None
+    value = obj[key]
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ManifestError(f"must not be negative, got {value}", f"{path}.{key}")
+        return value
+    _check_type(value, str, f"{path}.{key}")
+    found = BYTE_SIZE_RE.match(value.strip())
+    if found is None:
+        raise ManifestError(f'expected a byte size such as 8Gi or 500M, got "{value}"', f"{path}.{key}")
+    return int(float(found.group(1)) * BYTE_UNITS[found.group(2) or ""])
 
 
 @dataclass(frozen=True)

@@ -343,6 +343,7 @@ class Reconciler:
             spec_status = dict(served.engine.speculation_status())
             spec_status.pop("acceptanceRate", None)  # the DraftPairing's status carries it
             status["speculation"] = spec_status
+            status["prefixCache"] = served.engine.prefix_cache_status()
         return status
 
     @staticmethod

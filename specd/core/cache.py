@@ -34,6 +34,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .kv import SpeculativeKVCache
+from .prefix import Columns, PrefixStore, RowPrefix, RowPrefixes, Snapshot
 
 
 class RowCache(Protocol):
@@ -214,6 +215,68 @@ class BatchRowCache:
     def _all(self) -> list:
         return [leaf for group in self.attention for leaf in group] + self.recurrent
 
+    # -- prefix caching: rows out of and into the cache ----------------------------
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Each attention layer's sliding window (None: full attention), in column order."""
+        return [leaf.window for group in self.attention for leaf in group]
+
+    def row_columns(self, b: int, length: int, start: int, end: int) -> Columns | None:
+        """Row b's keys and values of positions [start, end) in every
+        attention layer, when row b holds ``length`` positions; None if a
+        sliding window already evicted some of them."""
+        out = []
+        for group in self.attention:
+            lead = group[0]
+            if lead.valid is None:
+                held = lead._idx - int(lead.left_padding[b].item())
+                first = lead._idx - length
+                index = slice(first + start, first + end)
+            else:
+                live = np.flatnonzero(np.array(lead._live()[b]))
+                held = len(live)
+                index = mx.array(live[start - (length - held): end - (length - held)])
+            if start < length - held:
+                return None
+            for leaf in group:
+                out.append((leaf.keys[b:b + 1, :, index, :], leaf.values[b:b + 1, :, index, :]))
+        return out
+
+    def row_snapshot(self, b: int) -> Snapshot:
+        """Row b's recurrent state, every recurrent layer."""
+        return [[None if a is None else a[b:b + 1] for a in leaf.cache] for leaf in self.recurrent]
+
+    def restore(self, prefixes: list[RowPrefix | None]) -> None:
+        """Start the (fresh) rows from cached prefixes, right-aligned before
+        the columns still to come; a row's own left padding stays in front."""
+        leaves = [leaf for group in self.attention for leaf in group]
+        for i, leaf in enumerate(leaves):
+            held = [p.columns[i] if p is not None else None for p in prefixes]
+            width = max((k.shape[2] for k, _ in filter(None, held)), default=0)
+            if not width:
+                continue
+            k0, v0 = next(filter(None, held))
+            keys, values = [], []
+            for pair in held:
+                k, v = pair if pair is not None else (k0[..., :0, :], v0[..., :0, :])
+                pad = [(0, 0), (0, 0), (width - k.shape[2], 0), (0, 0)]
+                keys.append(mx.pad(k, pad))
+                values.append(mx.pad(v, pad))
+            padding = leaf.left_padding
+            n = mx.array([0 if pair is None else pair[0].shape[2] for pair in held])
+            leaf.keys, leaf.values = mx.concatenate(keys), mx.concatenate(values)
+            leaf.left_padding = padding + width - n
+            leaf.offset = mx.array([p.length if p is not None else 0 for p in prefixes]) - padding
+            leaf._idx = width
+        for j, leaf in enumerate(self.recurrent):
+            states = [p.snapshot[j] if p is not None and p.snapshot else None for p in prefixes]
+            template = next(filter(None, states), None)
+            if template is None:
+                continue
+            leaf.cache = [None if t is None else mx.concatenate(
+                [s[e] if s is not None else mx.zeros_like(t) for s in states]) for e, t in enumerate(template)]
+
 
 def _forget(group: list[SpeculativeKVCache], drop: np.ndarray) -> None:
     """Forget ``drop``'s columns in layers that hold the same columns: the
@@ -307,14 +370,20 @@ class RowwiseCache:
         raise ValueError("a row-by-row cache verifies draft chains only")
 
 
-def make_row_cache(model: nn.Module, left_padding: list[int]) -> BatchRowCache | RowwiseCache:
+def make_row_cache(model: nn.Module, left_padding: list[int],
+                   prefixes: list[RowPrefix | None] | None = None) -> BatchRowCache | RowwiseCache:
     """The model's own caches (``make_prompt_cache``), each batched with rows
-    left-padded by ``left_padding``, or row by row for chunked attention;
-    refuses kinds that cannot batch."""
+    left-padded by ``left_padding`` (and starting from ``prefixes``), or row
+    by row for chunked attention; refuses kinds that cannot batch."""
     caches = make_prompt_cache(model)
     if any(isinstance(c, ChunkedKVCache) for c in caches):
+        if prefixes and any(prefixes):
+            raise ValueError("a row-by-row cache starts from no cached prefix")
         return RowwiseCache(model, left_padding)
-    return BatchRowCache([_batched(c, list(left_padding)) for c in caches], max(left_padding))
+    cache = BatchRowCache([_batched(c, list(left_padding)) for c in caches], max(left_padding))
+    if prefixes and any(prefixes):
+        cache.restore(prefixes)
+    return cache
 
 
 def _batched(cache, padding: list[int]):
@@ -329,3 +398,13 @@ def _batched(cache, padding: list[int]):
     if isinstance(cache, CacheList):
         return CacheList(*(_batched(c, padding) for c in cache.caches))
     raise ValueError(f"continuous batching does not support {type(cache).__name__} caches yet")
+
+
+def model_prefixes(model: nn.Module, store: PrefixStore, name: str) -> RowPrefixes:
+    """A model's rows in the prefix cache, its tree called ``name`` (none
+    when the budget is 0, or for a row-by-row cache, which cannot start
+    from a prefix)."""
+    layout = make_row_cache(model, [0])
+    if not store.enabled or not isinstance(layout, BatchRowCache):
+        return RowPrefixes(None, [])
+    return RowPrefixes(store.tree(name, stateful=bool(layout.recurrent)), layout.windows)

@@ -89,5 +89,6 @@ class StepOutput:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     error: str | None = None
     spec: SpecStats | None = None  # set on the final output of a speculating request

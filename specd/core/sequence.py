@@ -59,6 +59,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cancelled: bool = False
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    produced: int = 0  # tokens the model produced for it, those after its finish included
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -91,6 +93,7 @@ class Sequence:
         Tokens after the one that finishes the request are discarded, so a step
         that produced several tokens never overshoots max_tokens or a stop.
         """
+        self.produced += len(new_tokens)
         text_parts: list[str] = []
         taken: list[int] = []
         hit_stop_string = False
@@ -120,6 +123,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.tokens),
+            cached_tokens=self.cached_tokens,
             spec=self.stats if self.finish_reason is not None and self._speculated() else None,
         )
 

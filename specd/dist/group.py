@@ -98,6 +98,9 @@ class GroupClient:
     def speculation_status(self) -> dict:
         return self.status.get("speculation", {"default": self.speculation.method})
 
+    def prefix_cache_status(self) -> dict:
+        return self.status.get("prefixCache", {})
+
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         self._send(("policy", policy, name))
 

@@ -129,4 +129,6 @@ def rank_command(topology: TopologySpec, rank: int, plan: GroupPlan) -> tuple[li
 
 def engine_fields(spec: ModelSpec) -> dict:
     return {"max_batch_size": spec.max_batch_size, "max_waiting": spec.max_waiting,
-            "prefill_step_tokens": spec.prefill_step_tokens, "max_context": spec.max_context}
+            "prefill_step_tokens": spec.prefill_step_tokens, "max_context": spec.max_context,
+            # every rank must evict alike, so by the budget only, never by its own memory readings
+            "prefix_cache_bytes": spec.prefix_cache_max_bytes, "evict_under_pressure": False}

@@ -167,6 +167,9 @@ class Engine:
         """What ``describe`` shows of the model's speculation (read from any thread)."""
         return self.scheduler.speculator.status()
 
+    def prefix_cache_status(self) -> dict:
+        return self.scheduler.prefix_store.status()
+
     def group_status(self) -> dict | None:
         return None
 

@@ -65,6 +65,9 @@ class ServingEngine(Protocol):
 
     def speculation_status(self) -> dict: ...
 
+    def prefix_cache_status(self) -> dict:
+        """The prefix cache's budget, bytes held and hit rate (read from any thread)."""
+
     def group_status(self) -> dict | None:
         """A tensor-parallel group's ranks and progress (None for a local engine)."""
 

@@ -23,8 +23,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.batch import RunningBatch
-from ..core.cache import RowCache, make_row_cache
+from ..core.cache import RowCache, make_row_cache, model_prefixes
 from ..core.loader import context_window, vocab_size
+from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
 from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence, sample_tokens
@@ -39,6 +40,8 @@ class EngineConfig:
     max_waiting: int = 64
     prefill_step_tokens: int = 512
     max_context: int | None = None
+    prefix_cache_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
+    evict_under_pressure: bool = True  # off where ranks must evict alike (tensor parallelism)
 
 
 @dataclass
@@ -57,7 +60,8 @@ class _PrefillGroup:
     seqs: list[Sequence]
     tokens: mx.array  # (B, L) left-padded prompts
     cache: RowCache
-    done: int = 0
+    start: int = 0  # the first column run (cached prefixes end here)
+    done: int = 0  # columns already in the cache
 
 
 class Scheduler:
@@ -74,7 +78,12 @@ class Scheduler:
         native = context_window(model, tokenizer)
         self.max_context = min(config.max_context, native) if config.max_context else native
         self.vocab_size = vocab_size(model)
-        self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, speculation, drafter)
+        budget = default_max_bytes() if config.prefix_cache_bytes is None else config.prefix_cache_bytes
+        self.prefix_store = PrefixStore(budget, memory_pressure if config.evict_under_pressure else None)
+        metrics.prefix_cache_max_bytes.labels(name).set(budget)
+        self.prefixes = model_prefixes(model, self.prefix_store, "target")
+        self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, speculation, drafter,
+                                     self.prefix_store)
         self._detokenizer = tokenizer.detokenizer
         self.waiting: deque[Sequence] = deque()
         self.prefill: _PrefillGroup | None = None
@@ -104,7 +113,7 @@ class Scheduler:
             self._prefill_chunk()
         if self.batch:
             self.speculator.round(self.batch, self._emit)
-            self._leave(self.batch.keep([i for i, s in enumerate(self.batch.seqs) if s.finish_reason is None]))
+            self._leave(self._keep(lambda s: s.finish_reason is None))
         self._update_gauges()
 
     def fail_all(self, message: str, also: list[Sequence] | None = None) -> None:
@@ -121,10 +130,27 @@ class Scheduler:
         self._update_gauges()
 
     def _leave(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.prefixes.release(seq)
         if seqs:
             self.speculator.release(seqs)
 
+    def _keep(self, stays: Callable[[Sequence], bool]) -> list[Sequence]:
+        """Rows that go leave the batch; what their caches hold is recorded first."""
+        for b, seq in enumerate(self.batch.seqs):
+            if not stays(seq):
+                self._record_row(b, seq)
+        return self.batch.keep([i for i, s in enumerate(self.batch.seqs) if stays(s)])
+
+    def _record_row(self, b: int, seq: Sequence) -> None:
+        """Record a leaving row's prompt and completion in the prefix cache.
+        Its cache holds every token but the last it produced; when the
+        request ended inside a round, it holds more than the request kept,
+        and its recurrent state is past what can be named."""
+        self.prefixes.record(seq, seq.prompt + seq.tokens, len(seq.prompt) + seq.produced - 1, self.batch.cache, b)
+
     def _update_gauges(self) -> None:
+        self.metrics.prefix_cache_bytes.labels(self.name).set(self.prefix_store.bytes)
         self.metrics.requests_waiting.labels(self.name).set(len(self.waiting))
         self.metrics.requests_running.labels(self.name).set(
             len(self.batch) + (len(self.prefill.seqs) if self.prefill else 0))
@@ -138,24 +164,47 @@ class Scheduler:
                 if s.request.request_id in ids and not s.cancelled:
                     s.cancelled = True
                     aborted.append(s)
-        left = self.batch.keep([i for i, s in enumerate(self.batch.seqs) if s.request.request_id not in ids])
+        left = self._keep(lambda s: s.request.request_id not in ids)
         self._leave(left)
         for _ in aborted + left:
             self.metrics.request_success.labels(self.name, "abort").inc()
 
     def _admit(self) -> None:
-        """Start prefilling as many waiting requests as the batch has room for."""
+        """Start prefilling as many waiting requests as the batch has room
+        for, each from the longest prefix the cache holds of its prompt.
+        A request that would make the others give up their cached prefixes,
+        or would compute the same uncached prefix as one of them, waits for
+        the next group."""
         room = self.config.max_batch_size - len(self.batch)
         if self.prefill is not None or room <= 0 or not self.waiting:
             return
-        seqs = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        seqs, limits, matches, later = [], [], [], deque()
+        while self.waiting and len(seqs) < room:
+            seq = self.waiting.popleft()
+            limit = self.speculator.prefix_limit(seq)
+            match = self.prefixes.match(seq.prompt, limit)
+            if self.prefixes.admissible([s.prompt for s in seqs] + [seq.prompt], matches + [match], limits + [limit]):
+                seqs.append(seq)
+                limits.append(limit)
+                matches.append(match)
+            else:
+                later.append(seq)
+        self.waiting = later + self.waiting
         now = time.monotonic()
         for s in seqs:
             self.metrics.queue_time.labels(self.name).observe(now - s.arrival)
+        run, cached = self.prefixes.plan([s.prompt for s in seqs], limits)
         width = max(len(s.prompt) for s in seqs)
         padding = [width - len(s.prompt) for s in seqs]
+        starts = [self.prefixes.start(s, s.prompt, n) for s, n in zip(seqs, cached)]
+        for seq, n in zip(seqs, cached):
+            seq.cached_tokens = n
+        self.prefix_store.record(sum(len(s.prompt) for s in seqs), sum(cached))
+        self.metrics.prefix_cache_queries.labels(self.name).inc(sum(len(s.prompt) for s in seqs))
+        self.metrics.prefix_cache_hits.labels(self.name).inc(sum(cached))
         tokens = mx.array([[0] * p + s.prompt for p, s in zip(padding, seqs)])
-        self.prefill = _PrefillGroup(seqs, tokens, make_row_cache(self.model, padding))
+        cache = make_row_cache(self.model, [max(0, run - len(s.prompt)) for s in seqs], starts)
+        self.prefill = _PrefillGroup(seqs, tokens, cache, start=width - run, done=width - run)
 
     def _prefill_chunk(self) -> None:
         """Run one bounded chunk of the prefill group; on its last chunk the
@@ -165,8 +214,10 @@ class Scheduler:
         chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
         end = min(width, group.done + chunk)
         logits = group.cache.forward(self.model, group.tokens[:, group.done:end])
-        self.speculator.prefilled(group.seqs, group.done, end, [width - len(s.prompt) for s in group.seqs])
+        self.speculator.prefilled(group.seqs, group.done, end, [width - len(s.prompt) for s in group.seqs],
+                                  first=group.done == group.start)
         group.done = end
+        self._record_prefill(group, end)
         if end < width:
             mx.eval(group.cache.state)
             return
@@ -181,6 +232,15 @@ class Scheduler:
         if len(keep) < len(group.seqs):
             group.cache.select(keep)
         self.batch.extend([group.seqs[i] for i in keep], group.cache, [tokens[i] for i in keep])
+
+    def _record_prefill(self, group: _PrefillGroup, end: int) -> None:
+        """Record what each row's prompt has run so far (a later request can
+        start from it while this group is still prefilling)."""
+        width = group.tokens.shape[1]
+        for b, seq in enumerate(group.seqs):
+            held = end - (width - len(seq.prompt))
+            if held > 0:
+                self.prefixes.record(seq, seq.prompt, held, group.cache, b)
 
     def _emit(self, seqs: list[Sequence], logits: mx.array, emitted: list[list[int]]) -> None:
         """Hand each sequence its new tokens; ``logits[b, j]`` produced ``emitted[b][j]``."""

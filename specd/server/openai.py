@@ -264,7 +264,8 @@ class Completion:
 
     def usage(self, out: StepOutput) -> dict:
         usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                 "total_tokens": out.prompt_tokens + out.completion_tokens}
+                 "total_tokens": out.prompt_tokens + out.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
         if out.spec is not None:
             usage["speculation"] = out.spec.as_dict()
         return usage

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.cache import make_row_cache
+from ..core.prefix import RowPrefixes
 from ..core.sampling import SamplingParams, sample_rows
 from ..core.sequence import Sequence
 from ..core.request import Method, SpeculationConfig
@@ -35,8 +36,9 @@ class DraftRow:
 class DraftModelProposer:
     method = Method.DRAFT
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, prefixes: RowPrefixes):
         self.model = model
+        self.prefixes = prefixes  # the draft's own cached prefixes
         self.rows: FollowedRows[DraftRow] = FollowedRows()
         self._drafted = 0  # k of the current round (0: the proposer did not run)
         self.caught_up = False
@@ -49,6 +51,12 @@ class DraftModelProposer:
         """The draft prefills lazily, on a sequence's first round."""
 
     def release(self, seqs: list[Sequence]) -> None:
+        """Record what leaving rows hold (all they were fed but their pending tokens)."""
+        for seq in seqs:
+            if seq in self.rows:
+                held = len(seq.prompt) + seq.produced - len(self.rows.state[seq].pending)
+                self.prefixes.record(seq, seq.prompt + seq.tokens, held, self.rows.cache, self.rows.seqs.index(seq))
+            self.prefixes.release(seq)
         self.rows.release(seqs)
 
     def _forward(self, tokens: list[list[int]]) -> mx.array:
@@ -61,12 +69,15 @@ class DraftModelProposer:
         return logits[mx.arange(len(tokens)), last]
 
     def _admit(self, seqs: list[Sequence], last_tokens: list[int]) -> None:
-        """Prefill the draft cache for sequences it has not seen yet."""
+        """Prefill the draft cache for sequences it has not seen yet, each
+        from the longest prefix the draft's cache tree holds."""
         context = [s.prompt + s.tokens[:-1] for s in seqs]
-        width = max(len(c) for c in context)
-        padding = [width - len(c) for c in context]
-        cache = make_row_cache(self.model, padding)
-        cache.forward(self.model, mx.array([[0] * p + c for p, c in zip(padding, context)]))
+        run, cached = self.prefixes.plan(context)
+        starts = [self.prefixes.start(s, c, n) for s, c, n in zip(seqs, context, cached)]
+        cache = make_row_cache(self.model, [max(0, run - len(c)) for c in context], starts)
+        cache.forward(self.model, mx.array([([0] * run + c)[-run:] for c in context]))
+        for b, (s, c) in enumerate(zip(seqs, context)):
+            self.prefixes.record(s, c, len(c), cache, b)
         mx.eval(cache.state)
         self.rows.add([(s, DraftRow([t])) for s, t in zip(seqs, last_tokens)], cache)
 

@@ -24,7 +24,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..core.batch import RunningBatch
-from ..core.cache import make_row_cache
+from ..core.cache import make_row_cache, model_prefixes
+from ..core.prefix import PrefixStore, RowPrefixes
 from ..core.sampling import transform_logprobs
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
@@ -69,8 +70,10 @@ class Speculator:
     between steps without disturbing requests in flight."""
 
     def __init__(self, model_name: str, target: nn.Module, vocab_size: int, max_context: int, metrics: Metrics,
-                 default: SpeculationConfig = NO_SPECULATION, drafter: nn.Module | None = None):
+                 default: SpeculationConfig = NO_SPECULATION, drafter: nn.Module | None = None,
+                 prefix_store: PrefixStore | None = None):
         self.name = model_name
+        self.prefix_store = prefix_store if prefix_store is not None else PrefixStore(0)
         self.target = target
         self.vocab = vocab_size
         self.max_context = max_context
@@ -106,12 +109,15 @@ class Speculator:
             return
         if isinstance(self.drafter, EagleProposer):
             self.drafter.detach()
+        store = self.prefix_store
+        store.drop("drafter")  # what the old drafter cached
         if drafter is None:
             self.drafter = None
         elif isinstance(drafter, EagleHead):
-            self.drafter = EagleProposer(drafter, self.target)
+            head = RowPrefixes(store.tree("drafter", stateful=False) if store.enabled else None, [None])
+            self.drafter = EagleProposer(drafter, self.target, head)
         else:
-            self.drafter = DraftModelProposer(drafter)
+            self.drafter = DraftModelProposer(drafter, model_prefixes(drafter, store, "drafter"))
 
     @property
     def drafter_module(self) -> nn.Module | None:
@@ -157,12 +163,23 @@ class Speculator:
         spec = seq.request.speculation or self.default
         return replace(spec, tree_top_k=1) if self.chains_only and spec.tree_top_k > 1 else spec
 
-    def prefilled(self, seqs: list[Sequence], start: int, end: int, padding: list[int]) -> None:
-        """A prefill chunk ran prompt columns [start, end) of left-padded rows:
-        a drafter that reads the target's features gets each row's real ones."""
+    def prefilled(self, seqs: list[Sequence], start: int, end: int, padding: list[int], first: bool) -> None:
+        """A prefill chunk ran prompt columns [start, end) of left-padded rows
+        (``first``: the group's first chunk; rows may start from cached
+        prefixes): a drafter that reads the target's features gets each
+        row's real ones."""
         if self.drafter is not None:
             columns = [list(range(max(0, pad - start), end - start)) for pad in padding]
-            self.drafter.prefilled(seqs, [self.spec_for(s) for s in seqs], columns, start == 0)
+            self.drafter.prefilled(seqs, [self.spec_for(s) for s in seqs], columns, first)
+
+    def prefix_limit(self, seq: Sequence) -> int:
+        """The longest cached prefix ``seq`` may start from: an EAGLE head
+        needs the target's features of every position it has no cached
+        entry for, so the target runs those again."""
+        limit = len(seq.prompt) - 1
+        if isinstance(self.drafter, EagleProposer) and self.spec_for(seq).method == Method.EAGLE:
+            limit = min(limit, self.drafter.cached(seq.prompt))
+        return limit
 
     def release(self, seqs: list[Sequence]) -> None:
         """Sequences that left the batch: their acceptance joins the model's history."""

@@ -15,6 +15,11 @@ candidates with the highest cumulative log-probability are expanded by one
 its ``top_k`` children; finally all candidates are reranked by cumulative
 log-probability and the best ``budget`` kept (a child never outranks its
 parent, so the kept nodes form a tree).  ``top_k = 1`` is chain drafting.
+
+A sequence whose target prefix came from the prefix cache has no features
+for it: the head starts such a row from its own cached entries (entry i,
+the head's state for feature i and token i+1, is keyed by the token pair),
+and the target restores no more than the head holds (``cached``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import mlx.nn as nn
 
 from ...core.cache import BatchRowCache
 from ...core.kv import SpeculativeKVCache
+from ...core.prefix import RowPrefix, RowPrefixes
 from ...core.sequence import Sequence
 from ...core.request import Method, SpeculationConfig
 from ..proposer import Drafts, FollowedRows, Outcome, Round
@@ -36,8 +42,10 @@ from .head import EagleHead
 class EagleProposer:
     method = Method.EAGLE
 
-    def __init__(self, head: EagleHead, target: nn.Module):
+    def __init__(self, head: EagleHead, target: nn.Module, prefixes: RowPrefixes):
         self.head = head
+        self.prefixes = prefixes  # the head's cached entries, keyed by token pairs
+        self.origin: dict[Sequence, RowPrefix | None] = {}  # where a row not in the head's cache yet starts
         self.embed, self.lm_head = target_parts(target)
         self.capture = FeatureCapture(target, head.config.feature_layers)
         self.rows: FollowedRows[int] = FollowedRows()  # per row: positions in the head's cache
@@ -63,9 +71,15 @@ class EagleProposer:
         on (only those the head saw whole can draft)."""
         if started:
             for s, spec in zip(seqs, specs):
-                if spec.method == self.method:
-                    self.queued.setdefault(s, [])
+                if spec.method != self.method:
+                    continue
+                self.origin[s] = self.prefixes.start(s, pair_keys(s.prompt), s.cached_tokens)
+                self.queued.setdefault(s, [])
         self._observe(seqs, columns)
+
+    def cached(self, prompt: list[int]) -> int:
+        """How many leading positions of ``prompt`` the head holds cached entries for."""
+        return self.prefixes.match(pair_keys(prompt), len(prompt) - 1)
 
     def commit(self, round_: Round, outcome: Outcome) -> None:
         self._observe(round_.seqs, outcome.kept_columns)
@@ -78,9 +92,33 @@ class EagleProposer:
         return seq in self.queued
 
     def release(self, seqs: list[Sequence]) -> None:
-        self.rows.release(seqs)
+        """Feed leaving rows what is queued for them and record the head's
+        entries, so a later request that starts from their prefix can draft."""
+        if self.prefixes.tree is not None:
+            self._flush([s for s in seqs if self.queued.get(s)])
+            for s in seqs:
+                if s in self.rows:
+                    self.prefixes.record(s, pair_keys(s.prompt + s.tokens), self.rows.state[s], self.rows.cache,
+                                         self.rows.seqs.index(s))
         for s in seqs:
+            self.prefixes.release(s)
             self.queued.pop(s, None)
+            self.origin.pop(s, None)
+        self.rows.release(seqs)
+
+    def _flush(self, seqs: list[Sequence]) -> None:
+        """Feed ``seqs`` (and only them) everything queued for them."""
+        rows = self.rows
+        held = [s for s in seqs if s in rows]
+        if held:
+            empty = (mx.zeros((0, self.head.config.hidden_size)), [])
+            pairs = [self._pairs(s, rows.state[s]) if s in held else empty for s in rows.seqs]
+            self._feed(pairs, rows.cache, left=False)
+            for s, (f, _) in zip(rows.seqs, pairs):
+                rows.state[s] += f.shape[0]
+        new = [s for s in seqs if s not in rows]
+        if new:
+            self._start(new)
 
     # -- drafting ---------------------------------------------------------------
 
@@ -106,6 +144,21 @@ class EagleProposer:
         cache.rollback([width - len(t) for _, t in pairs])
         return out[mx.arange(len(pairs)), mx.array([len(t) - 1 for _, t in pairs])]
 
+    def _start(self, new: list[Sequence]) -> dict[Sequence, mx.array]:
+        """Give sequences the head has not seen yet their rows, each from its
+        cached entries on, fed all that is queued; returns their last outputs."""
+        origins = [self.origin.pop(s) for s in new]
+        starts = [0 if o is None else o.length for o in origins]
+        pairs = [self._pairs(s, n) for s, n in zip(new, starts)]
+        cache = BatchRowCache([SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
+        if any(origins):
+            cache.restore(origins)
+        last = self._feed(pairs, cache, left=True)
+        for b, (s, n, (f, _)) in enumerate(zip(new, starts, pairs)):
+            self.prefixes.record(s, pair_keys(s.prompt + s.tokens), n + f.shape[0], cache, b)
+        self.rows.add([(s, n + f.shape[0]) for s, n, (f, _) in zip(new, starts, pairs)], cache)
+        return {s: last[i] for i, s in enumerate(new)}
+
     def _catch_up(self, seqs: list[Sequence]) -> mx.array:
         """Make the head's rows exactly ``seqs`` and feed everything queued; (B, H) root outputs."""
         new = self.rows.follow(seqs)
@@ -121,11 +174,7 @@ class EagleProposer:
             last = self._feed(pairs, rows.cache, left=False)
             outputs.update({s: last[i] for i, s in enumerate(rows.seqs)})
         if new:
-            pairs = [self._pairs(s, 0) for s in new]
-            cache = BatchRowCache([SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
-            last = self._feed(pairs, cache, left=True)
-            outputs.update({s: last[i] for i, s in enumerate(new)})
-            rows.add([(s, f.shape[0]) for s, (f, _) in zip(new, pairs)], cache)
+            outputs.update(self._start(new))
         rows.order(seqs)
         return mx.stack([outputs[s] for s in seqs])
 
@@ -215,3 +264,8 @@ class EagleProposer:
         order = sorted(kept, key=lambda c: (depth[c], c))
         index = {c: i for i, c in enumerate(order)}
         return DraftTree([cand[c][0] for c in order], [index[cand[c][1]] if cand[c][1] >= 0 else -1 for c in order])
+
+
+def pair_keys(tokens: list[int]) -> list[int]:
+    """The head's entry i follows tokens i and i+1: its cache is keyed by the pairs."""
+    return [(a << 31) | b for a, b in zip(tokens, tokens[1:])]

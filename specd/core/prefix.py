@@ -1,0 +1,428 @@
+"""Automatic prefix caching: a radix tree of cached model state over token prefixes.
+
+Chat and agent traffic resends the same system prompt, tool list and
+history with every request.  ``PrefixTree`` (SGLang's RadixAttention) maps
+token prefixes to what a model's cache held after them, so a new request
+prefills only what no earlier request already did:
+
+- attention layers (full or sliding window) keep every position's keys and
+  values on the edge that holds the position's token, so any matched prefix
+  can be restored;
+- recurrent layers (SSM, conv, gated delta net states) have no positions:
+  a node keeps a *snapshot* of the state after its last token, taken where a
+  prefill chunk, a prompt or a request ended, and a model with such layers
+  resumes only at a node with a snapshot (SGLang's ``MambaRadixCache``).
+
+A ``PrefixStore`` holds one tree per model that keeps a cache (the target,
+its draft model, its EAGLE head) under one byte budget.  Nodes are
+immutable copies: a request restores its prefix by copying it into its own
+batch row, so speculation's rollback in that row never touches the tree.  A
+request that is still extending its path holds a ``Lease`` on its deepest
+node, which keeps that node and its ancestors from eviction; everything
+else is evicted least recently used first when the budget is exceeded or
+memory runs short.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+if TYPE_CHECKING:
+    from .cache import BatchRowCache
+
+Columns = list[tuple[mx.array, mx.array]]  # per attention layer: (1, H, n, D) keys and values
+Snapshot = list[list]  # per recurrent layer: its state arrays, batch of 1
+
+
+@dataclass(eq=False)
+class Node:
+    key: np.ndarray  # the edge's tokens
+    parent: "Node | None"
+    columns: Columns  # every attention layer's keys and values for the edge's positions
+    snapshot: Snapshot | None = None  # the recurrent state after the edge's last token
+    children: dict[int, "Node"] = field(default_factory=dict)
+    locks: int = 0
+    used: int = 0
+    nbytes: int = 0
+
+    @property
+    def depth(self) -> int:
+        """Tokens from the root to the end of this node's edge."""
+        node, n = self, 0
+        while node is not None:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+
+def _nbytes(columns: Columns, snapshot: Snapshot | None) -> int:
+    n = sum(k.nbytes + v.nbytes for k, v in columns)
+    return n + sum(a.nbytes for state in snapshot or [] for a in state if a is not None)
+
+
+@dataclass
+class RowPrefix:
+    """A cached prefix a new batch row starts from: ``length`` tokens, each
+    attention layer's columns for the positions it will still attend to,
+    and the recurrent layers' state after them."""
+
+    length: int
+    columns: Columns
+    snapshot: Snapshot | None = None
+
+
+@dataclass(eq=False)
+class Lease:
+    """A request's hold on the deepest node its tokens reached: that node and
+    its ancestors stay until the lease moves on or is released."""
+
+    tree: "PrefixTree"
+    node: "Node"
+    depth: int
+
+    def release(self) -> None:
+        self.tree._lock(self.node, -1)
+
+
+class PrefixTree:
+    """One model's cached prefixes.  ``stateful``: the model has recurrent
+    layers, so a prefix can resume only where a node holds a snapshot."""
+
+    def __init__(self, store: "PrefixStore", stateful: bool):
+        self.store = store
+        self.stateful = stateful
+        self.root = Node(np.zeros(0, dtype=np.int64), None, [])
+
+    # -- reading ----------------------------------------------------------------
+
+    def _path(self, tokens: Sequence[int], limit: int) -> list[tuple[Node, int]]:
+        """The nodes ``tokens[:limit]`` runs through, each with how many of its
+        edge's tokens match (the last may match part of its edge)."""
+        path, node, pos = [], self.root, 0
+        while pos < limit:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common(child.key, tokens[pos:limit])
+            path.append((child, n))
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return path
+
+    def match(self, tokens: Sequence[int], limit: int) -> int:
+        """How many leading tokens of ``tokens[:limit]`` can be restored."""
+        tick = self.store.tick()
+        best = pos = 0
+        for node, n in self._path(tokens, limit):
+            node.used = tick
+            pos += n
+            if not self.stateful:
+                best = pos
+            elif n == len(node.key) and node.snapshot is not None:
+                best = pos
+        return best
+
+    def restore(self, tokens: Sequence[int], starts: list[int], end: int) -> tuple[Columns, Snapshot | None]:
+        """Attention layer i's columns for positions [starts[i], end) of
+        ``tokens`` (a sliding window needs only its last ones) and, for
+        recurrent layers, the snapshot at ``end`` (which ``match`` found)."""
+        path = self._path(tokens, end)
+        if sum(n for _, n in path) != end:
+            raise KeyError(f"a prefix of {end} tokens is not cached")
+        snapshot = path[-1][0].snapshot if path and path[-1][1] == len(path[-1][0].key) else None
+        columns = []
+        for i, start in enumerate(starts):
+            keys, values, pos = [], [], 0
+            for node, n in path:
+                lo, hi = max(start - pos, 0), n
+                if hi > lo:
+                    keys.append(node.columns[i][0][..., lo:hi, :])
+                    values.append(node.columns[i][1][..., lo:hi, :])
+                pos += n
+            columns.append((mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)))
+        return columns, snapshot
+
+    # -- leases -------------------------------------------------------------------
+
+    def lease(self, tokens: Sequence[int], length: int) -> Lease:
+        """Hold the deepest node whose edge ends at or before ``length``."""
+        node, depth = self.root, 0
+        for child, n in self._path(tokens, length):
+            if n < len(child.key):
+                break
+            node, depth = child, depth + n
+        self._lock(node, 1)
+        return Lease(self, node, depth)
+
+    def _lock(self, node: Node, delta: int) -> None:
+        while node is not None:
+            node.locks += delta
+            node = node.parent
+
+    # -- writing ------------------------------------------------------------------
+
+    def extend(self, lease: Lease, tokens: Sequence[int], end: int,
+               columns: Callable[[int, int], Columns | None], snapshot: Snapshot | None = None) -> None:
+        """Record ``tokens[:end]``, which extend the lease's path: ``columns(a, b)``
+        gives positions [a, b) for the part the tree lacks (None: not held any
+        more), ``snapshot`` the recurrent state at ``end``.  What does not fit
+        the budget, even after evicting everything unleased, is not recorded.
+        The lease moves to the deepest node recorded."""
+        if end <= lease.depth or (self.stateful and snapshot is None):
+            return
+        node, pos = lease.node, lease.depth
+        created = []
+        while pos < end:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                cols = columns(pos, end)
+                if cols is None or not self.store.make_room(_nbytes(cols, snapshot)):
+                    break
+                child = Node(np.asarray(tokens[pos:end], dtype=np.int64), node, [_own(k, v) for k, v in cols])
+                node.children[int(tokens[pos])] = child
+                self.store.nodes += 1
+                created.append(child)
+                node, pos = child, end
+                break
+            n = _common(child.key, tokens[pos:end])
+            if n < len(child.key):
+                child = self._split(child, n)
+            node, pos = child, pos + n
+        if (pos == end and snapshot is not None and node.snapshot is None
+                and self.store.make_room(_nbytes([], snapshot))):
+            node.snapshot = [[None if a is None else mx.contiguous(a) for a in state] for state in snapshot]
+            created.append(node)
+        mx.eval([a for c in created for pair in c.columns for a in pair] +
+                [a for c in created for state in c.snapshot or [] for a in state if a is not None])
+        for c in created:
+            self.store.account(c)
+        tick = self.store.tick()
+        walk = node
+        while walk is not None:
+            walk.used = tick
+            walk = walk.parent
+        self._lock(node, 1)
+        lease.release()
+        lease.node, lease.depth = node, pos
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Cut ``node``'s edge after ``n`` tokens; returns the new upper node
+        (the lower part keeps the snapshot, the children and the locks)."""
+        upper = Node(node.key[:n], node.parent, [_own(k[..., :n, :], v[..., :n, :]) for k, v in node.columns],
+                     locks=node.locks, used=node.used)
+        node.parent.children[int(node.key[0])] = upper
+        node.key = node.key[n:]
+        node.columns = [_own(k[..., n:, :], v[..., n:, :]) for k, v in node.columns]
+        node.parent = upper
+        upper.children[int(node.key[0])] = node
+        self.store.nodes += 1
+        mx.eval([a for c in (upper, node) for pair in c.columns for a in pair])
+        self.store.account(node)
+        self.store.account(upper)
+        return upper
+
+    def nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+
+def _own(k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+    """Copies that share no buffer with a batch cache or another node."""
+    return mx.contiguous(k), mx.contiguous(v)
+
+
+def _common(a: np.ndarray, b: Sequence[int]) -> int:
+    """Length of the common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n
+
+
+def default_max_bytes() -> int:
+    """A tenth of the host's physical memory (what the prefix cache may hold
+    unless the Model says otherwise)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10
+    except (ValueError, OSError, AttributeError):
+        return 2 << 30
+
+
+def memory_pressure() -> bool:
+    """Whether MLX's allocations are close to its memory limit (the cache
+    then gives way before a request's allocation fails)."""
+    return mx.get_active_memory() > 0.9 * mx.get_memory_limit()
+
+
+class PrefixStore:
+    """A Model's prefix trees (target, draft model, EAGLE head) under one budget."""
+
+    def __init__(self, max_bytes: int, pressure: Callable[[], bool] | None = memory_pressure):
+        self.max_bytes = max_bytes
+        self.pressure = pressure
+        self.trees: dict[str, PrefixTree] = {}
+        self.bytes = 0
+        self.nodes = 0
+        self.queried = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
+        self.hits = 0  # of those, restored from the cache (prefix_cache_hits)
+        self.evicted = 0
+        self._clock = itertools.count(1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def tree(self, name: str, stateful: bool) -> PrefixTree:
+        tree = self.trees.get(name)
+        if tree is None or tree.stateful != stateful:
+            self.drop(name)
+            tree = self.trees[name] = PrefixTree(self, stateful)
+        return tree
+
+    def drop(self, name: str) -> None:
+        """Forget a tree (its model was detached)."""
+        tree = self.trees.pop(name, None)
+        if tree is not None:
+            nodes = tree.nodes()
+            self.bytes -= sum(node.nbytes for node in nodes)
+            self.nodes -= len(nodes)
+
+    def tick(self) -> int:
+        return next(self._clock)
+
+    def account(self, node: Node) -> None:
+        self.bytes -= node.nbytes
+        node.nbytes = _nbytes(node.columns, node.snapshot)
+        self.bytes += node.nbytes
+
+    def record(self, queried: int, hit: int) -> None:
+        self.queried += queried
+        self.hits += hit
+
+    def make_room(self, need: int) -> bool:
+        """Evict until ``need`` more bytes fit; False if they cannot."""
+        self.evict(need)
+        return self.bytes + need <= self.max_bytes
+
+    def evict(self, need: int = 0) -> None:
+        """Drop unleased leaves, least recently used first, until ``need``
+        more bytes fit the budget and MLX is not short of memory."""
+        def short() -> bool:
+            return self.bytes + need > self.max_bytes or bool(self.pressure and self.bytes and self.pressure())
+        if not short():
+            return
+        heap = [(node.used, id(node), node) for tree in self.trees.values() for node in tree.nodes()
+                if not node.children and not node.locks]
+        heapq.heapify(heap)
+        while heap and short():
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[int(node.key[0])]
+            self.bytes -= node.nbytes
+            self.nodes -= 1
+            self.evicted += 1
+            if parent.parent is not None and not parent.children and not parent.locks:
+                heapq.heappush(heap, (parent.used, id(parent), parent))
+
+    def status(self) -> dict:
+        """What ``describe model`` shows (counters only: read from any thread)."""
+        return {"maxBytes": self.max_bytes, "bytes": self.bytes, "nodes": self.nodes,
+                "queriedTokens": self.queried, "hitTokens": self.hits,
+                "hitRate": round(self.hits / self.queried, 4) if self.queried else None,
+                "evictedNodes": self.evicted}
+
+
+class RowPrefixes:
+    """One model's rows and its tree: where new rows start, and recording
+    what rows hold as they prefill and when they leave (keyed by sequence).
+
+    ``windows`` lists each attention layer's sliding window (None: full), in
+    the cache's column order: a windowed layer restores only the positions
+    a new token can still see.  Without a tree (caching off, or a cache
+    that cannot start from a prefix) every row starts empty."""
+
+    SLACK = 32  # cached tokens a row may recompute to share a group's prefill width
+
+    def __init__(self, tree: PrefixTree | None, windows: list[int | None]):
+        self.tree = tree
+        self.windows = windows
+        self.leases: dict[object, Lease] = {}
+
+    def match(self, tokens: Sequence[int], limit: int | None = None) -> int:
+        """Cached tokens ``tokens`` could start from (by default at least one is left to run)."""
+        if self.tree is None:
+            return 0
+        return self.tree.match(tokens, len(tokens) - 1 if limit is None else limit)
+
+    def plan(self, contexts: list[Sequence[int]], limits: list[int] | None = None) -> tuple[int, list[int]]:
+        """Start left-padded rows together: the columns every row runs
+        (``width``) and how many cached tokens each starts from (at most its
+        limit).  A row whose cache is shorter than the others' makes them
+        all run more; a recurrent model must also start each row at a snapshot."""
+        lengths = [len(c) for c in contexts]
+        limits = limits or [n - 1 for n in lengths]
+        width = max(n - self.match(c, lim) for n, c, lim in zip(lengths, contexts, limits))
+        while self.tree is not None and self.tree.stateful:
+            need = width
+            for n, c in zip(lengths, contexts):
+                if n > width:
+                    need = max(need, n - self.tree.match(c, n - width))
+            if need == width:
+                break
+            width = need
+        return width, [max(0, n - width) for n in lengths]
+
+    def admissible(self, contexts: list[Sequence[int]], matches: list[int], limits: list[int]) -> bool:
+        """Whether rows are worth starting together: none gives up more of
+        its cached prefix than ``SLACK`` or what it runs anyway, and no two
+        would compute the same uncached prefix (the second waits and then
+        finds it cached)."""
+        if self.tree is None or len(contexts) == 1:
+            return True
+        width, starts = self.plan(contexts, limits)
+        for m, s, c in zip(matches, starts, contexts):
+            if m - s > max(self.SLACK, len(c) - m):
+                return False
+        new, m_new = contexts[-1], matches[-1]
+        return all(_common(np.asarray(c, dtype=np.int64), new) - max(m, m_new) < self.SLACK
+                   for c, m in zip(contexts[:-1], matches[:-1]))
+
+    def start(self, key: object, tokens: Sequence[int], length: int) -> RowPrefix | None:
+        """The prefix a row starts from (None: from nothing); the row holds a lease from now on."""
+        if self.tree is None:
+            return None
+        self.leases[key] = self.tree.lease(tokens, length)
+        if not length:
+            return None
+        starts = [0 if w is None else max(0, length - (w - 1)) for w in self.windows]
+        columns, snapshot = self.tree.restore(tokens, starts, length)
+        return RowPrefix(length, columns, snapshot)
+
+    def record(self, key: object, known: Sequence[int], held: int, cache: "BatchRowCache", b: int) -> None:
+        """Row b of ``cache`` holds ``held`` positions, whose tokens begin
+        with ``known``: record what the tree lacks.  A row that ran past
+        what is known (a request that ended inside a round) has recurrent
+        state that no known prefix names, so it records columns only."""
+        lease = self.leases.get(key)
+        end = min(held, len(known))
+        if lease is None or end <= lease.depth:
+            return
+        state = cache.row_snapshot(b) if self.tree.stateful and end == held else None
+        self.tree.extend(lease, known, end, lambda lo, hi: cache.row_columns(b, held, lo, hi), state)
+
+    def release(self, key: object) -> None:
+        lease = self.leases.pop(key, None)
+        if lease is not None:
+            lease.release()
