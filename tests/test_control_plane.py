@@ -158,6 +158,12 @@ BAD = {
     "tree smaller than k": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
                             "spec: {targetRef: m, method: eagle, source: /h, numSpeculativeTokens: 6,"
                             " eagle: {topK: 2, treeTokens: 4}}\n", "spec.eagle.treeTokens"),
+    "bad prefix cache size": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                              "spec: {source: /x, prefixCache: {maxBytes: lots}}\n", "spec.prefixCache.maxBytes"),
+    "negative prefix cache size": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                                   "spec: {source: /x, prefixCache: {maxBytes: -1}}\n", "spec.prefixCache.maxBytes"),
+    "unknown prefix cache field": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                                   "spec: {source: /x, prefixCache: {disk: true}}\n", "spec.prefixCache.disk"),
     "bad name": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: Not OK}\nspec: {source: /x}\n",
                  "metadata.name"),
     "duplicate names": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /x}\n---\n"

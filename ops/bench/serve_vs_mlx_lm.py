@@ -24,10 +24,11 @@ Fairness choices, all recorded in the JSON:
 * ``mlx_lm.server`` batches concurrent requests by default
   (``--decode-concurrency 32``, ``--prompt-concurrency 8``); we pass both
   explicitly so the comparison is batched-vs-batched;
-* ``mlx_lm.server`` keeps an LRU prompt cache that would let it skip prefill
-  for prompts it has seen in an earlier run; specd has no prompt cache, so
-  by default it is turned off (``--prompt-cache-size 0``) and the two engines
-  do the same work.  ``--mlx-lm-prompt-cache`` keeps it on;
+* both servers run with their prompt caches on, as their users run them:
+  ``mlx_lm.server``'s LRU prompt cache and specd's prefix cache (every run
+  sends the same prompts, so from the second run on both can skip prefill).
+  ``--no-prompt-cache`` turns both off (``--prompt-cache-size 0``, and
+  ``prefixCache.maxBytes: 0``) to compare the engines doing the same work;
 * ``mlx_lm.server``'s listen backlog is raised from 5 to 64 (see
   ``mlx_lm_spec``), else c=8 runs measure 1 s SYN retransmits, not serving;
   ``--mlx-lm-backlog 0`` keeps the stock server;
@@ -177,9 +178,10 @@ def child_env() -> tuple[dict[str, str], str]:
 
 
 def specd_spec(model: Path, workdir: Path, port: int, draft: Path | None = None,
-               num_draft: int = 3, ngram: bool = False) -> ServerSpec:
+               num_draft: int = 3, ngram: bool = False, prompt_cache: bool = True) -> ServerSpec:
     """specd serving ``model`` from a one-file manifest directory (with a
-    draft-model DraftPairing when ``draft`` is given, an n-gram one with ``ngram``)."""
+    draft-model DraftPairing when ``draft`` is given, an n-gram one with
+    ``ngram``; its prefix cache off unless ``prompt_cache``)."""
     manifests = workdir / "manifests"
     manifests.mkdir()
     text = (
@@ -191,6 +193,8 @@ def specd_spec(model: Path, workdir: Path, port: int, draft: Path | None = None,
         f"  source: {model}\n"
         "  maxBatchSize: 16\n"
     )
+    if not prompt_cache:
+        text += "  prefixCache: {maxBytes: 0}\n"
     if draft is not None or ngram:
         source = f"  method: draft\n  source: {draft}\n" if draft is not None else "  method: ngram\n"
         text += ("---\napiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata:\n  name: bench-draft\n"
@@ -203,7 +207,7 @@ def specd_spec(model: Path, workdir: Path, port: int, draft: Path | None = None,
 
 def mlx_lm_spec(model: Path, port: int, prompt_cache: bool, backlog: int, draft: Path | None = None,
                 num_draft: int = 3) -> ServerSpec:
-    """mlx_lm.server with batching on and (by default) its prompt cache off.
+    """mlx_lm.server with batching on, and its prompt cache unless ``prompt_cache`` is False.
 
     mlx_lm.server is a ``ThreadingHTTPServer`` speaking HTTP/1.0, so every
     request opens a new connection, and its listen backlog is socketserver's
@@ -627,8 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="speculate with this draft model on both servers (specd: a DraftPairing; "
                         "mlx_lm.server: --draft-model)")
     p.add_argument("--num-draft-tokens", type=int, default=3)
-    p.add_argument("--mlx-lm-prompt-cache", action="store_true",
-                   help="keep mlx_lm.server's prompt cache on (off by default: specd has none)")
+    p.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
+                   help="turn off mlx_lm.server's prompt cache and specd's prefix cache (both on by default)")
     p.add_argument("--mlx-lm-backlog", type=int, default=64,
                    help="listen backlog for mlx_lm.server (0: its stock 5, which drops "
                         "connects beyond ~6 simultaneous ones for 1 s)")
@@ -657,8 +661,8 @@ async def bench(args: argparse.Namespace, env: dict[str, str], workdir: Path) ->
         roundir = workdir / f"round{n}"
         roundir.mkdir()
         draft = dict(draft=args.draft_model, num_draft=args.num_draft_tokens)
-        builders = [partial(specd_spec, args.model, roundir, **draft),
-                    partial(mlx_lm_spec, args.model, prompt_cache=args.mlx_lm_prompt_cache,
+        builders = [partial(specd_spec, args.model, roundir, prompt_cache=args.prompt_cache, **draft),
+                    partial(mlx_lm_spec, args.model, prompt_cache=args.prompt_cache,
                             backlog=args.mlx_lm_backlog, **draft)]
         if n % 2:
             builders.reverse()
@@ -704,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"runs": args.runs, "rounds": args.rounds, "max_tokens": args.max_tokens,
                    "max_foreign_cores": args.max_foreign_cores, "retries": args.retries,
                    "concurrency": args.concurrency, "prompts": list(PROMPTS),
-                   "mlx_lm_prompt_cache": args.mlx_lm_prompt_cache,
+                   "prompt_cache": args.prompt_cache,
                    "draft_model": str(args.draft_model) if args.draft_model else None,
                    "num_draft_tokens": args.num_draft_tokens if args.draft_model else None,
                    "mlx_lm_listen_backlog": args.mlx_lm_backlog or 5,

@@ -49,7 +49,8 @@ class Node:
     snapshot: Snapshot | None = None  # the recurrent state after the edge's last token
     children: dict[int, "Node"] = field(default_factory=dict)
     locks: int = 0
-    used: int = 0
+    used: int = 0  # the store's clock when last matched or extended
+    serial: int = 0  # creation order: ties in ``used`` evict alike on every tensor-parallel rank
     nbytes: int = 0
 
     @property
@@ -179,15 +180,17 @@ class PrefixTree:
         The lease moves to the deepest node recorded."""
         if end <= lease.depth or (self.stateful and snapshot is None):
             return
+        snapshot = snapshot if self.stateful else None
         node, pos = lease.node, lease.depth
         created = []
         while pos < end:
             child = node.children.get(tokens[pos])
             if child is None:
                 cols = columns(pos, end)
-                if cols is None or not self.store.make_room(_nbytes(cols, snapshot)):
+                if cols is None or not self._make_room(node, _nbytes(cols, snapshot)):
                     break
-                child = Node(np.asarray(tokens[pos:end], dtype=np.int64), node, [_own(k, v) for k, v in cols])
+                child = Node(np.asarray(tokens[pos:end], dtype=np.int64), node, [_own(k, v) for k, v in cols],
+                             _own_snapshot(snapshot), serial=self.store.tick())
                 node.children[int(tokens[pos])] = child
                 self.store.nodes += 1
                 created.append(child)
@@ -198,8 +201,8 @@ class PrefixTree:
                 child = self._split(child, n)
             node, pos = child, pos + n
         if (pos == end and snapshot is not None and node.snapshot is None
-                and self.store.make_room(_nbytes([], snapshot))):
-            node.snapshot = [[None if a is None else mx.contiguous(a) for a in state] for state in snapshot]
+                and self._make_room(node, _nbytes([], snapshot))):
+            node.snapshot = _own_snapshot(snapshot)
             created.append(node)
         mx.eval([a for c in created for pair in c.columns for a in pair] +
                 [a for c in created for state in c.snapshot or [] for a in state if a is not None])
@@ -214,11 +217,19 @@ class PrefixTree:
         lease.release()
         lease.node, lease.depth = node, pos
 
+    def _make_room(self, keep: Node, need: int) -> bool:
+        """``store.make_room``, never evicting ``keep`` (the node being extended)."""
+        self._lock(keep, 1)
+        try:
+            return self.store.make_room(need)
+        finally:
+            self._lock(keep, -1)
+
     def _split(self, node: Node, n: int) -> Node:
         """Cut ``node``'s edge after ``n`` tokens; returns the new upper node
         (the lower part keeps the snapshot, the children and the locks)."""
         upper = Node(node.key[:n], node.parent, [_own(k[..., :n, :], v[..., :n, :]) for k, v in node.columns],
-                     locks=node.locks, used=node.used)
+                     locks=node.locks, used=node.used, serial=self.store.tick())
         node.parent.children[int(node.key[0])] = upper
         node.key = node.key[n:]
         node.columns = [_own(k[..., n:, :], v[..., n:, :]) for k, v in node.columns]
@@ -242,6 +253,12 @@ class PrefixTree:
 def _own(k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
     """Copies that share no buffer with a batch cache or another node."""
     return mx.contiguous(k), mx.contiguous(v)
+
+
+def _own_snapshot(snapshot: Snapshot | None) -> Snapshot | None:
+    if snapshot is None:
+        return None
+    return [[None if a is None else mx.contiguous(a) for a in state] for state in snapshot]
 
 
 def _common(a: np.ndarray, b: Sequence[int]) -> int:
@@ -312,9 +329,10 @@ class PrefixStore:
         self.hits += hit
 
     def make_room(self, need: int) -> bool:
-        """Evict until ``need`` more bytes fit; False if they cannot."""
+        """Evict until ``need`` more bytes fit; False if they cannot, or
+        while MLX is short of memory (the cache gives way to requests)."""
         self.evict(need)
-        return self.bytes + need <= self.max_bytes
+        return self.bytes + need <= self.max_bytes and not (self.pressure and self.pressure())
 
     def evict(self, need: int = 0) -> None:
         """Drop unleased leaves, least recently used first, until ``need``
@@ -323,7 +341,7 @@ class PrefixStore:
             return self.bytes + need > self.max_bytes or bool(self.pressure and self.bytes and self.pressure())
         if not short():
             return
-        heap = [(node.used, id(node), node) for tree in self.trees.values() for node in tree.nodes()
+        heap = [(node.used, node.serial, node) for tree in self.trees.values() for node in tree.nodes()
                 if not node.children and not node.locks]
         heapq.heapify(heap)
         while heap and short():
@@ -334,7 +352,7 @@ class PrefixStore:
             self.nodes -= 1
             self.evicted += 1
             if parent.parent is not None and not parent.children and not parent.locks:
-                heapq.heappush(heap, (parent.used, id(parent), parent))
+                heapq.heappush(heap, (parent.used, parent.serial, parent))
 
     def status(self) -> dict:
         """What ``describe model`` shows (counters only: read from any thread)."""
@@ -426,3 +444,4 @@ class RowPrefixes:
         lease = self.leases.pop(key, None)
         if lease is not None:
             lease.release()
+            self.tree.store.evict()  # what only this lease kept may be due

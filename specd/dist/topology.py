@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from ..api.manifest import ModelSpec, TopologySpec
+from ..core.prefix import default_max_bytes
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
@@ -130,5 +131,6 @@ def rank_command(topology: TopologySpec, rank: int, plan: GroupPlan) -> tuple[li
 def engine_fields(spec: ModelSpec) -> dict:
     return {"max_batch_size": spec.max_batch_size, "max_waiting": spec.max_waiting,
             "prefill_step_tokens": spec.prefill_step_tokens, "max_context": spec.max_context,
-            # every rank must evict alike, so by the budget only, never by its own memory readings
-            "prefix_cache_bytes": spec.prefix_cache_max_bytes, "evict_under_pressure": False}
+            # every rank must evict alike: by one budget (the daemon host's default), never by its own memory
+            "prefix_cache_bytes": (default_max_bytes() if spec.prefix_cache_max_bytes is None
+                                   else spec.prefix_cache_max_bytes), "evict_under_pressure": False}

@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Multi-turn chat and agent traffic: specd against ``mlx_lm.server`` at its defaults.
+
+Chat and agent clients resend their whole history with every request, so a
+server that caches prompt prefixes prefills only what is new.  Two workloads,
+streamed greedy ``/v1/chat/completions`` requests on the same model:
+
+* **chat**: every conversation opens with the same system prompt (about
+  1,500 tokens of Python source), then six turns of a short question and a
+  reply of up to 32 tokens, each turn resending the history;
+* **agent**: a system prompt with a long fixed tool list (about 1,200 tokens
+  of JSON schemas), then six steps, each sending the reply back with a tool
+  result of about 100 tokens, so the history grows by a few hundred tokens a step.
+
+Each run plays ``c`` conversations at once (c = 1 and 4); every run asks new
+questions (only the system prompt repeats across runs, as in production).
+Per run we record each turn's time to first content and each conversation's
+wall time.  Figures are medians over runs; TTFT is that of turns 2 to 6.
+``mlx_lm.server`` runs at its defaults: batching on (``--decode-concurrency
+32 --prompt-concurrency 8``, passed explicitly) and its LRU prompt cache on.
+specd runs with its defaults too (prefix cache on); its hit rate and cache
+bytes come from its own ``/metrics``.
+
+Usage (from the repository root)::
+
+    python ops/bench/multiturn.py --model models/demo/target --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+import serve_vs_mlx_lm as anchor
+from spec_decode import write_result
+
+DEFAULT_OUT = anchor.REPO_ROOT / "ops" / "bench" / "results" / "multiturn.json"
+TURNS = 6
+FUNCTIONS = ("parse", "format", "load", "dump", "split", "join", "update", "read", "write", "close",
+             "open", "flush", "encode", "decode", "match", "search")
+
+
+def system_prompt(tokenizer, tokens: int) -> str:
+    """About ``tokens`` tokens of Python source (the demo model's own kind of text)."""
+    import inspect
+    import json.decoder
+    import json.encoder
+    source = inspect.getsource(json.decoder) + inspect.getsource(json.encoder)
+    ids = tokenizer.encode(source)[:tokens]
+    return "You are a code assistant. The code under discussion:\n" + tokenizer.decode(ids)
+
+
+def tool_list(tokenizer, tokens: int) -> str:
+    """A system prompt listing tools as JSON schemas, about ``tokens`` tokens long."""
+    tools, text = [], ""
+    for i in range(200):
+        name = f"{FUNCTIONS[i % len(FUNCTIONS)]}_{i}"
+        tools.append({"type": "function", "function": {
+            "name": name, "description": f"Run {name} on a file of the repository and return what it prints.",
+            "parameters": {"type": "object", "properties": {
+                "path": {"type": "string", "description": "a path relative to the repository root"},
+                "limit": {"type": "integer", "description": "the most lines to return"}},
+                "required": ["path"]}}})
+        text = "You can call these tools:\n" + json.dumps(tools, indent=1)
+        if len(tokenizer.encode(text)) >= tokens:
+            break
+    return text
+
+
+def chat_turns(run: int, conv: int) -> list[str]:
+    return [f"Q{run}.{conv}.{t}: what does {FUNCTIONS[(run + conv * 3 + t) % len(FUNCTIONS)]} do here?"
+            for t in range(TURNS)]
+
+
+def agent_turns(run: int, conv: int) -> list[str]:
+    """The task, then a tool result (about 100 tokens) per step."""
+    out = [f"Task {run}.{conv}: find where the decoder handles escapes and fix the bug."]
+    for t in range(1, TURNS):
+        lines = "\n".join(f"    {t}.{i}: if ch == '\\\\': chunks.append(_decode_{t}_{i}(s, end))" for i in range(5))
+        out.append(f"Tool result (run {run}, conversation {conv}, step {t}):\n{lines}")
+    return out
+
+
+async def turn(session: aiohttp.ClientSession, base: str, model_id: str, messages: list[dict],
+               max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy chat completion: its TTFT, text and usage."""
+    body = {"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    ttft, parts, usage = None, [], None
+    async with session.post(base + "/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status} from {base}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"stream error from {base}: {event['error']}")
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                text = (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    parts.append(text)
+                    if ttft is None:
+                        ttft = time.perf_counter() - started
+    return {"ttft_s": ttft, "latency_s": time.perf_counter() - started, "text": "".join(parts),
+            "prompt_tokens": (usage or {}).get("prompt_tokens"),
+            "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+async def conversation(session, base: str, model_id: str, system: str, users: list[str],
+                       max_tokens: int) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}]
+    started = time.perf_counter()
+    turns = []
+    for user in users:
+        messages.append({"role": "user", "content": user})
+        result = await turn(session, base, model_id, messages, max_tokens)
+        messages.append({"role": "assistant", "content": result["text"]})
+        turns.append(result)
+    return {"wall_s": time.perf_counter() - started, "turns": turns}
+
+
+async def measure(spec: anchor.ServerSpec, port: int, env: dict[str, str], workdir: Path,
+                  workloads: dict[str, tuple[str, Callable[[int, int], list[str]]]],
+                  concurrencies: list[int], runs: int, max_tokens: int) -> dict[str, Any]:
+    """Start one server and play every workload at every concurrency ``runs`` times."""
+    base = f"http://127.0.0.1:{port}"
+    log_path = workdir / f"{spec.name}.log"
+    out: dict[str, Any] = {"argv": spec.argv, "workloads": {}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=anchor.REQUEST_TIMEOUT_S),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        with anchor.running(spec, env, log_path) as proc:
+            out["ready_s"] = await anchor.wait_ready(session, base, spec, proc, log_path)
+            await turn(session, base, spec.model_id, [{"role": "user", "content": "warm up"}], max_tokens)
+            run_id = 0
+            for name, (system, users) in workloads.items():
+                for c in concurrencies:
+                    results = []
+                    for _ in range(runs):
+                        run_id += 1
+                        started = time.perf_counter()
+                        convs = await asyncio.gather(*(conversation(session, base, spec.model_id, system,
+                                                                    users(run_id, i), max_tokens)
+                                                       for i in range(c)))
+                        results.append({"wall_s": time.perf_counter() - started, "conversations": convs})
+                        later = [t["ttft_s"] for cv in convs for t in cv["turns"][1:] if t["ttft_s"] is not None]
+                        print(f"[{spec.name}] {name} c={c}: wall {results[-1]['wall_s']:.2f}s, "
+                              f"later-turn TTFT {statistics.median(later) * 1000:.0f} ms", flush=True)
+                    out["workloads"].setdefault(name, {})[str(c)] = results
+            if spec.name == "specd":
+                async with session.get(base + "/metrics") as resp:
+                    out["metrics"] = prefix_metrics(await resp.text())
+        out["log"] = anchor.log_tail(log_path)
+    return out
+
+
+def prefix_metrics(text: str) -> dict[str, float]:
+    """specd's prefix-cache series, read with Prometheus' own parser."""
+    wanted = {"specd_prefix_cache_queries_total", "specd_prefix_cache_hits_total", "specd_prefix_cache_bytes",
+              "specd_prefix_cache_max_bytes"}
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[sample.name] = sample.value
+    queries = values.get("specd_prefix_cache_queries_total")
+    values["hit_rate"] = values.get("specd_prefix_cache_hits_total", 0) / queries if queries else None
+    return values
+
+
+def summarize(results: dict[str, Any], concurrencies: list[int]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for name in results["specd"]["workloads"]:
+        for c in concurrencies:
+            row = {}
+            for server in ("specd", "mlx_lm"):
+                runs = results[server]["workloads"][name][str(c)]
+                row[server] = {
+                    "later_ttft_ms": statistics.median(
+                        statistics.median(t["ttft_s"] for cv in run["conversations"] for t in cv["turns"][1:]
+                                          if t["ttft_s"] is not None) for run in runs) * 1000,
+                    "conversation_wall_s": statistics.median(
+                        statistics.median(cv["wall_s"] for cv in run["conversations"]) for run in runs),
+                    "run_wall_s": statistics.median(run["wall_s"] for run in runs)}
+            ratio = {k: row["specd"][k] / row["mlx_lm"][k] for k in ("later_ttft_ms", "conversation_wall_s",
+                                                                      "run_wall_s")}
+            summary[f"{name} c={c}"] = {**row, "specd_over_mlx_lm": ratio,
+                                        "goal": {"later_ttft<=0.5x": ratio["later_ttft_ms"] <= 0.5,
+                                                 "wall<=0.8x": ratio["conversation_wall_s"] <= 0.8}}
+    return summary
+
+
+def print_table(summary: dict[str, Any], metrics: dict[str, float]) -> None:
+    print(f"\n{'workload':<12} {'':<22} {'specd':>10} {'mlx_lm':>10} {'specd/mlx_lm':>13}")
+    for key, row in summary.items():
+        for label, field, unit in (("TTFT turns 2-6", "later_ttft_ms", "ms"),
+                                   ("conversation wall", "conversation_wall_s", "s"),
+                                   ("run wall", "run_wall_s", "s")):
+            s, m = row["specd"][field], row["mlx_lm"][field]
+            fmt = "{:>8.0f} " if unit == "ms" else "{:>8.2f} "
+            print(f"{key:<12} {label:<22} {fmt.format(s)}{unit:<1} {fmt.format(m)}{unit:<1} "
+                  f"{row['specd_over_mlx_lm'][field]:>12.2f}x")
+    hit = metrics.get("hit_rate")
+    print(f"\nspecd prefix cache: hit rate {hit:.3f}, {metrics.get('specd_prefix_cache_bytes', 0) / 2**20:.1f} MiB "
+          f"held (budget {metrics.get('specd_prefix_cache_max_bytes', 0) / 2**30:.1f} GiB)" if hit is not None
+          else "\nspecd prefix cache: no queries")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=anchor.DEFAULT_MODEL)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--system-tokens", type=int, default=1500)
+    p.add_argument("--tool-tokens", type=int, default=1200)
+    p.add_argument("--workloads", nargs="+", default=["chat", "agent"], choices=["chat", "agent"])
+    p.add_argument("--mlx-lm-backlog", type=int, default=64, help="see serve_vs_mlx_lm.py (0: the stock server)")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from specd.core.loader import load_tokenizer
+    tokenizer = load_tokenizer(str(args.model))
+    workloads = {"chat": (system_prompt(tokenizer, args.system_tokens), chat_turns),
+                 "agent": (tool_list(tokenizer, args.tool_tokens), agent_turns)}
+    workloads = {k: v for k, v in workloads.items() if k in args.workloads}
+    env, preload = anchor.child_env()
+    results: dict[str, Any] = {
+        "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                   "system_prompt_tokens": {k: len(tokenizer.encode(s)) for k, (s, _) in workloads.items()},
+                   "turns": TURNS, "mlx_lm": "defaults (batching, prompt cache on)", "specd": "defaults (prefix cache on)"},
+        "host": anchor.host_info(), "openblas_preload": preload,
+        "versions": {p: anchor.package_version(p) for p in ("mlx", "mlx-lm", "specd")}}
+    with tempfile.TemporaryDirectory(prefix="multiturn-") as tmp:
+        workdir = Path(tmp)
+        builds = {"specd": partial(anchor.specd_spec, args.model, workdir / "specd-home"),
+                  "mlx_lm": partial(anchor.mlx_lm_spec, args.model, prompt_cache=True, backlog=args.mlx_lm_backlog)}
+        (workdir / "specd-home").mkdir()
+        for name, build in builds.items():
+            port = anchor.free_port()
+            results[name] = asyncio.run(measure(build(port), port, env, workdir, workloads, args.concurrency,
+                                                args.runs, args.max_tokens))
+    results["summary"] = summarize(results, args.concurrency)
+    print_table(results["summary"], results["specd"].get("metrics", {}))
+    write_result(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

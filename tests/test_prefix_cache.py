@@ -1,0 +1,341 @@
+"""Automatic prefix caching: output never changes, the budget holds, and it is reported.
+
+The radix tree is checked against a plain model of what was recorded
+(hypothesis), and the engine with real models: multi-turn conversations
+served with the cache must produce exactly what they produce without it
+(greedy and seeded sampling, speculation off and on, draft models and EAGLE
+heads, sliding-window and recurrent families), while later turns start from
+cached prefixes.  The HTTP side is checked with the official client and the
+daemon's own ``/metrics`` and status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ROOT, code_sample, run_engine
+from specd.core.loader import load_model, text_config, vocab_size
+from specd.core.prefix import PrefixStore
+from specd.core.request import GenerationRequest, SpeculationConfig
+from specd.core.sampling import SamplingParams
+from specd.forge.families import build
+
+GREEDY = SamplingParams(temperature=0, logprobs=True)  # log-probabilities catch a wrong position or column
+NGRAM = SpeculationConfig("ngram", 4, 1, 3)
+DRAFT = SpeculationConfig("draft", 3)
+EAGLE = SpeculationConfig("eagle", 3)
+EAGLE_TREE = SpeculationConfig("eagle", 3, tree_top_k=3, tree_tokens=8)
+_ids = itertools.count()
+
+
+# -- the tree ------------------------------------------------------------------
+
+def column(tokens: list[int], p: int) -> float:
+    """What position p holds: like a key, a function of the prefix up to p."""
+    return float(sum((t + 1) * 7 ** i for i, t in enumerate(tokens[: p + 1])) % 1009)
+
+
+def columns_of(tokens: list[int], lo: int, hi: int) -> list[tuple[mx.array, mx.array]]:
+    values = mx.array([column(tokens, p) for p in range(lo, hi)]).reshape(1, 1, -1, 1)
+    return [(values, -values)]
+
+
+def attached(node) -> bool:
+    while node.parent is not None:
+        if node.parent.children.get(int(node.key[0])) is not node:
+            return False
+        node = node.parent
+    return True
+
+
+sequences = st.lists(st.integers(0, 2), min_size=1, max_size=24)  # a tiny alphabet: prefixes are shared
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(sequences, st.integers(1, 24), st.booleans()), min_size=1, max_size=30),
+       st.integers(0, 400), st.booleans())
+def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, budget, stateful):
+    """Rows record prefixes (in two steps, some keeping their lease); every
+    match restores exactly the recorded columns (and, for a recurrent model,
+    only at a snapshot, the snapshot taken there); the budget always holds,
+    the byte and node counts are exact, and leased nodes are never evicted."""
+    store = PrefixStore(budget, pressure=None)
+    tree = store.tree("t", stateful)
+    leases = []
+    for tokens, end, keep in rows:
+        end = min(end, len(tokens))
+        lease = tree.lease(tokens, 0)
+        for stop in sorted({max(1, end // 2), end}):
+            snapshot = [[mx.array([column(tokens, stop - 1)])]]
+            tree.extend(lease, tokens, stop, lambda lo, hi: columns_of(tokens, lo, hi), snapshot)
+            assert store.bytes <= budget
+        (leases if keep else []).append((lease, tokens[: lease.depth]))
+        if not keep:
+            lease.release()
+        for held, prefix in leases:  # a leased path is still in the tree, whole
+            assert attached(held.node) and held.node.depth == len(prefix)
+        nodes = tree.nodes()
+        assert store.bytes == sum(n.nbytes for n in nodes) and store.nodes == len(nodes)
+        for probe, _, _ in rows:
+            n = tree.match(probe, len(probe))
+            if n == 0:
+                continue
+            (keys, values), = tree.restore(probe, [0], n)[0]
+            assert np.array(keys).ravel().tolist() == [column(probe, p) for p in range(n)]
+            assert np.array(values).ravel().tolist() == [-column(probe, p) for p in range(n)]
+            if stateful:
+                snapshot = tree.restore(probe, [0], n)[1]
+                assert snapshot is not None and snapshot[0][0].item() == column(probe, n - 1)
+
+
+# -- the engine ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(forged, tmp_path_factory):
+    """Loaded models by name: the forged pair, and tiny sliding-window and recurrent families."""
+    root = tmp_path_factory.mktemp("prefix-families")
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            path = forged / name if name in ("target", "draft") else build(name, root / name, forged / "target")
+            loaded[name] = load_model(str(path))
+        return loaded[name]
+    return get
+
+
+def eagle_head(model):
+    from specd.spec.eagle.head import EagleConfig, EagleHead
+
+    hidden = text_config(model)["hidden_size"]
+    mx.random.seed(0)
+    head = EagleHead(EagleConfig(1, hidden, 2 * hidden, 4, 2, vocab_size(model)))
+    mx.eval(head.parameters())
+    return head
+
+
+def conversation_prompts(tokenizer):
+    ids = tokenizer.encode(code_sample("speculation"))
+    return ids[:60], [ids[100 + 7 * t: 105 + 7 * t] for t in range(3)], ids
+
+
+async def converse(engine, system, questions, opening, spec, params, delay, max_tokens=12):
+    """Turns of one conversation, each resending the history; per turn
+    (tokens, cached tokens, log-probabilities of the tokens)."""
+    await asyncio.sleep(delay)
+    history, turns = list(system) + opening, []
+    for t, question in enumerate(questions):
+        prompt = history + question
+        seed_params = params if params.greedy else SamplingParams(temperature=params.temperature, seed=1000 + t,
+                                                                   logprobs=True)
+        request = GenerationRequest(f"p{next(_ids)}", prompt, seed_params, max_tokens, (), spec)
+        tokens, cached, logprobs = [], None, []
+        async for out in engine.generate(request):
+            assert out.error is None, out.error
+            tokens += out.tokens
+            logprobs += [lp.logprob for lp in out.logprobs or []]
+            cached = out.cached_tokens
+        turns.append((tokens, cached, logprobs))
+        history = prompt + tokens
+    return turns
+
+
+def play(model, tokenizer, budget, spec=None, drafter=None, params=GREEDY, conversations=3, **config):
+    """Conversations in one engine, arriving a little apart (rows of different
+    conversations and turns share batches, some starting from cached prefixes
+    and some not); returns their turns, whether some batch mixed rows that
+    did and did not start from the cache, and the prefix store."""
+    system, questions, ids = conversation_prompts(tokenizer)
+    specs = spec if isinstance(spec, list) else [spec] * conversations
+
+    async def go(engine):
+        mixed = False
+
+        async def watch():
+            nonlocal mixed
+            while True:
+                cached = {s.cached_tokens > 0 for s in list(engine.scheduler.batch.seqs)}
+                mixed = mixed or cached == {True, False}
+                await asyncio.sleep(0.002)
+        watcher = asyncio.ensure_future(watch())
+        turns = await asyncio.gather(*(converse(engine, system, questions, ids[500 + 3 * i: 503 + 3 * i],
+                                                specs[i], params, 0.01 * i) for i in range(conversations)))
+        watcher.cancel()
+        return turns, mixed, engine.scheduler.prefix_store
+    settings = {"max_batch_size": 4, "prefill_step_tokens": 16, **config}
+    return run_engine(model, tokenizer, go, drafter, prefix_cache_bytes=budget, **settings)
+
+
+def tokens_of(turns):
+    return [[turn[0] for turn in conv] for conv in turns]
+
+
+def assert_same(turns, expected) -> None:
+    """The same tokens, with the same log-probabilities (to float rounding)."""
+    assert tokens_of(turns) == tokens_of(expected)
+    got = np.array([lp for conv in turns for turn in conv for lp in turn[2]])
+    want = np.array([lp for conv in expected for turn in conv for lp in turn[2]])
+    assert len(got) == len(want) and np.allclose(got, want, atol=1e-4), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("family", ["target", "gemma3_text", "qwen3_next", "falcon_h1"])
+def test_conversations_are_identical_with_and_without_the_cache(family, models):
+    """Greedy, speculation off, n-gram and a mixed batch: the forged Llama,
+    a sliding-window family and two recurrent ones (state snapshots)."""
+    model, tokenizer = models(family)
+    expected, _, _ = play(model, tokenizer, 0)
+    for spec in (None, NGRAM, [NGRAM, None, NGRAM]):
+        turns, mixed, store = play(model, tokenizer, None, spec)
+        assert_same(turns, expected)
+        assert all(cached > 0 for conv in turns for _, cached, _ in conv[1:]), "later turns start from the cache"
+        assert mixed, "no batch mixed rows that started from the cache with rows that did not"
+        assert store.hits > 0 and store.bytes > 0
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle", "eagle-tree"])
+def test_draft_models_and_eagle_heads_keep_their_own_cached_prefixes(method, models):
+    """The draft model's and the EAGLE head's caches start from their own
+    cached prefixes; output is unchanged and every EAGLE row still drafts."""
+    from specd.spec.eagle.proposer import EagleProposer
+
+    model, tokenizer = models("target")
+    drafter = models("draft")[0] if method == "draft" else eagle_head(model)
+    spec = {"draft": DRAFT, "eagle": EAGLE, "eagle-tree": EAGLE_TREE}[method]
+    expected, _, _ = play(model, tokenizer, 0)
+    drafting = []
+    if method != "draft":
+        original = EagleProposer.prefilled
+
+        def prefilled(self, seqs, specs, columns, started):
+            original(self, seqs, specs, columns, started)
+            if started:
+                drafting.extend((s.cached_tokens, s in self.queued) for s in seqs)
+        EagleProposer.prefilled = prefilled
+    try:
+        turns, _, store = play(model, tokenizer, None, spec, drafter)
+    finally:
+        if method != "draft":
+            EagleProposer.prefilled = original
+    assert_same(turns, expected)
+    assert all(cached > 0 for conv in turns for _, cached, _ in conv[1:])
+    assert "drafter" in store.trees and any(n.nbytes for n in store.trees["drafter"].nodes())
+    if drafting:
+        assert all(queued for _, queued in drafting) and any(cached for cached, _ in drafting)
+
+
+def test_seeded_sampling_is_identical_with_and_without_the_cache(models):
+    model, tokenizer = models("target")
+    params = SamplingParams(temperature=0.9)
+    for spec in (None, NGRAM):
+        expected, _, _ = play(model, tokenizer, 0, spec, params=params)
+        turns, _, _ = play(model, tokenizer, None, spec, params=params)
+        assert_same(turns, expected)
+
+
+def test_a_small_budget_holds_and_output_stays_identical(models):
+    """A budget of a few turns' worth: LRU eviction runs all along, the
+    budget holds at every step, and nothing changes in the output."""
+    model, tokenizer = models("target")
+    expected, _, _ = play(model, tokenizer, 0)
+    budget = 150_000
+    turns, _, store = play(model, tokenizer, budget, NGRAM)
+    assert_same(turns, expected)
+    assert store.evicted > 0 and store.bytes <= budget
+
+
+def test_requests_sharing_a_prefix_that_is_still_being_prefilled(models):
+    """Requests that share a long prompt prefix with one still prefilling (or
+    arriving with it) wait for it and start from it, with the same output."""
+    model, tokenizer = models("target")
+    ids = tokenizer.encode(code_sample("engine"))
+    shared = ids[:150]
+    prompts = [shared + ids[200 + 5 * i: 204 + 5 * i] for i in range(4)]
+
+    def serve(budget):
+        async def go(engine):
+            async def one(prompt, delay):
+                await asyncio.sleep(delay)
+                tokens, cached = [], 0
+                async for out in engine.generate(GenerationRequest(f"s{next(_ids)}", prompt, GREEDY, 10)):
+                    tokens += out.tokens
+                    cached = out.cached_tokens
+                return tokens, cached
+            # two arrive together, two while the first group is prefilling (16 tokens a step)
+            return await asyncio.gather(*(one(p, d) for p, d in zip(prompts, (0, 0, 0.02, 0.04))))
+        return run_engine(model, tokenizer, go, max_batch_size=4, prefill_step_tokens=16, prefix_cache_bytes=budget)
+    expected = serve(0)
+    got = serve(None)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert got[0][1] == 0 and all(cached >= len(shared) for _, cached in got[1:]), [c for _, c in got]
+
+
+def test_the_cache_gives_way_under_memory_pressure(models):
+    """Once MLX's memory limit is nearly reached, the cache drops what it
+    holds and records nothing new, and requests are served as before."""
+    model, tokenizer = models("target")
+    system, questions, ids = conversation_prompts(tokenizer)
+    expected, _, _ = play(model, tokenizer, 0, conversations=2)
+
+    async def go(engine):
+        store = engine.scheduler.prefix_store
+        first = await converse(engine, system, questions, ids[500:503], None, GREEDY, 0)
+        held = store.bytes
+        # short of memory even once everything cached is gone
+        limit = mx.set_memory_limit(int((mx.get_active_memory() - held) / 0.95))
+        try:
+            second = await converse(engine, system, questions, ids[503:506], None, GREEDY, 0)
+        finally:
+            mx.set_memory_limit(limit)
+        return [first, second], held, store.bytes
+    turns, held, after = run_engine(model, tokenizer, go, max_batch_size=4, prefill_step_tokens=16)
+    assert_same(turns, expected)
+    assert held > 0 and after == 0
+
+
+# -- over HTTP ---------------------------------------------------------------------
+
+def test_cached_tokens_metrics_and_status_over_http(daemon, client, tokenizer):
+    """The second turn of a chat reports cached prompt tokens in its usage;
+    /metrics has vLLM's prefix-cache series; describe shows the hit rate."""
+    system = code_sample("speculation")[:2000]
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does this do?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > len(tokenizer.encode(system)) and cached < second.usage.prompt_tokens
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+
+    samples = {(s.name, s.labels.get("model_name")): s.value
+               for family in text_string_to_metric_families(daemon.get("/metrics")[1].decode())
+               for s in family.samples}
+    assert samples[("specd_prefix_cache_hits_total", "tiny")] >= cached
+    assert samples[("specd_prefix_cache_queries_total", "tiny")] > samples[("specd_prefix_cache_hits_total", "tiny")]
+    assert samples[("specd_prefix_cache_bytes", "tiny")] > 0 and samples[("specd_prefix_cache_max_bytes", "tiny")] > 0
+
+    deadline = time.monotonic() + 30  # status is written on the reconciler's next pass
+    while True:
+        status = json.loads(daemon.get("/apis/specd.dev/v1alpha1/models/tiny")[1])["status"]["prefixCache"]
+        if status["hitRate"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert status["hitRate"] > 0 and 0 < status["bytes"] <= status["maxBytes"]
+    described = subprocess.run([sys.executable, "-m", "specd.cli", "describe", "model", "tiny",
+                                "--server", daemon.url], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert "prefixCache:" in described.stdout and "hitRate:" in described.stdout, described.stdout
