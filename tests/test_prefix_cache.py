@@ -52,6 +52,10 @@ def columns_of(tokens: list[int], lo: int, hi: int) -> list[tuple[mx.array, mx.a
     return [(values, -values)]
 
 
+def depth(node) -> int:
+    return len(node.key) + depth(node.parent) if node.parent is not None else 0
+
+
 def attached(node) -> bool:
     while node.parent is not None:
         if node.parent.children.get(int(node.key[0])) is not node:
@@ -85,7 +89,7 @@ def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, bud
         if not keep:
             lease.release()
         for held, prefix in leases:  # a leased path is still in the tree, whole
-            assert attached(held.node) and held.node.depth == len(prefix)
+            assert attached(held.node) and depth(held.node) == len(prefix)
         nodes = tree.nodes()
         assert store.bytes == sum(n.nbytes for n in nodes) and store.nodes == len(nodes)
         for probe, _, _ in rows:

@@ -53,15 +53,6 @@ class Node:
     serial: int = 0  # creation order: ties in ``used`` evict alike on every tensor-parallel rank
     nbytes: int = 0
 
-    @property
-    def depth(self) -> int:
-        """Tokens from the root to the end of this node's edge."""
-        node, n = self, 0
-        while node is not None:
-            n += len(node.key)
-            node = node.parent
-        return n
-
 
 def _nbytes(columns: Columns, snapshot: Snapshot | None) -> int:
     n = sum(k.nbytes + v.nbytes for k, v in columns)
@@ -403,12 +394,16 @@ class RowPrefixes:
         return width, [max(0, n - width) for n in lengths]
 
     def admissible(self, contexts: list[Sequence[int]], matches: list[int], limits: list[int]) -> bool:
-        """Whether rows are worth starting together: none gives up more of
-        its cached prefix than ``SLACK`` or what it runs anyway, and no two
-        would compute the same uncached prefix (the second waits and then
-        finds it cached)."""
+        """Whether rows are worth starting together: at most one starts from
+        a cached prefix (its prefill attends to its whole context, so a
+        second one would only delay the first one's first token), none gives
+        up more of its cached prefix than ``SLACK`` or what it runs anyway,
+        and no two would compute the same uncached prefix (the second waits
+        and then finds it cached)."""
         if self.tree is None or len(contexts) == 1:
             return True
+        if sum(1 for m in matches if m) > 1:
+            return False
         width, starts = self.plan(contexts, limits)
         for m, s, c in zip(matches, starts, contexts):
             if m - s > max(self.SLACK, len(c) - m):
