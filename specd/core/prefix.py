@@ -173,18 +173,18 @@ class PrefixTree:
             return
         snapshot = snapshot if self.stateful else None
         node, pos = lease.node, lease.depth
-        created = []
         while pos < end:
             child = node.children.get(tokens[pos])
             if child is None:
                 cols = columns(pos, end)
                 if cols is None or not self._make_room(node, _nbytes(cols, snapshot)):
                     break
-                child = Node(np.asarray(tokens[pos:end], dtype=np.int64), node, [_own(k, v) for k, v in cols],
+                # evaluated before the tree holds it: a failing forward leaves no node behind
+                child = Node(np.asarray(tokens[pos:end], dtype=np.int64), node, _owned(cols),
                              _own_snapshot(snapshot), serial=self.store.tick())
                 node.children[int(tokens[pos])] = child
                 self.store.nodes += 1
-                created.append(child)
+                self.store.account(child)
                 node, pos = child, end
                 break
             n = _common(child.key, tokens[pos:end])
@@ -194,11 +194,7 @@ class PrefixTree:
         if (pos == end and snapshot is not None and node.snapshot is None
                 and self._make_room(node, _nbytes([], snapshot))):
             node.snapshot = _own_snapshot(snapshot)
-            created.append(node)
-        mx.eval([a for c in created for pair in c.columns for a in pair] +
-                [a for c in created for state in c.snapshot or [] for a in state if a is not None])
-        for c in created:
-            self.store.account(c)
+            self.store.account(node)
         tick = self.store.tick()
         walk = node
         while walk is not None:
@@ -219,15 +215,14 @@ class PrefixTree:
     def _split(self, node: Node, n: int) -> Node:
         """Cut ``node``'s edge after ``n`` tokens; returns the new upper node
         (the lower part keeps the snapshot, the children and the locks)."""
-        upper = Node(node.key[:n], node.parent, [_own(k[..., :n, :], v[..., :n, :]) for k, v in node.columns],
+        upper = Node(node.key[:n], node.parent, _owned([(k[..., :n, :], v[..., :n, :]) for k, v in node.columns]),
                      locks=node.locks, used=node.used, serial=self.store.tick())
         node.parent.children[int(node.key[0])] = upper
         node.key = node.key[n:]
-        node.columns = [_own(k[..., n:, :], v[..., n:, :]) for k, v in node.columns]
+        node.columns = _owned([(k[..., n:, :], v[..., n:, :]) for k, v in node.columns])
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self.store.nodes += 1
-        mx.eval([a for c in (upper, node) for pair in c.columns for a in pair])
         self.store.account(node)
         self.store.account(upper)
         return upper
@@ -241,15 +236,19 @@ class PrefixTree:
         return out
 
 
-def _own(k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-    """Copies that share no buffer with a batch cache or another node."""
-    return mx.contiguous(k), mx.contiguous(v)
+def _owned(columns: Columns) -> Columns:
+    """Evaluated copies that share no buffer with a batch cache or another node."""
+    out = [(mx.contiguous(k), mx.contiguous(v)) for k, v in columns]
+    mx.eval(out)
+    return out
 
 
 def _own_snapshot(snapshot: Snapshot | None) -> Snapshot | None:
     if snapshot is None:
         return None
-    return [[None if a is None else mx.contiguous(a) for a in state] for state in snapshot]
+    out = [[None if a is None else mx.contiguous(a) for a in state] for state in snapshot]
+    mx.eval([a for state in out for a in state if a is not None])
+    return out
 
 
 def _common(a: np.ndarray, b: Sequence[int]) -> int:

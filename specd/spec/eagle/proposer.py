@@ -123,11 +123,14 @@ class EagleProposer:
     # -- drafting ---------------------------------------------------------------
 
     def _pairs(self, seq: Sequence, start: int) -> tuple[mx.array, list[int]]:
-        """A sequence's queued (feature, next token) pairs, from cache position ``start``."""
+        """A sequence's queued (feature, next token) pairs, from cache position
+        ``start`` (a request that ended inside a round has features past its
+        last kept token: they pair with nothing)."""
         features = mx.concatenate(self.queued[seq], axis=0)
         self.queued[seq] = []
         context = seq.prompt + seq.tokens
-        return features, context[start + 1: start + 1 + features.shape[0]]
+        tokens = context[start + 1: start + 1 + features.shape[0]]
+        return features[: len(tokens)], tokens
 
     def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: BatchRowCache, left: bool) -> mx.array:
         """Feed each row its pairs, padded on the left (a fresh cache) or on the
