@@ -31,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's logit_bias
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +44,21 @@ class SamplingParams:
 
 def _column(values: Sequence[float], dtype=mx.float32) -> mx.array:
     return mx.array(list(values), dtype=dtype)[:, None]
+
+
+def apply_logit_bias(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """``logits`` (B, V) or (B, L, V) with each row's ``logit_bias`` added at
+    every position.  Applied to the target's logits before anything reads
+    them (argmax, sampling, verification), so a speculating row is decided
+    by the same biased distribution as a plain one."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    bias = [[0.0] * logits.shape[-1] for _ in params]
+    for row, p in zip(bias, params):
+        for token, value in p.logit_bias:
+            row[token] = value
+    bias = mx.array(bias, dtype=logits.dtype)
+    return logits + (bias if logits.ndim == 2 else bias[:, None, :])
 
 
 def transform_logprobs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:

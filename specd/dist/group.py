@@ -93,7 +93,7 @@ class GroupClient:
         return [{"rank": r, "host": hosts[r].name, "pid": p.pid} for r, p in enumerate(self.procs)]
 
     def check_prompt(self, request: GenerationRequest) -> None:
-        check_request(request, self.name, self.drafter, self.max_context)
+        check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
 
     def speculation_status(self) -> dict:
         return self.status.get("speculation", {"default": self.speculation.method})

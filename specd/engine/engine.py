@@ -161,7 +161,7 @@ class Engine:
 
     def check_prompt(self, request: GenerationRequest) -> None:
         """Raise RequestRejected if the request can never be served as asked."""
-        check_request(request, self.name, self.drafter, self.max_context)
+        check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
 
     def speculation_status(self) -> dict:
         """What ``describe`` shows of the model's speculation (read from any thread)."""

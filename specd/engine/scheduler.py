@@ -26,7 +26,7 @@ from ..core.batch import RunningBatch
 from ..core.cache import RowCache, make_row_cache, model_prefixes
 from ..core.loader import context_window, vocab_size
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
-from ..core.sampling import SamplingParams
+from ..core.sampling import SamplingParams, apply_logit_bias
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
@@ -222,8 +222,9 @@ class Scheduler:
             mx.eval(group.cache.state)
             return
         self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
-        tokens = sample_tokens(group.seqs, logits[:, -1, :])
-        self._emit(group.seqs, logits[:, -1:, :], [[t] for t in tokens])
+        last = apply_logit_bias(logits[:, -1:, :], [s.params for s in group.seqs])
+        tokens = sample_tokens(group.seqs, last[:, 0, :])
+        self._emit(group.seqs, last, [[t] for t in tokens])
         self.prefill = None  # only now: until the group joins the batch, a fault must still find it
         keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
         self._leave([s for i, s in enumerate(group.seqs) if i not in keep])
@@ -276,8 +277,13 @@ class RequestRejected(ValueError):
         self.field = field
 
 
-def check_request(request: GenerationRequest, model: str, drafter: Method | None, max_context: int) -> None:
+def check_request(request: GenerationRequest, model: str, drafter: Method | None, max_context: int,
+                  vocab: int) -> None:
     """Raise RequestRejected if the request can never be served as asked."""
+    for token, _ in request.params.logit_bias:
+        if not 0 <= token < vocab:
+            raise RequestRejected(f"logit_bias names token {token}; this model's vocabulary is [0, {vocab})",
+                                  "logit_bias")
     spec = request.speculation
     if spec is not None and spec.method in (Method.DRAFT, Method.EAGLE) and drafter != spec.method:
         what = "draft model" if spec.method == Method.DRAFT else "EAGLE head"

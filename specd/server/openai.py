@@ -23,7 +23,24 @@ from .keys import REGISTRY
 
 routes = web.RouteTableDef()
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
+# OpenAI fields that would change what is generated and that specd does not implement yet:
+# refused by name rather than ignored.  A field is accepted at its no-op value.
+UNSUPPORTED = {
+    "tools": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: v in (None, []),
+    "function_call": lambda v: v in (None, "none"),
+    "parallel_tool_calls": lambda v: True,  # meaningful only with tools, which are refused
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "prediction": lambda v: v is None,
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v in (None, ["text"]),
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v in (None, ""),
+    "best_of": lambda v: v in (None, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,9 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
         raise bad_request("'model' is required and must be a string", "model")
     if body.get("n", 1) != 1:
         raise bad_request("only n=1 is supported", "n")
+    for key, no_op in UNSUPPORTED.items():
+        if key in body and not no_op(body[key]):
+            raise bad_request(f"'{key}' is not supported yet", key)
     for key in UNSUPPORTED_NONZERO:
         if _number(body, key, -2.0, 2.0, 0.0) != 0.0:
             raise bad_request(f"'{key}' is not supported", key)
@@ -111,9 +131,28 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
         seed=None if seed is None else seed % (2**63),
         logprobs=logprobs,
         top_logprobs=top,
+        logit_bias=_logit_bias(body),
     )
     return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
                          _speculation(body))
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys) to a bias in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers between -100 and 100, got {value!r}",
+                              "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def _speculation(body: dict) -> dict | None:

@@ -26,7 +26,7 @@ import numpy as np
 from ..core.batch import RunningBatch
 from ..core.cache import make_row_cache, model_prefixes
 from ..core.prefix import PrefixStore, RowPrefixes
-from ..core.sampling import transform_logprobs
+from ..core.sampling import apply_logit_bias, transform_logprobs
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
 from .acceptance import AcceptanceEstimate, AcceptanceHistory
@@ -208,6 +208,7 @@ class Speculator:
             if proposal.tree is not None:
                 stack.enter_context(verifying(self.positions, batch.cache, proposal.tree))
             logits = batch.cache.forward(self.target, inputs, provisional=width > 0)
+        logits = apply_logit_bias(logits, [s.params for s in seqs])
         if width == 0:
             emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
             self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
