@@ -1,6 +1,7 @@
-"""Sampling fields that reshape the target's distribution: ``logit_bias``,
-applied at every position before anything reads the logits, so speculation
-stays lossless with it; and OpenAI fields specd does not implement yet,
+"""Sampling fields that reshape the target's distribution: ``logit_bias`` and
+the presence, frequency and repetition penalties, applied at every position
+with the context it sees before anything reads the logits, so speculation
+stays lossless with them; and OpenAI fields specd does not implement yet,
 refused by name instead of ignored."""
 
 from __future__ import annotations
@@ -63,6 +64,91 @@ def test_logit_bias_keeps_speculation_lossless(forged):
     assert plain != unbiased and not set(common) & {t for out in plain for t in out}
     assert serve(biased, NGRAM) == plain
     assert serve(biased, DRAFT) == plain
+
+
+def serve_batch(model, tokenizer, draft, prompts, params, spec, max_tokens=32):
+    async def go(engine):
+        async def one(prompt, delay):
+            await asyncio.sleep(delay)
+            tokens = []
+            async for out in engine.generate(GenerationRequest(f"p{next(_ids)}", prompt, params, max_tokens, (), spec)):
+                assert out.error is None, out.error
+                tokens += out.tokens
+            return tokens
+        return await asyncio.gather(*(one(p, 0.01 * i) for i, p in enumerate(prompts)))
+    return run_engine(model, tokenizer, go, draft, max_batch_size=4)
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 1.5}, {"frequency_penalty": 1.0},
+                                     {"repetition_penalty": 1.8}, {"frequency_penalty": 0.8, "repetition_penalty": 1.3}])
+def test_penalties_change_output_and_keep_speculation_lossless(forged, penalty):
+    """On repetitive prompts (where n-gram lookup proposes the repeats the
+    penalties discourage), each penalty changes greedy output, and that
+    output is the same with n-gram and draft-model speculation as without."""
+    model, tokenizer = load_model(str(forged / "target"))
+    draft, _ = load_model(str(forged / "draft"))
+    ids = tokenizer.encode(code_sample("speculation"))
+    prompts = [ids[60:75] * 3, ids[300:320] * 2, ids[:30]]
+    plain = serve_batch(model, tokenizer, draft, prompts, SamplingParams(temperature=0), None)
+    params = SamplingParams(temperature=0, **penalty)
+    penalized = serve_batch(model, tokenizer, draft, prompts, params, None)
+    assert penalized != plain, "the penalty changed nothing"
+    assert serve_batch(model, tokenizer, draft, prompts, params, NGRAM) == penalized
+    assert serve_batch(model, tokenizer, draft, prompts, params, DRAFT) == penalized
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_every_verified_position_is_penalized_with_its_own_context(tree):
+    """In a verify forward, position j's logits are adjusted exactly as a
+    plain step's would be after the tokens j follows (a chain: the
+    proposals before it; a tree: its ancestors)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from specd.core.sampling import adjust_logits
+
+    rng = np.random.default_rng(0)
+    B, L, V = 3, 5, 40
+    params = [SamplingParams(temperature=0, presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.5,
+                             logit_bias=((3, 2.0),)),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, frequency_penalty=1.1)]
+    prompts = [rng.integers(0, V, 6).tolist() for _ in range(B)]
+    completions = [rng.integers(0, V, 4).tolist() for _ in range(B)]
+    inputs = rng.integers(0, V, (B, L))
+    inputs[:, 0] = [c[-1] for c in completions]
+    parents = [-1, 0, 0, 1, 2]  # column -> parent column (a tree) or the chain's
+    if not tree:
+        parents = [-1, 0, 1, 2, 3]
+    ancestry = np.zeros((B, L, L), dtype=bool)
+    for j, parent in enumerate(parents):
+        if parent >= 0:
+            ancestry[:, j] = ancestry[:, parent]
+        ancestry[:, j, j] = True
+    logits = mx.array(rng.normal(size=(B, L, V)).astype(np.float32))
+    got = adjust_logits(logits, params, prompts, completions, mx.array(inputs),
+                        mx.array(ancestry) if tree else None)
+    for b in range(B):
+        for j in range(L):
+            seen = [int(inputs[b, a]) for a in range(1, L) if ancestry[b, j, a]]
+            want = adjust_logits(logits[b:b + 1, j:j + 1], params[b:b + 1], prompts[b:b + 1],
+                                 [completions[b] + seen])
+            assert np.allclose(np.array(got[b, j]), np.array(want[0, 0]), atol=1e-5), (b, j)
+
+
+def test_penalties_over_http(client):
+    """Penalties are accepted through the client and change what comes back;
+    out-of-range values are refused by name."""
+    kwargs = dict(model="tiny", prompt="def f(x):\n    return x\ndef f(x):\n", max_tokens=24, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(frequency_penalty=2.0, **kwargs).choices[0].text != plain
+    for field, value in (("presence_penalty", 3), ("frequency_penalty", -2.5)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**{field: value}, **kwargs)
+        assert err.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(extra_body={"repetition_penalty": 0}, **kwargs)
+    assert err.value.body["param"] == "repetition_penalty"
 
 
 @pytest.mark.parametrize("field,value", [

@@ -32,6 +32,13 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit), OpenAI's logit_bias
+    presence_penalty: float = 0.0  # subtracted once from every token the completion already holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the completion
+    repetition_penalty: float = 1.0  # divides (or, if negative, multiplies) logits of tokens seen in prompt or completion
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -46,19 +53,56 @@ def _column(values: Sequence[float], dtype=mx.float32) -> mx.array:
     return mx.array(list(values), dtype=dtype)[:, None]
 
 
-def apply_logit_bias(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
-    """``logits`` (B, V) or (B, L, V) with each row's ``logit_bias`` added at
-    every position.  Applied to the target's logits before anything reads
-    them (argmax, sampling, verification), so a speculating row is decided
-    by the same biased distribution as a plain one."""
-    if not any(p.logit_bias for p in params):
+def adjust_logits(logits: mx.array, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+                  completions: Sequence[Sequence[int]], inputs: mx.array | None = None,
+                  ancestry: mx.array | None = None) -> mx.array:
+    """The target's (B, L, V) logits as each request asks to sample from them:
+    ``logit_bias`` added, and presence, frequency and repetition penalties
+    applied with the context each position sees.
+
+    Row b has generated ``completions[b]`` after ``prompts[b]``.  In a verify
+    forward over ``inputs`` (B, L), position j also saw the proposals
+    ``ancestry[b, j]`` marks (a chain: those before and at j; a tree: j's
+    ancestors), column 0 being the completion's last token.  Applied before
+    anything reads the logits, so a speculating row is decided by exactly
+    the distribution a plain one would be.
+    """
+    if not any(p.logit_bias or p.penalized for p in params):
         return logits
-    bias = [[0.0] * logits.shape[-1] for _ in params]
-    for row, p in zip(bias, params):
-        for token, value in p.logit_bias:
-            row[token] = value
-    bias = mx.array(bias, dtype=logits.dtype)
-    return logits + (bias if logits.ndim == 2 else bias[:, None, :])
+    B, L, V = logits.shape
+    x = logits.astype(mx.float32)
+    entries = [(b, token, value) for b, p in enumerate(params) for token, value in p.logit_bias]
+    if entries:
+        rows, tokens, values = zip(*entries)
+        bias = mx.zeros((B, V)).at[mx.array(rows), mx.array(tokens)].add(mx.array(values, dtype=mx.float32))
+        x = x + bias[:, None, :]
+    rows = [b for b, p in enumerate(params) if p.penalized]
+    if not rows:
+        return x
+    counts = mx.zeros((len(rows), V))
+    seen = mx.zeros((len(rows), V))
+    for r, b in enumerate(rows):
+        context = list(prompts[b]) + list(completions[b])
+        if completions[b]:
+            counts[r] = counts[r].at[mx.array(list(completions[b]))].add(1.0)
+        if context:
+            seen[r] = seen[r].at[mx.array(context)].add(1.0)
+    counts = mx.broadcast_to(counts[:, None, :], (len(rows), L, V))
+    seen = mx.broadcast_to(seen[:, None, :], (len(rows), L, V))
+    if inputs is not None and L > 1:
+        marks = mx.tril(mx.ones((L, L))) if ancestry is None else ancestry.astype(mx.float32)
+        marks = mx.broadcast_to(marks, (B, L, L))[mx.array(rows)] * (mx.arange(L) > 0)  # column 0 is counted
+        proposed = marks @ (inputs[mx.array(rows)][..., None] == mx.arange(V)).astype(mx.float32)
+        counts, seen = counts + proposed, seen + proposed
+    chosen = [params[b] for b in rows]
+    presence = mx.array([p.presence_penalty for p in chosen])[:, None, None]
+    frequency = mx.array([p.frequency_penalty for p in chosen])[:, None, None]
+    repetition = mx.array([p.repetition_penalty for p in chosen])[:, None, None]
+    y = x[mx.array(rows)]
+    y = mx.where(seen > 0, mx.where(y > 0, y / repetition, y * repetition), y)
+    y = y - presence * (counts > 0) - frequency * counts
+    x[mx.array(rows)] = y
+    return x
 
 
 def transform_logprobs(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:

@@ -26,7 +26,7 @@ from ..core.batch import RunningBatch
 from ..core.cache import RowCache, make_row_cache, model_prefixes
 from ..core.loader import context_window, vocab_size
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
-from ..core.sampling import SamplingParams, apply_logit_bias
+from ..core.sampling import SamplingParams, adjust_logits
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
@@ -222,7 +222,8 @@ class Scheduler:
             mx.eval(group.cache.state)
             return
         self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
-        last = apply_logit_bias(logits[:, -1:, :], [s.params for s in group.seqs])
+        last = adjust_logits(logits[:, -1:, :], [s.params for s in group.seqs], [s.prompt for s in group.seqs],
+                             [s.tokens for s in group.seqs])
         tokens = sample_tokens(group.seqs, last[:, 0, :])
         self._emit(group.seqs, last, [[t] for t in tokens])
         self.prefill = None  # only now: until the group joins the batch, a fault must still find it

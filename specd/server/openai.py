@@ -24,7 +24,6 @@ from .keys import REGISTRY
 routes = web.RouteTableDef()
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
-UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
 # OpenAI fields that would change what is generated and that specd does not implement yet:
 # refused by name rather than ignored.  A field is accepted at its no-op value.
 UNSUPPORTED = {
@@ -100,9 +99,6 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
     for key, no_op in UNSUPPORTED.items():
         if key in body and not no_op(body[key]):
             raise bad_request(f"'{key}' is not supported yet", key)
-    for key in UNSUPPORTED_NONZERO:
-        if _number(body, key, -2.0, 2.0, 0.0) != 0.0:
-            raise bad_request(f"'{key}' is not supported", key)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
@@ -132,6 +128,9 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
         logprobs=logprobs,
         top_logprobs=top,
         logit_bias=_logit_bias(body),
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 0.01, 2.0, 1.0),
     )
     return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
                          _speculation(body))

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ..core.cache import make_row_cache
 from ..core.prefix import RowPrefixes
-from ..core.sampling import SamplingParams, apply_logit_bias, sample_rows
+from ..core.sampling import SamplingParams, adjust_logits, sample_rows
 from ..core.sequence import Sequence
 from ..core.request import Method, SpeculationConfig
 from .proposer import Drafts, FollowedRows, Outcome, Round
@@ -106,8 +106,9 @@ class DraftModelProposer:
         drafts, probs = [], []
         logits = self._forward([r.pending for r in rows])
         for step in range(k):
-            # q is what the draft samples from: biased like the target, the proposals are accepted more often
-            token, keys, logprobs = sample_rows(apply_logit_bias(logits, params), params, keys)
+            # q is what the draft samples from: with the target's logit_bias its proposals are accepted more often
+            biased = adjust_logits(logits[:, None, :], params, [()] * len(params), [()] * len(params))[:, 0]
+            token, keys, logprobs = sample_rows(biased, params, keys)
             drafts.append(token)
             if logprobs is not None:
                 probs.append(mx.exp(logprobs))

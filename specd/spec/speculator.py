@@ -26,7 +26,7 @@ import numpy as np
 from ..core.batch import RunningBatch
 from ..core.cache import make_row_cache, model_prefixes
 from ..core.prefix import PrefixStore, RowPrefixes
-from ..core.sampling import apply_logit_bias, transform_logprobs
+from ..core.sampling import adjust_logits, transform_logprobs
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
 from .acceptance import AcceptanceEstimate, AcceptanceHistory
@@ -208,7 +208,9 @@ class Speculator:
             if proposal.tree is not None:
                 stack.enter_context(verifying(self.positions, batch.cache, proposal.tree))
             logits = batch.cache.forward(self.target, inputs, provisional=width > 0)
-        logits = apply_logit_bias(logits, [s.params for s in seqs])
+        ancestry = None if proposal.tree is None else mx.array(proposal.tree.ancestry)
+        logits = adjust_logits(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.tokens for s in seqs],
+                               inputs, ancestry)
         if width == 0:
             emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
             self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
