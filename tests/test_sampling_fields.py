@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 import urllib.request
 from collections import Counter
 
@@ -171,3 +172,64 @@ def test_no_op_values_of_those_fields_are_accepted(daemon):
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert resp.status == 200 and json.loads(resp.read())["choices"][0]["message"]["content"] is not None
+
+
+def prefix_hits(daemon) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for f in text_string_to_metric_families(daemon.get("/metrics")[1].decode())
+               for s in f.samples if s.name == "specd_prefix_cache_hits_total" and s.labels.get("model_name") == "tiny")
+
+
+def test_n_choices_share_the_prompts_prefill(client, daemon, tokenizer):
+    """n > 1: one choice per index, the prompt counted once in usage and
+    prefilled once (the other choices start from it in the prefix cache);
+    seeded choices differ from one another and come back the same on a
+    repeat; streamed choices assemble to the same texts."""
+    prompt = code_sample("engine")[:1200]
+    prompt_tokens = len(tokenizer.encode(prompt))
+    before = prefix_hits(daemon)
+    greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.prompt_tokens == prompt_tokens
+    assert greedy.usage.completion_tokens % 3 == 0 and 3 <= greedy.usage.completion_tokens <= 3 * 8
+    assert prefix_hits(daemon) - before >= 2 * (prompt_tokens - 64), "the other choices prefilled again"
+
+    messages = [{"role": "user", "content": "Write a function."}]
+    sampled = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0,
+                                             seed=5, n=3)
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0,
+                                           seed=5, n=3)
+    assert [c.message.content for c in again.choices] == texts
+
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.7,
+                                           seed=9, n=2)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.7,
+                                            seed=9, n=2, stream=True, stream_options={"include_usage": True})
+    parts = {0: "", 1: ""}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            parts[choice.index] += choice.delta.content or ""
+    assert [parts[0], parts[1]] == [c.message.content for c in plain.choices]
+    assert usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_a_client_leaving_an_n_choice_stream_frees_every_choice(client, daemon):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def running() -> float:
+        return sum(s.value for f in text_string_to_metric_families(daemon.get("/metrics")[1].decode())
+                   for s in f.samples if s.name == "specd_num_requests_running" and s.labels.get("model_name") == "tiny")
+    stream = client.completions.create(model="tiny", prompt="def f(x):\n", max_tokens=1500, temperature=0.8, n=3,
+                                       stream=True)
+    for _, _chunk in zip(range(4), stream):
+        pass
+    stream.close()
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running() == 0

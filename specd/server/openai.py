@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -24,6 +25,7 @@ from .keys import REGISTRY
 routes = web.RouteTableDef()
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_CHOICES = 16  # n
 # OpenAI fields that would change what is generated and that specd does not implement yet:
 # refused by name rather than ignored.  A field is accepted at its no-op value.
 UNSUPPORTED = {
@@ -51,6 +53,7 @@ class ParsedRequest:
     stop: tuple[str, ...]
     params: SamplingParams
     speculation: dict | None  # the request's own {"method", "num_speculative_tokens"}
+    n: int = 1  # choices, each its own request (they share the prompt's prefill through the prefix cache)
 
 
 def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
@@ -94,8 +97,6 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "model")
-    if body.get("n", 1) != 1:
-        raise bad_request("only n=1 is supported", "n")
     for key, no_op in UNSUPPORTED.items():
         if key in body and not no_op(body[key]):
             raise bad_request(f"'{key}' is not supported yet", key)
@@ -133,7 +134,7 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
         repetition_penalty=_number(body, "repetition_penalty", 0.01, 2.0, 1.0),
     )
     return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
-                         _speculation(body))
+                         _speculation(body), _integer(body, "n", 1, MAX_CHOICES) or 1)
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -249,7 +250,8 @@ def _token_text(engine: ServingEngine, token: int) -> tuple[str, list[int]]:
 
 
 class Completion:
-    """Runs one request against an engine and renders it in OpenAI's shape."""
+    """Runs one request (``n`` engine requests, one per choice) against an
+    engine and renders it in OpenAI's shape."""
 
     def __init__(self, engine: ServingEngine, parsed: ParsedRequest, prompt: list[int], chat: bool):
         self.engine, self.parsed, self.chat = engine, parsed, chat
@@ -257,18 +259,24 @@ class Completion:
         self.created = int(time.time())
         limit = engine.max_context - len(prompt)
         max_tokens = min(parsed.max_tokens or limit, max(limit, 1))
-        self.request = GenerationRequest(self.id, prompt, parsed.params, max_tokens, parsed.stop,
-                                         speculation_for(engine, parsed.speculation))
+        speculation = speculation_for(engine, parsed.speculation)
+        seed = parsed.params.seed
+        # a seeded request gives each choice its own seed, so choices differ and are reproducible
+        self.requests = [GenerationRequest(self.id if parsed.n == 1 else f"{self.id}-{i}", prompt,
+                                           parsed.params if seed is None else replace(parsed.params,
+                                                                                      seed=(seed + i) % 2**63),
+                                           max_tokens, parsed.stop, speculation)
+                         for i in range(parsed.n)]
         try:
-            engine.check_prompt(self.request)
+            engine.check_prompt(self.requests[0])
         except RequestRejected as err:
             field = "messages" if chat and err.field == "prompt" else err.field
             raise bad_request(str(err), field) from None
-        self.text_offset = 0
+        self.text_offset = [0] * parsed.n
 
-    async def outputs(self) -> AsyncIterator[StepOutput]:
+    async def outputs(self, index: int) -> AsyncIterator[StepOutput]:
         try:
-            async for out in self.engine.generate(self.request):
+            async for out in self.engine.generate(self.requests[index]):
                 if out.error:
                     raise APIError(500, out.error, "server_error", None, "engine_error")
                 yield out
@@ -277,7 +285,37 @@ class Completion:
         except EngineUnavailable as err:
             raise unavailable(str(err)) from None
 
-    def logprobs(self, items: list[TokenLogprob] | None) -> dict | None:
+    async def merged(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Every choice's outputs as they come, tagged with the choice's index."""
+        if self.parsed.n == 1:
+            async for out in self.outputs(0):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for out in self.outputs(index):
+                    await queue.put((index, out, None))
+            except Exception as err:  # handed to the consumer, raised there
+                await queue.put((index, None, err))
+            await queue.put((index, None, None))
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(self.parsed.n)]
+        try:
+            running = len(tasks)
+            while running:
+                index, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    running -= 1
+                    continue
+                yield index, out
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def logprobs(self, items: list[TokenLogprob] | None, index: int = 0) -> dict | None:
         if items is None:
             return None
         if self.chat:
@@ -296,16 +334,20 @@ class Completion:
             tokens.append(text)
             values.append(lp.logprob)
             tops.append({_token_text(self.engine, t)[0]: v for t, v in lp.top} if lp.top else None)
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(self.text_offset[index])
+            self.text_offset[index] += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
-    def usage(self, out: StepOutput) -> dict:
-        usage = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                 "total_tokens": out.prompt_tokens + out.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
-        if out.spec is not None:
-            usage["speculation"] = out.spec.as_dict()
+    def usage(self, finals: list[StepOutput]) -> dict:
+        """The prompt counted once, the choices' completions together; the
+        speculation figures are the first choice's."""
+        first = finals[0]
+        completion = sum(out.completion_tokens for out in finals)
+        usage = {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": first.prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+        if first.spec is not None:
+            usage["speculation"] = first.spec.as_dict()
         return usage
 
     def envelope(self, choices: list, usage: dict | None = None, chunk: bool = False) -> dict:
@@ -317,23 +359,27 @@ class Completion:
         return body
 
     async def respond(self) -> dict:
-        text, logprobs, last = [], [], None
-        async for out in self.outputs():
-            text.append(out.text)
+        n = self.parsed.n
+        text, logprobs, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        async for index, out in self.merged():
+            text[index].append(out.text)
             if out.logprobs is not None:
-                logprobs.extend(out.logprobs)
-            last = out
-        lp = self.logprobs(logprobs) if self.parsed.params.logprobs else None
-        joined = "".join(text)
-        choice = {"index": 0, "logprobs": lp, "finish_reason": last.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": joined}
-        else:
-            choice["text"] = joined
-        return self.envelope([choice], self.usage(last))
+                logprobs[index].extend(out.logprobs)
+            last[index] = out
+        choices = []
+        for index in range(n):
+            lp = self.logprobs(logprobs[index], index) if self.parsed.params.logprobs else None
+            joined = "".join(text[index])
+            choice = {"index": index, "logprobs": lp, "finish_reason": last[index].finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": joined}
+            else:
+                choice["text"] = joined
+            choices.append(choice)
+        return self.envelope(choices, self.usage(last))
 
-    def chunk(self, out: StepOutput | None, first: bool) -> dict:
-        choice: dict = {"index": 0, "logprobs": self.logprobs(out.logprobs) if out else None,
+    def chunk(self, out: StepOutput | None, first: bool, index: int = 0) -> dict:
+        choice: dict = {"index": index, "logprobs": self.logprobs(out.logprobs, index) if out else None,
                         "finish_reason": out.finish_reason if out else None}
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
@@ -345,7 +391,7 @@ class Completion:
         return self.envelope([choice], chunk=True)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        outputs = self.outputs()
+        outputs = self.merged()
         first = await anext(outputs)  # admission errors surface as a plain HTTP error
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -354,14 +400,17 @@ class Completion:
         async def send(obj: dict) -> None:
             await response.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        last = first
+        last: list[StepOutput | None] = [None] * self.parsed.n
         try:
             if self.chat:
-                await send(self.chunk(None, first=True))
-            await send(self.chunk(first, first=False))
-            async for out in outputs:
-                await send(self.chunk(out, first=False))
-                last = out
+                for index in range(self.parsed.n):
+                    await send(self.chunk(None, first=True, index=index))
+            index, out = first
+            await send(self.chunk(out, first=False, index=index))
+            last[index] = out
+            async for index, out in outputs:
+                await send(self.chunk(out, first=False, index=index))
+                last[index] = out
             if self.parsed.include_usage:
                 await send(self.envelope([], self.usage(last), chunk=True))
             await response.write(b"data: [DONE]\n\n")
@@ -370,7 +419,7 @@ class Completion:
             await send(err.body())
             await response.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
-            pass  # the client left; closing ``outputs`` frees its batch slot
+            pass  # the client left; closing ``outputs`` frees its batch slots
         finally:
             await outputs.aclose()
         return response
