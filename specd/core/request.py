@@ -90,5 +90,6 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    stop_sequence: str | None = None  # the stop string that ended the request
     error: str | None = None
     spec: SpecStats | None = None  # set on the final output of a speculating request

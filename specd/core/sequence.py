@@ -22,16 +22,18 @@ class StopMatcher:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self.held = ""
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return the text that is safe to emit and whether a stop string was hit."""
         if not self.stops:
             return text, False
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return buf[: min(hits)], True
+            index, self.matched = min(hits, key=lambda hit: hit[0])
+            return buf[:index], True
         hold = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -124,6 +126,7 @@ class Sequence:
             prompt_tokens=len(self.prompt),
             completion_tokens=len(self.tokens),
             cached_tokens=self.cached_tokens,
+            stop_sequence=self.stops.matched,
             spec=self.stats if self.finish_reason is not None and self._speculated() else None,
         )
 

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..control.reconciler import Reconciler
 from ..control.watcher import ManifestDirectory
 from ..dist.group import with_engine_metrics
-from . import admin, openai
+from . import admin, anthropic, openai
 from .errors import APIError
 from .keys import ADMIN_TOKEN, REGISTRY, STARTED, STORE
 
@@ -24,25 +24,28 @@ routes = web.RouteTableDef()
 @web.middleware
 async def request_context(request: web.Request, handler) -> web.StreamResponse:
     """Give every request an id (logged, echoed back) and turn every failure
-    into an OpenAI-shaped JSON error instead of a stack trace."""
+    into a JSON error (OpenAI's shape, Anthropic's under /v1/messages)
+    instead of a stack trace."""
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     started = time.monotonic()
     response = None
     try:
+        anthropic = request.path.startswith("/v1/messages")  # errors in the shape its clients expect
         try:
-            response = await handler(request)
-        except APIError as err:
-            response = err.response()
-        except web.HTTPException as exc:
-            if exc.status < 400:
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                raise APIError(exc.status, exc.reason, "invalid_request_error") from None
+            except (APIError, asyncio.CancelledError):
                 raise
-            response = APIError(exc.status, exc.reason, "invalid_request_error").response()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("unhandled error", path=request.path)
-            response = APIError(500, "internal server error", "server_error").response()
+            except Exception:
+                log.exception("unhandled error", path=request.path)
+                raise APIError(500, "internal server error", "server_error") from None
+        except APIError as err:
+            response = err.anthropic_response() if anthropic else err.response()
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
         return response
@@ -89,6 +92,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
     app[STARTED] = asyncio.Event()
     app.add_routes(routes)
     app.add_routes(openai.routes)
+    app.add_routes(anthropic.routes)
     app.add_routes(admin.routes)
 
     async def control_plane(app: web.Application):

@@ -19,6 +19,20 @@ class APIError(Exception):
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)
 
+    def anthropic_body(self) -> dict:
+        """The same error as Anthropic's API shapes it (``{"type": "error", "error": {type, message}}``)."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        message = f"{self.param}: {self.message}" if self.param and self.param not in self.message else self.message
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def anthropic_response(self) -> web.Response:
+        return web.json_response(self.anthropic_body(), status=self.status)
+
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error"}
+
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
