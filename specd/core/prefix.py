@@ -403,7 +403,7 @@ class RowPrefixes:
             return True
         if sum(1 for m in matches if m) > 1:
             return False
-        width, starts = self.plan(contexts, limits)
+        _, starts = self.plan(contexts, limits)
         for m, s, c in zip(matches, starts, contexts):
             if m - s > max(self.SLACK, len(c) - m):
                 return False

@@ -18,7 +18,7 @@ from aiohttp import web
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .errors import APIError, bad_request
-from .openai import Completion, ParsedRequest, _engine, _integer, _number, _read_json
+from .openai import Completion, ParsedRequest, engine_named, integer_field, number_field, read_json
 
 routes = web.RouteTableDef()
 UNSUPPORTED = {"tools": lambda v: v in (None, []), "tool_choice": lambda v: v is None,
@@ -77,7 +77,7 @@ def _checked(body: Any) -> dict:
 
 def _parse(body: dict) -> ParsedRequest:
     model = body["model"]
-    max_tokens = _integer(body, "max_tokens", 1)
+    max_tokens = integer_field(body, "max_tokens", 1)
     if max_tokens is None:
         raise bad_request("max_tokens: field required", "max_tokens")
     stop = body.get("stop_sequences") or []
@@ -86,9 +86,9 @@ def _parse(body: dict) -> ParsedRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("stream: must be a boolean", "stream")
-    top_k = _integer(body, "top_k", 0)
-    params = SamplingParams(temperature=_number(body, "temperature", 0.0, 1.0, 1.0),
-                            top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 1.0, top_k=top_k or 0)
+    top_k = integer_field(body, "top_k", 0)
+    params = SamplingParams(temperature=number_field(body, "temperature", 0.0, 1.0, 1.0),
+                            top_p=number_field(body, "top_p", 0.0, 1.0, 1.0) or 1.0, top_k=top_k or 0)
     return ParsedRequest(model, stream, False, max_tokens, tuple(stop), params, None)
 
 
@@ -106,9 +106,9 @@ def _stop(out: StepOutput) -> tuple[str, str | None]:
 
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
-    body = _checked(await _read_json(request))
+    body = _checked(await read_json(request))
     parsed = _parse(body)
-    engine = _engine(request, parsed.model)
+    engine = engine_named(request, parsed.model)
     prompt = _prompt(engine, body)
     completion = Completion(engine, parsed, prompt, chat=True)
     message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": engine.name}
@@ -163,6 +163,6 @@ async def _stream(request: web.Request, completion: Completion, message: dict, p
 
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
-    body = _checked(await _read_json(request))
-    engine = _engine(request, body["model"])
+    body = _checked(await read_json(request))
+    engine = engine_named(request, body["model"])
     return web.json_response({"input_tokens": len(_prompt(engine, body))})

@@ -56,7 +56,7 @@ class ParsedRequest:
     n: int = 1  # choices, each its own request (they share the prompt's prefill through the prefix cache)
 
 
-def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
+def number_field(body: dict, key: str, lo: float, hi: float, default: float) -> float:
     value = body.get(key)
     if value is None:
         return default
@@ -67,7 +67,7 @@ def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float
     return float(value)
 
 
-def _integer(body: dict, key: str, lo: int, hi: int | None = None, prefix: str = "") -> int | None:
+def integer_field(body: dict, key: str, lo: int, hi: int | None = None, prefix: str = "") -> int | None:
     value, param = body.get(key), prefix + key
     if value is None:
         return None
@@ -106,35 +106,35 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    max_tokens = _integer(body, "max_completion_tokens", 1) if chat else None
-    max_tokens = max_tokens or _integer(body, "max_tokens", 1)
+    max_tokens = integer_field(body, "max_completion_tokens", 1) if chat else None
+    max_tokens = max_tokens or integer_field(body, "max_tokens", 1)
     if chat:
         logprobs = body.get("logprobs") or False
         if not isinstance(logprobs, bool):
             raise bad_request("'logprobs' must be a boolean", "logprobs")
-        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        top = integer_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
         if top and not logprobs:
             raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     else:
-        top = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        top = integer_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
         logprobs, top = top is not None, top or 0
-    top_k = _integer(body, "top_k", -1)
-    seed = _integer(body, "seed", -(2**63), 2**63 - 1)
+    top_k = integer_field(body, "top_k", -1)
+    seed = integer_field(body, "seed", -(2**63), 2**63 - 1)
     params = SamplingParams(
-        temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, 1.0) or 1.0,
+        temperature=number_field(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=number_field(body, "top_p", 0.0, 1.0, 1.0) or 1.0,
         top_k=max(0, top_k or 0),
-        min_p=_number(body, "min_p", 0.0, 1.0, 0.0),
+        min_p=number_field(body, "min_p", 0.0, 1.0, 0.0),
         seed=None if seed is None else seed % (2**63),
         logprobs=logprobs,
         top_logprobs=top,
         logit_bias=_logit_bias(body),
-        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0, 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
-        repetition_penalty=_number(body, "repetition_penalty", 0.01, 2.0, 1.0),
+        presence_penalty=number_field(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=number_field(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=number_field(body, "repetition_penalty", 0.01, 2.0, 1.0),
     )
     return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
-                         _speculation(body), _integer(body, "n", 1, MAX_CHOICES) or 1)
+                         _speculation(body), integer_field(body, "n", 1, MAX_CHOICES) or 1)
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -169,7 +169,7 @@ def _speculation(body: dict) -> dict | None:
         method = Method(spec.get("method", Method.NONE))
     except ValueError:
         raise bad_request(f"'speculation.method' must be one of {', '.join(Method)}", "speculation.method") from None
-    k = _integer(spec, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, "speculation.")
+    k = integer_field(spec, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, "speculation.")
     return {"method": method, "num_speculative_tokens": k}
 
 
@@ -226,7 +226,7 @@ def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
     raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
 
 
-def _engine(request: web.Request, name: str) -> ServingEngine:
+def engine_named(request: web.Request, name: str) -> ServingEngine:
     registry = request.app[REGISTRY]
     try:
         return registry.engine(name)
@@ -236,7 +236,7 @@ def _engine(request: web.Request, name: str) -> ServingEngine:
         raise unavailable(str(err)) from None
 
 
-async def _read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
     try:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -426,9 +426,9 @@ class Completion:
 
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
-    body = await _read_json(request)
+    body = await read_json(request)
     parsed = parse_common(body, chat)
-    engine = _engine(request, parsed.model)
+    engine = engine_named(request, parsed.model)
     prompt = chat_prompt(engine, body) if chat else completion_prompt(engine, body)
     completion = Completion(engine, parsed, prompt, chat)
     if parsed.stream:
