@@ -82,8 +82,8 @@ class Scheduler:
         self.prefix_store = PrefixStore(budget, memory_pressure if config.evict_under_pressure else None)
         metrics.prefix_cache_max_bytes.labels(name).set(budget)
         self.prefixes = model_prefixes(model, self.prefix_store, "target")
-        self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, speculation, drafter,
-                                     self.prefix_store)
+        self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
+                                     speculation, drafter)
         self._detokenizer = tokenizer.detokenizer
         self.waiting: deque[Sequence] = deque()
         self.prefill: _PrefillGroup | None = None

@@ -70,10 +70,10 @@ class Speculator:
     between steps without disturbing requests in flight."""
 
     def __init__(self, model_name: str, target: nn.Module, vocab_size: int, max_context: int, metrics: Metrics,
-                 default: SpeculationConfig = NO_SPECULATION, drafter: nn.Module | None = None,
-                 prefix_store: PrefixStore | None = None):
+                 prefix_store: PrefixStore, default: SpeculationConfig = NO_SPECULATION,
+                 drafter: nn.Module | None = None):
         self.name = model_name
-        self.prefix_store = prefix_store if prefix_store is not None else PrefixStore(0)
+        self.prefix_store = prefix_store  # the drafter's tree lives beside the target's
         self.target = target
         self.vocab = vocab_size
         self.max_context = max_context
