@@ -60,6 +60,9 @@ class Metrics:
             m, registry=r)
         self.prefix_cache_max_bytes = Gauge(
             "specd_prefix_cache_max_bytes", "The prefix cache's budget (prefixCache.maxBytes).", m, registry=r)
+        self.grammar_forced_tokens = Counter(
+            "specd_grammar_forced_tokens", "Tokens a grammar forced, verified in the forward that proposed them.",
+            m, registry=r)
         self.generation_tokens = Counter(
             "specd_generation_tokens", "Generated tokens.", m, registry=r)
         self.time_to_first_token = Histogram(

@@ -50,6 +50,7 @@ class GenerationRequest:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     speculation: SpeculationConfig | None = None  # None: the model's default
+    grammar: str | None = None  # an llguidance grammar the output must match (core/grammar.py)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .grammar import Constraint
 from .request import GenerationRequest, SpecStats, StepOutput, TokenLogprob
 from .sampling import SamplingParams, make_key, sample_rows
 
@@ -57,6 +58,7 @@ class Sequence:
     detokenizer: object
     eos_ids: frozenset[int]
     max_total_tokens: int
+    constraint: Constraint | None = None  # the request's grammar, at the tokens accepted so far
     key: mx.array = field(init=False)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -114,6 +116,8 @@ class Sequence:
             if len(self.tokens) >= self.request.max_tokens or self.context_length >= self.max_total_tokens:
                 self.finish_reason = "length"
                 break
+        if self.constraint is not None:
+            self.constraint.advance(taken)
         if self.finish_reason is not None and not hit_stop_string:
             self.detokenizer.finalize()
             safe, hit_stop_string = self.stops.feed(self.detokenizer.last_segment)

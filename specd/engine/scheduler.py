@@ -26,6 +26,7 @@ from ..core.batch import RunningBatch
 from ..core.cache import RowCache, make_row_cache, model_prefixes
 from ..core.loader import context_window, vocab_size
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
+from ..core.grammar import Constraint, grammar_tokenizer, mask_logits
 from ..core.sampling import SamplingParams, adjust_logits
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence, sample_tokens
@@ -85,13 +86,18 @@ class Scheduler:
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
         self._detokenizer = tokenizer.detokenizer
+        self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
         self.prefill: _PrefillGroup | None = None
         self.batch = RunningBatch()
 
     def sequence(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> Sequence:
+        constraint = None
+        if request.grammar is not None:
+            tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+            constraint = Constraint(request.grammar, tokenizer, self.vocab_size, self.eos_ids)
         return Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
-                        eos_ids=self.eos_ids, max_total_tokens=self.max_context)
+                        eos_ids=self.eos_ids, max_total_tokens=self.max_context, constraint=constraint)
 
     @property
     def busy(self) -> bool:
@@ -224,6 +230,7 @@ class Scheduler:
         self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
         last = adjust_logits(logits[:, -1:, :], [s.params for s in group.seqs], [s.prompt for s in group.seqs],
                              [s.tokens for s in group.seqs])
+        last = mask_logits(last, [s.constraint for s in group.seqs], [[] for _ in group.seqs])
         tokens = sample_tokens(group.seqs, last[:, 0, :])
         self._emit(group.seqs, last, [[t] for t in tokens])
         self.prefill = None  # only now: until the group joins the batch, a fault must still find it

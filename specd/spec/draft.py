@@ -136,9 +136,10 @@ class DraftModelProposer:
     def commit(self, round_: Round, outcome: Outcome) -> None:
         """Roll each row back to its accepted context and queue what it must see next.
 
-        After k draft steps a row's cache holds pending + d_1..d_{k-1}.  Keeping
-        a accepted drafts means dropping k-1-a of them; when all k were accepted
-        d_k was never fed, so it goes into pending ahead of the target's token.
+        After k draft steps a row's cache holds pending + d_1..d_{k-1}.  It
+        keeps those the row accepted and queues the rest of what it emitted:
+        when all k were accepted d_k was never fed, so it goes into pending
+        ahead of the target's token (and any tokens a grammar forced).
         Rows that did not draft keep only their caught-up context and queue
         what they emitted.
         """
@@ -150,9 +151,10 @@ class DraftModelProposer:
         for seq in self.rows.seqs:
             row, i = self.rows.state[seq], row_of[seq]
             if row.drafting:
-                a, token = outcome.accepted[i], outcome.emitted[i][-1]
-                rejected.append(max(k - 1 - a, 0))
-                row.pending = [row.drafted[k - 1], token] if a == k else [token]
+                # the cache keeps the drafted tokens the row accepted (a grammar's forced tokens may follow them)
+                kept = _common_prefix(row.drafted[: k - 1], outcome.emitted[i][:-1])
+                rejected.append(k - 1 - kept)
+                row.pending = outcome.emitted[i][kept:]
                 row.drafting = False
                 continue
             rejected.append(max(k - 1, 0))
@@ -163,3 +165,10 @@ class DraftModelProposer:
     def settle(self) -> None:
         if len(self.rows):
             self.rows.cache.settle()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -26,6 +26,7 @@ import numpy as np
 from ..core.batch import RunningBatch
 from ..core.cache import make_row_cache, model_prefixes
 from ..core.prefix import PrefixStore, RowPrefixes
+from ..core.grammar import mask_logits
 from ..core.sampling import adjust_logits, transform_logprobs
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
@@ -55,6 +56,16 @@ class Proposal:
     caught_up: bool = False  # a drafter caught rows up (a prefill or a backlog): a one-off cost in the step
     tree: TreeLayout | None = None  # set when some row proposes a branching tree
     trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
+    forced: list[int] | None = None  # per row, tokens its grammar forced at the end of its chain
+
+    @property
+    def drafted(self) -> list[int]:
+        """Per row, the proposers' tokens (a tree: its depth), forced ones left out."""
+        if self.trees is not None:
+            lengths = [max(t.depths(), default=0) for t in self.trees]
+        else:
+            lengths = [len(d) for d in self.drafts]
+        return lengths if self.forced is None else [n - f for n, f in zip(lengths, self.forced)]
 
     @property
     def width(self) -> int:
@@ -161,7 +172,9 @@ class Speculator:
 
     def spec_for(self, seq: Sequence) -> SpeculationConfig:
         spec = seq.request.speculation or self.default
-        return replace(spec, tree_top_k=1) if self.chains_only and spec.tree_top_k > 1 else spec
+        # a grammar checks chains; recurrent state cannot keep one branch of a tree
+        chains = self.chains_only or seq.constraint is not None
+        return replace(spec, tree_top_k=1) if chains and spec.tree_top_k > 1 else spec
 
     def prefilled(self, seqs: list[Sequence], start: int, end: int, padding: list[int], first: bool) -> None:
         """A prefill chunk ran prompt columns [start, end) of left-padded rows
@@ -211,6 +224,8 @@ class Speculator:
         ancestry = None if proposal.tree is None else mx.array(proposal.tree.ancestry)
         logits = adjust_logits(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.tokens for s in seqs],
                                inputs, ancestry)
+        columns = None if proposal.tree is None else [[0] + c for c in proposal.tree.columns]
+        logits = mask_logits(logits, [s.constraint for s in seqs], proposal.drafts, columns)
         if width == 0:
             emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
             self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
@@ -259,10 +274,35 @@ class Speculator:
     def _propose(self, seqs: list[Sequence], last_tokens: list[int]) -> Proposal:
         specs = [self.spec_for(s) for s in seqs]
         budgets = [self._budget(s, spec) for s, spec in zip(seqs, specs)]
-        if not any(budgets):  # nobody may speculate: keep the plain decode path free of controller work
+        if any(budgets):
+            round_ = Round(seqs, last_tokens, specs, self._plan(seqs, specs, budgets))
+            offered, caught_up = self._collect(round_)
+        else:  # nobody may speculate: keep the plain decode path free of controller work
             round_ = Round(seqs, last_tokens, specs, [0] * len(seqs))
-            return Proposal(round_, [[] for _ in seqs], Drafts())
-        round_ = Round(seqs, last_tokens, specs, self._plan(seqs, specs, budgets))
+            offered, caught_up = Drafts(), False
+        drafts = [offered.chains.get(i, []) for i in range(len(seqs))]
+        forced = self._jump_forward(seqs, drafts) if any(s.constraint for s in seqs) else None
+        if not offered.trees:
+            return Proposal(round_, drafts, offered, caught_up, forced=forced)
+        if self.positions is None:
+            self.positions = TreePositions(self.target)
+        trees = [offered.trees.get(i) or DraftTree.chain(d) for i, d in enumerate(drafts)]
+        return Proposal(round_, drafts, offered, caught_up, layout(trees, last_tokens), trees, forced)
+
+    def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[int]:
+        """Check each constrained row's chain against its grammar and end it
+        with what the grammar forces there (SGLang's jump-forward): a forced
+        token costs a column of this forward, not a round of its own.
+        Returns the forced tokens per row."""
+        forced = [0] * len(seqs)
+        for i, seq in enumerate(seqs):
+            if seq.constraint is not None:
+                room = min(self.max_context - seq.context_length, seq.request.max_tokens - len(seq.tokens)) - 1
+                drafts[i], forced[i] = seq.constraint.extend(drafts[i], room)
+        return forced
+
+    def _collect(self, round_: Round) -> tuple[Drafts, bool]:
+        """Every attached proposer's drafts for its rows, and whether one caught rows up."""
         offered, caught_up = Drafts(), False
         for proposer in self._proposers():
             if not any(round_.ks[i] for i in round_.rows(proposer.method)):
@@ -277,16 +317,10 @@ class Speculator:
             if drafts.shape is not None and not proposer.caught_up:  # a prefill or a backlog would distort it
                 self.costs.observe_draft(*drafts.shape, seconds)
             self.metrics.spec_propose_seconds.labels(self.name, proposer.method).observe(seconds)
-        for s, spec, k in zip(seqs, specs, round_.ks):
+        for s, spec, k in zip(round_.seqs, round_.specs, round_.ks):
             if k:
                 s.stats.method = spec.method
-        drafts = [offered.chains.get(i, []) for i in range(len(seqs))]
-        if not offered.trees:
-            return Proposal(round_, drafts, offered, caught_up)
-        if self.positions is None:
-            self.positions = TreePositions(self.target)
-        trees = [offered.trees.get(i) or DraftTree.chain(d) for i, d in enumerate(drafts)]
-        return Proposal(round_, drafts, offered, caught_up, layout(trees, last_tokens), trees)
+        return offered, caught_up
 
     # -- verifying and rolling back --------------------------------------------
 
@@ -304,8 +338,8 @@ class Speculator:
         lengths = [len(d) for d in proposal.drafts]
         q = uniforms = gumbel = None
         if sampling:  # only sampling rows need q and randomness
-            q = mx.stack([self._chain_q(proposal.offered.q[i], width) if i in proposal.offered.q
-                          else point_mass(padded[i], self.vocab) for i in sampling])
+            drafted_q = self._draft_q(proposal, width)
+            q = mx.stack([drafted_q[i] if i in drafted_q else point_mass(padded[i], self.vocab) for i in sampling])
             uniforms, gumbel = self._randomness([seqs[i] for i in sampling], width, [lengths[i] for i in sampling])
         verdict = verify(logits, padded, lengths, [s.params for s in seqs], q, uniforms, gumbel)
         self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
@@ -315,15 +349,21 @@ class Speculator:
         outcome = Outcome(verdict.accepted, emitted, [list(range(len(e))) for e in emitted])
         self._commit(proposal, outcome)
         batch.cache.rollback([width - a for a in verdict.accepted])
-        self._settle(batch, proposal, lengths, outcome)
+        self._settle(batch, proposal, outcome)
         self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
         return emitted, logits
 
-    @staticmethod
-    def _chain_q(q: mx.array, width: int) -> mx.array:
-        """A draft model's (K_draft, V) q cut or zero-padded to ``width`` proposal columns."""
-        drafted = q.shape[0]
-        return mx.pad(q, [(0, width - drafted), (0, 0)]) if drafted < width else q[:width]
+    def _draft_q(self, proposal: Proposal, width: int) -> dict[int, mx.array]:
+        """Each draft-model row's q over ``width`` proposal columns: the
+        draft's own for the tokens it drafted, a point mass for those a
+        grammar forced, and anything past the row's proposal."""
+        out = {}
+        for i, q in proposal.offered.q.items():
+            chain = proposal.drafts[i]
+            drafted = len(chain) - (proposal.forced[i] if proposal.forced is not None else 0)
+            point = point_mass(mx.array(chain[drafted:] + [0] * (width - len(chain))), self.vocab)
+            out[i] = mx.concatenate([q[:drafted], point]) if drafted else point
+        return out
 
     def _verify_tree(self, batch: RunningBatch, logits: mx.array,
                      proposal: Proposal) -> tuple[list[list[int]], mx.array]:
@@ -334,7 +374,8 @@ class Speculator:
         params = [s.params for s in seqs]
         target = transform_logprobs(logits, params)
         uniforms, gumbel = self._randomness(seqs, tree.width, [len(t.tokens) for t in trees])
-        verdict = accept(target, trees, tree, [p.greedy for p in params], uniforms, gumbel, proposal.offered.q)
+        verdict = accept(target, trees, tree, [p.greedy for p in params], uniforms, gumbel,
+                         self._draft_q(proposal, tree.width - 1))
         self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
 
         started = time.perf_counter()
@@ -343,11 +384,10 @@ class Speculator:
         for b, cols in enumerate(kept):
             drop[b, cols] = False
         emitted = [[t.tokens[n] for n in path] + [nxt] for t, path, nxt in zip(trees, verdict.paths, verdict.next_tokens)]
-        depths = [max(t.depths(), default=0) for t in trees]
         outcome = Outcome([len(p) for p in verdict.paths], emitted, kept)
         self._commit(proposal, outcome)
         batch.cache.forget(drop)
-        self._settle(batch, proposal, depths, outcome)
+        self._settle(batch, proposal, outcome)
         self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
         width = max(len(c) for c in kept)
         columns = mx.array([c + [0] * (width - len(c)) for c in kept])
@@ -361,21 +401,25 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.commit(proposal.round, outcome)
 
-    def _settle(self, batch: RunningBatch, proposal: Proposal, proposed: list[int], outcome: Outcome) -> None:
+    def _settle(self, batch: RunningBatch, proposal: Proposal, outcome: Outcome) -> None:
         """After a verdict, the drafters' commit and the target's rollback:
         all evaluated now so this step pays for them, then statistics and the
         controller's estimates (a tree counts as a proposal as long as its
-        deepest branch)."""
+        deepest branch; tokens a grammar forced count apart)."""
         batch.cache.settle()
         if self.drafter is not None:
             self.drafter.settle()
-        seqs, accepted = batch.seqs, outcome.accepted
+        seqs, proposed = batch.seqs, proposal.drafted
+        accepted = [min(a, n) for a, n in zip(outcome.accepted, proposed)]
+        if proposal.forced is not None:
+            self.metrics.grammar_forced_tokens.labels(self.name).inc(sum(outcome.accepted) - sum(accepted))
         for s, k, a in zip(seqs, proposed, accepted):
             if k:
                 self._count(s, k, a)
         self.drafted_total += sum(proposed)
         self.accepted_total += sum(accepted)
-        self.controller.observe([self.estimates[s] for s in seqs], proposed, accepted, proposal.round.ks)
+        if any(proposal.round.ks):  # a round of forced tokens only planned nothing
+            self.controller.observe([self.estimates[s] for s in seqs], proposed, accepted, proposal.round.ks)
         if self.controller.ema is not None:
             self.metrics.spec_acceptance_ema.labels(self.name).set(self.controller.ema)
 
