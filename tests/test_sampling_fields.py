@@ -153,10 +153,10 @@ def test_penalties_over_http(client):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}),
     ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("audio", {"voice": "alloy", "format": "wav"}),
 ])
 def test_fields_not_implemented_yet_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:

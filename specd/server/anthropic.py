@@ -17,6 +17,7 @@ from aiohttp import web
 
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
+from .chat import ChatTurn
 from .errors import APIError, bad_request
 from .openai import Completion, ParsedRequest, engine_named, integer_field, number_field, read_json
 
@@ -110,7 +111,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     parsed = _parse(body)
     engine = engine_named(request, parsed.model)
     prompt = _prompt(engine, body)
-    completion = Completion(engine, parsed, prompt, chat=True)
+    completion = Completion(engine, parsed, prompt, ChatTurn(prompt, [], False, False))
     message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": engine.name}
     if parsed.stream:
         return await _stream(request, completion, message, len(prompt))

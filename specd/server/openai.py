@@ -19,6 +19,9 @@ from ..engine.scheduler import RequestRejected
 from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.request import Method, SpeculationConfig
+from ..core.grammar import GrammarError, check_grammar, grammar_tokenizer, json_schema_grammar
+from .chat import (ChatTurn, Delta, call_grammar, parse_tool_choice, parse_tools, render_chat, splitter,
+                   template_kwargs, template_tool_calls)
 from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
 from .keys import REGISTRY
 
@@ -26,15 +29,11 @@ routes = web.RouteTableDef()
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_CHOICES = 16  # n
-# OpenAI fields that would change what is generated and that specd does not implement yet:
+# OpenAI fields that would change what is generated and that specd does not implement:
 # refused by name rather than ignored.  A field is accepted at its no-op value.
 UNSUPPORTED = {
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
-    "functions": lambda v: v in (None, []),
+    "functions": lambda v: v in (None, []),  # the deprecated form of tools
     "function_call": lambda v: v in (None, "none"),
-    "parallel_tool_calls": lambda v: True,  # meaningful only with tools, which are refused
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "prediction": lambda v: v is None,
     "audio": lambda v: v is None,
     "modalities": lambda v: v in (None, ["text"]),
@@ -54,6 +53,7 @@ class ParsedRequest:
     params: SamplingParams
     speculation: dict | None  # the request's own {"method", "num_speculative_tokens"}
     n: int = 1  # choices, each its own request (they share the prompt's prefill through the prefix cache)
+    response_format: dict | None = None  # a JSON schema ({} for any JSON object) the output must match
 
 
 def number_field(body: dict, key: str, lo: float, hi: float, default: float) -> float:
@@ -134,7 +134,27 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
         repetition_penalty=number_field(body, "repetition_penalty", 0.01, 2.0, 1.0),
     )
     return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
-                         _speculation(body), integer_field(body, "n", 1, MAX_CHOICES) or 1)
+                         _speculation(body), integer_field(body, "n", 1, MAX_CHOICES) or 1, _response_format(body))
+
+
+def _response_format(body: dict) -> dict | None:
+    """``response_format``: text, ``json_object``, or ``json_schema`` (always enforced, ``strict`` or not)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format.json_schema.schema' must be a JSON schema object",
+                              "response_format.json_schema.schema")
+        return schema
+    raise bad_request("'response_format.type' must be text, json_object or json_schema", "response_format.type")
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -184,6 +204,8 @@ def speculation_for(engine: ServingEngine, asked: dict | None) -> SpeculationCon
 
 
 def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -196,7 +218,7 @@ def _message_text(content: Any, index: int) -> str:
     raise bad_request("message content must be a string or a list of text parts", f"messages[{index}].content")
 
 
-def chat_prompt(engine: ServingEngine, body: dict) -> list[int]:
+def chat_turn(engine: ServingEngine, body: dict) -> ChatTurn:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -205,11 +227,48 @@ def chat_prompt(engine: ServingEngine, body: dict) -> list[int]:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
             raise bad_request("each message needs a role of system, user, assistant, developer or tool",
                               f"messages[{i}].role")
-        clean.append({"role": m["role"], "content": _message_text(m.get("content", ""), i)})
-    tokenizer = engine.tokenizer
-    if not tokenizer.has_chat_template:
-        raise bad_request(f"model '{engine.name}' has no chat template; use /v1/completions", "messages")
-    return list(tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True))
+        message = {"role": m["role"], "content": _message_text(m.get("content"), i)}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = template_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad_request("a tool message needs its 'tool_call_id'", f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        clean.append(message)
+    tools = parse_tools(body.get("tools"))
+    mode, callable_tools = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    kwargs = template_kwargs(body.get("chat_template_kwargs"))
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("low", "medium", "high"):
+            raise bad_request("'reasoning_effort' must be low, medium or high", "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
+    prompt = render_chat(engine.tokenizer, engine.name, clean, tools, kwargs)
+    return ChatTurn(prompt, callable_tools if mode != "none" else [], mode == "required", parallel)
+
+
+def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn | None) -> str | None:
+    """The grammar the output must match: a forced tool call, or ``response_format``'s JSON."""
+    forced = turn is not None and turn.forced
+    if forced and parsed.response_format is not None:
+        raise bad_request("'response_format' cannot constrain a required tool call", "response_format")
+    try:
+        if forced:
+            grammar, where = call_grammar(engine.tokenizer, turn.tools, turn.parallel), "tools"
+        elif parsed.response_format is not None:
+            grammar, where = json_schema_grammar(parsed.response_format), "response_format.json_schema.schema"
+        else:
+            return None
+        tokenizer = grammar_tokenizer(engine.tokenizer, engine.vocab_size, engine.tokenizer.eos_token_ids)
+        check_grammar(grammar, tokenizer)
+    except GrammarError as err:
+        raise bad_request(f"cannot enforce this schema: {err}", where) from None
+    return grammar
 
 
 def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
@@ -253,19 +312,21 @@ class Completion:
     """Runs one request (``n`` engine requests, one per choice) against an
     engine and renders it in OpenAI's shape."""
 
-    def __init__(self, engine: ServingEngine, parsed: ParsedRequest, prompt: list[int], chat: bool):
+    def __init__(self, engine: ServingEngine, parsed: ParsedRequest, prompt: list[int], turn: ChatTurn | None):
+        chat = turn is not None
         self.engine, self.parsed, self.chat = engine, parsed, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         limit = engine.max_context - len(prompt)
         max_tokens = min(parsed.max_tokens or limit, max(limit, 1))
         speculation = speculation_for(engine, parsed.speculation)
+        grammar = request_grammar(engine, parsed, turn)
         seed = parsed.params.seed
         # a seeded request gives each choice its own seed, so choices differ and are reproducible
         self.requests = [GenerationRequest(self.id if parsed.n == 1 else f"{self.id}-{i}", prompt,
                                            parsed.params if seed is None else replace(parsed.params,
                                                                                       seed=(seed + i) % 2**63),
-                                           max_tokens, parsed.stop, speculation)
+                                           max_tokens, parsed.stop, speculation, grammar)
                          for i in range(parsed.n)]
         try:
             engine.check_prompt(self.requests[0])
@@ -273,6 +334,10 @@ class Completion:
             field = "messages" if chat and err.field == "prompt" else err.field
             raise bad_request(str(err), field) from None
         self.text_offset = [0] * parsed.n
+        # each chat choice's text split into content, reasoning and tool calls
+        self.splitters = [splitter(engine.tokenizer, prompt, turn.tools, turn.forced)
+                          for _ in range(parsed.n)] if chat else []
+        self.calls_made = [0] * parsed.n
 
     async def outputs(self, index: int) -> AsyncIterator[StepOutput]:
         try:
@@ -370,23 +435,53 @@ class Completion:
         for index in range(n):
             lp = self.logprobs(logprobs[index], index) if self.parsed.params.logprobs else None
             joined = "".join(text[index])
-            choice = {"index": index, "logprobs": lp, "finish_reason": last[index].finish_reason}
+            choice = {"index": index, "logprobs": lp}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": joined}
+                delta = self.splitters[index].feed(joined, finished=True)
+                message: dict = {"role": "assistant", "content": delta.content or (None if delta.tool_calls else "")}
+                if delta.reasoning:
+                    message["reasoning_content"] = delta.reasoning
+                if delta.tool_calls:
+                    message["tool_calls"] = self.tool_calls(delta, index, streaming=False)
+                choice["message"] = message
             else:
                 choice["text"] = joined
+            choice["finish_reason"] = self.finish_reason(last[index], index)
             choices.append(choice)
         return self.envelope(choices, self.usage(last))
 
+    def tool_calls(self, delta: Delta, index: int, streaming: bool) -> list[dict]:
+        """A choice's new tool calls in OpenAI's shape (numbered when streamed)."""
+        calls = []
+        for call in delta.tool_calls:
+            entry = {"id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+            if streaming:
+                entry["index"] = self.calls_made[index]
+            self.calls_made[index] += 1
+            calls.append(entry)
+        return calls
+
+    def finish_reason(self, out: StepOutput | None, index: int) -> str | None:
+        reason = out.finish_reason if out else None
+        return "tool_calls" if reason == "stop" and self.chat and self.calls_made[index] else reason
+
     def chunk(self, out: StepOutput | None, first: bool, index: int = 0) -> dict:
-        choice: dict = {"index": index, "logprobs": self.logprobs(out.logprobs, index) if out else None,
-                        "finish_reason": out.finish_reason if out else None}
+        choice: dict = {"index": index, "logprobs": self.logprobs(out.logprobs, index) if out else None}
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
-            if out is not None and out.text:
-                delta["content"] = out.text
+            if out is not None:
+                split = self.splitters[index].feed(out.text, finished=out.finish_reason is not None)
+                if split.content:
+                    delta["content"] = split.content
+                if split.reasoning:
+                    delta["reasoning_content"] = split.reasoning
+                if split.tool_calls:
+                    delta["tool_calls"] = self.tool_calls(split, index, streaming=True)
             choice["delta"] = delta
+            choice["finish_reason"] = self.finish_reason(out, index)
         else:
+            choice["finish_reason"] = out.finish_reason if out else None
             choice["text"] = out.text if out else ""
         return self.envelope([choice], chunk=True)
 
@@ -429,8 +524,11 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_common(body, chat)
     engine = engine_named(request, parsed.model)
-    prompt = chat_prompt(engine, body) if chat else completion_prompt(engine, body)
-    completion = Completion(engine, parsed, prompt, chat)
+    if chat:
+        turn = chat_turn(engine, body)
+        completion = Completion(engine, parsed, turn.prompt, turn)
+    else:
+        completion = Completion(engine, parsed, completion_prompt(engine, body), None)
     if parsed.stream:
         return await completion.stream(request)
     return web.json_response(await completion.respond())

@@ -1,0 +1,424 @@
+"""What a chat turn means beyond its text: tools, tool calls and reasoning.
+
+The OpenAI and Anthropic routes both come here to render a conversation
+(tool definitions, assistant tool calls and tool results go through the
+model's own chat template), to build the grammar that forces a tool call, and
+to split what the model writes into reasoning, content and tool calls.
+
+Tool-call formats follow the model's family, as mlx-lm infers it from the
+chat template (``tool_parser_type``) and parses it (``mlx_lm.tool_parsers``);
+Llama 3's JSON calls and gpt-oss's harmony channels, which mlx-lm does not
+parse, are handled here.  A family whose format specd cannot force (Gemma's,
+pythonic calls, XML arguments) is forced into the Hermes format instead,
+which is parsed the same way whatever the model.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError
+from mlx_lm.generate import TextStateMachine
+from mlx_lm.tool_parsers import json_tools, mistral
+
+from ..core.grammar import COMPACT_JSON, GrammarError, lark_grammar
+from .errors import bad_request
+
+HERMES = "json_tools"
+FORCEABLE = ("json_tools", "mistral", "llama3", "harmony")  # formats a grammar can force natively
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict  # a JSON schema
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """A chat request's prompt and what its output may hold."""
+
+    prompt: list[int]
+    tools: list[Tool]  # the tools a call may use (none: calls are not parsed)
+    forced: bool  # a call is required, so a grammar forces one
+    parallel: bool  # several calls may be made at once
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=new_call_id)
+
+
+def tool_format(tokenizer) -> str | None:
+    """The model's tool-call format: an mlx-lm parser name, "llama3" or "harmony"."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if "<|channel|>" in template:
+        return "harmony"
+    if "<|python_tag|>" in template and '"parameters"' in template:
+        return "llama3"
+    return tokenizer.init_kwargs.get("tool_parser_type")
+
+
+def forced_format(tokenizer) -> str:
+    """The format a forced call is written in: the model's own, else Hermes."""
+    fmt = tool_format(tokenizer)
+    return fmt if fmt in FORCEABLE else HERMES
+
+
+# -- reading a request -------------------------------------------------------------
+
+
+def parse_tools(value: Any) -> list[Tool]:
+    """OpenAI's ``tools``: function tools, each with a JSON-schema ``parameters``."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise bad_request("each tool must be {\"type\": \"function\", \"function\": {...}}", where)
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise bad_request("a function needs a 'name' of 1 to 64 characters", f"{where}.function.name")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise bad_request("'parameters' must be a JSON schema object", f"{where}.function.parameters")
+        description = function.get("description") or ""
+        if not isinstance(description, str):
+            raise bad_request("'description' must be a string", f"{where}.function.description")
+        tools.append(Tool(name, parameters, description))
+    if len({t.name for t in tools}) < len(tools):
+        raise bad_request("tool names must be unique", "tools")
+    return tools
+
+
+def parse_tool_choice(value: Any, tools: list[Tool]) -> tuple[str, list[Tool]]:
+    """OpenAI's ``tool_choice``: the mode ("none", "auto" or "required") and the tools a call may use."""
+    if value is None:
+        return ("auto" if tools else "none"), tools
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise bad_request("'tool_choice' is 'required' but there are no 'tools'", "tool_choice")
+        return value, tools
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+        chosen = [t for t in tools if t.name == name]
+        if not chosen:
+            raise bad_request(f"'tool_choice' names function {name!r}, which is not in 'tools'", "tool_choice")
+        return "required", chosen
+    raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                      "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def template_tools(tools: list[Tool]) -> list[dict]:
+    """Tools as chat templates expect them (OpenAI's shape)."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in tools]
+
+
+def template_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, arguments as objects (what templates render)."""
+    if not isinstance(calls, list):
+        raise bad_request("'tool_calls' must be a list", where)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request("a tool call needs a 'function' with a 'name'", f"{where}[{j}]")
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise bad_request("tool call arguments must be a JSON object", f"{where}[{j}].function.arguments")
+        out.append({"id": call.get("id") or new_call_id(), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize", "continue_final_message"}
+
+
+def template_kwargs(value: Any, field_name: str = "chat_template_kwargs") -> dict:
+    """``chat_template_kwargs``: extra variables for the chat template (``enable_thinking``, ...)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"'{field_name}' must be an object", field_name)
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
+    if reserved:
+        raise bad_request(f"'{field_name}' cannot set {reserved[0]!r}", f"{field_name}.{reserved[0]}")
+    return dict(value)
+
+
+def render_chat(tokenizer, model: str, messages: list[dict], tools: list[Tool], kwargs: dict) -> list[int]:
+    """The prompt: ``messages`` (and ``tools``) through the model's chat template."""
+    if not tokenizer.has_chat_template:
+        raise bad_request(f"model '{model}' has no chat template; use /v1/completions", "messages")
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if tools and "tools" not in template:
+        raise bad_request(f"model '{model}''s chat template does not render tools", "tools")
+    try:
+        return list(tokenizer.apply_chat_template(messages, tools=template_tools(tools) or None,
+                                                  add_generation_prompt=True, tokenize=True, **kwargs))
+    except TemplateError as e:
+        raise bad_request(f"the chat template refused the conversation: {e}", "messages") from None
+
+
+# -- forcing a call --------------------------------------------------------------
+
+
+def _call_schema(tool: Tool, arguments_key: str) -> dict:
+    return {"type": "object", "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": COMPACT_JSON})
+
+
+def _literal(tokenizer, text: str) -> str:
+    """A grammar literal: a special token by id (it has no bytes to match), else the quoted text."""
+    token = tokenizer.convert_tokens_to_ids(text) if text.startswith("<|") or text.startswith("[") else None
+    if token is not None and token in tokenizer.all_special_ids:
+        return f"<[{token}]>"
+    return json.dumps(text)
+
+
+def call_grammar(tokenizer, tools: list[Tool], parallel: bool) -> str:
+    """A grammar whose every output is one call (or, ``parallel``, several) of
+    one of ``tools``, in the model's format, arguments valid against its schema."""
+    fmt = forced_format(tokenizer)
+    lit = lambda text: _literal(tokenizer, text)  # noqa: E731
+    more = "*" if parallel else ""
+    if fmt == "harmony":
+        calls = " | ".join(f"{lit('<|channel|>')} {json.dumps('commentary to=functions.' + t.name + ' ')} "
+                           f"{lit('<|constrain|>')} \"json\" {lit('<|message|>')} {_json(t.parameters)} "
+                           f"{lit('<|call|>')}" for t in tools)
+        lark = f"start: {calls}\n"
+    elif fmt == "llama3":  # one call, JSON with "parameters"
+        lark = "start: " + " | ".join(_json(_call_schema(t, "parameters")) for t in tools) + "\n"
+    elif fmt == "mistral":
+        array = {"type": "array", "items": {"anyOf": [_call_schema(t, "arguments") for t in tools]}, "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        lark = f"start: {lit('[TOOL_CALLS]')} {_json(array)}\n"
+    else:
+        lark = (f"start: call (\"\\n\" call){more}\n"
+                f"call: {json.dumps(json_tools.tool_call_start + chr(10))} body {json.dumps(chr(10) + json_tools.tool_call_end)}\n"
+                "body: " + " | ".join(_json(_call_schema(t, "arguments")) for t in tools) + "\n")
+    try:
+        return lark_grammar(lark)
+    except ValueError as e:
+        raise GrammarError(str(e)) from e
+
+
+# -- splitting the output ---------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class OutputSplitter:
+    """Splits a choice's streamed text into content, reasoning and tool calls.
+
+    Think tags and tool-call markers are found in the text (mlx-lm's
+    ``TextStateMachine``), so a marker split across tokens is still found; a
+    tool call is parsed when it closes.  A call that does not parse stays in
+    the content rather than being dropped."""
+
+    def __init__(self, tokenizer, prompt: list[int], tools: list[Tool], forced: bool):
+        self.tools = tools
+        fmt = forced_format(tokenizer) if forced else tool_format(tokenizer)
+        self.format = fmt if tools else None
+        transitions: dict[str, list[tuple[str, str]]] = {"normal": []}
+        initial = "normal"
+        if tokenizer.has_thinking:
+            transitions["normal"].append((tokenizer.think_start, "reasoning"))
+            transitions["reasoning"] = [(tokenizer.think_end, "normal")]
+            if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+                initial = "reasoning"  # the template opened the think block
+        if self.format not in (None, "llama3"):  # llama3 calls have no marker
+            start, end = self._markers(tokenizer)
+            for edges in transitions.values():
+                edges.append((start, "tool"))
+            transitions["tool"] = [(end, "normal")] if end else []  # mistral's calls run to the end
+        self.machine = TextStateMachine(transitions)
+        self.state = self.machine.make_state(initial)
+        self.tool_text = ""
+        self.held = ""  # llama3: content that may be a JSON call, decided at the end
+        self.tokenizer = tokenizer
+
+    def _markers(self, tokenizer) -> tuple[str, str]:
+        if self.format == HERMES:
+            return json_tools.tool_call_start, json_tools.tool_call_end
+        if self.format == "mistral":
+            return mistral.tool_call_start, mistral.tool_call_end
+        return tokenizer.tool_call_start, tokenizer.tool_call_end
+
+    def feed(self, text: str, finished: bool) -> Delta:
+        self.state, segments = TextStateMachine.split(self.state, text)
+        if finished:
+            self.state, rest, current = TextStateMachine.flush(self.state)
+            segments.append((current, rest))
+        delta = Delta()
+        previous = None
+        for state, chunk in segments:
+            if previous == "tool" and state != "tool":
+                self._close_call(delta)
+            if state == "reasoning":
+                delta.reasoning += chunk
+            elif state == "tool":
+                self.tool_text += chunk
+            else:
+                delta.content += chunk
+            previous = state
+        if finished and self.tool_text:
+            self._close_call(delta)
+        if self.format == "llama3":
+            self._llama3(delta, finished)
+        return delta
+
+    def _close_call(self, delta: Delta) -> None:
+        text, self.tool_text = self.tool_text, ""
+        calls = parse_calls(self.format, text, self.tokenizer)
+        if calls is None:
+            delta.content += text
+        else:
+            delta.tool_calls.extend(calls)
+
+    def _llama3(self, delta: Delta, finished: bool) -> None:
+        """Llama 3 writes a call as bare JSON: content that starts with "{" is held until the end."""
+        if not (self.held or delta.content.lstrip().startswith("{")):
+            return
+        self.held += delta.content
+        delta.content = ""
+        if finished:
+            calls = parse_calls("llama3", self.held.removeprefix("<|python_tag|>"), self.tokenizer)
+            if calls is None:
+                delta.content = self.held
+            else:
+                delta.tool_calls.extend(calls)
+
+
+def parse_calls(fmt: str | None, text: str, tokenizer) -> list[ToolCall] | None:
+    """The tool calls in ``text`` (a closed tool segment), or None if it does not parse."""
+    try:
+        if fmt == "llama3":
+            parsed = json.loads(text)
+            parsed = [parsed] if isinstance(parsed, dict) else parsed
+            return [ToolCall(c["name"], c.get("parameters", c.get("arguments", {}))) for c in parsed]
+        parser = {HERMES: json_tools.parse_tool_call, "mistral": mistral.parse_tool_call}.get(fmt,
+                                                                                            tokenizer.tool_parser)
+        parsed = parser(text, None)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    parsed = parsed if isinstance(parsed, list) else [parsed]
+    calls = []
+    for call in parsed:
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return None
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+        calls.append(ToolCall(call["name"], arguments, call.get("id") or new_call_id()))
+    return calls
+
+
+class HarmonySplitter:
+    """gpt-oss's harmony output: the analysis channel is reasoning, the final
+    channel content, and a message addressed ``to=functions.NAME`` a tool call."""
+
+    MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>")
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.header = ""  # the current message's header: role, channel, recipient
+        self.body = ""  # a tool call's arguments, as they arrive
+        self.in_message = False
+
+    def feed(self, text: str, finished: bool) -> Delta:
+        self.buffer += text
+        delta = Delta()
+        while (found := self._next_marker()) is not None:
+            at, marker = found
+            self._text(delta, self.buffer[:at])
+            self.buffer = self.buffer[at + len(marker):]
+            self._marker(marker, delta)
+        hold = 0 if finished else self._partial()
+        self._text(delta, self.buffer[: len(self.buffer) - hold])
+        self.buffer = self.buffer[len(self.buffer) - hold:]
+        if finished and self.in_message:  # <|return|> and <|call|> end the output as end-of-sequence tokens
+            self._marker("<|end|>", delta)
+        return delta
+
+    def _next_marker(self) -> tuple[int, str] | None:
+        found = [(self.buffer.find(m), m) for m in self.MARKERS if m in self.buffer]
+        return min(found) if found else None
+
+    def _partial(self) -> int:
+        """Characters at the end of the buffer that may begin a marker."""
+        for n in range(min(len(self.buffer), max(map(len, self.MARKERS)) - 1), 0, -1):
+            if any(m.startswith(self.buffer[-n:]) for m in self.MARKERS):
+                return n
+        return 0
+
+    def _field(self, prefix: str) -> str | None:
+        return next((w.removeprefix(prefix) for w in self.header.split() if w.startswith(prefix)), None)
+
+    def _text(self, delta: Delta, text: str) -> None:
+        if not self.in_message:
+            self.header += text
+        elif self._field("to=functions.") is not None:
+            self.body += text
+        elif self._field("channel=") == "analysis":
+            delta.reasoning += text
+        else:
+            delta.content += text
+
+    def _marker(self, marker: str, delta: Delta) -> None:
+        if marker == "<|start|>":
+            self.header = ""
+        elif marker == "<|channel|>" and not self.in_message:
+            self.header += " channel="
+        elif marker == "<|message|>":
+            self.in_message, self.body = True, ""
+        elif marker in ("<|end|>", "<|call|>", "<|return|>"):
+            name = self._field("to=functions.") if self.in_message else None
+            if name is not None:
+                try:
+                    delta.tool_calls.append(ToolCall(name, json.loads(self.body)))
+                except json.JSONDecodeError:
+                    delta.content += self.body
+            self.in_message, self.header, self.body = False, "", ""
+        # <|constrain|> only qualifies the header
+
+
+def splitter(tokenizer, prompt: list[int], tools: list[Tool], forced: bool) -> OutputSplitter | HarmonySplitter:
+    """How a choice's text is split: by harmony channels for gpt-oss, else by think and tool markers."""
+    if tool_format(tokenizer) == "harmony":
+        return HarmonySplitter()
+    return OutputSplitter(tokenizer, prompt, tools, forced)
