@@ -192,9 +192,9 @@ def _json(schema: dict) -> str:
 
 def _literal(tokenizer, text: str) -> str:
     """A grammar literal: a special token by id (it has no bytes to match), else the quoted text."""
-    token = tokenizer.convert_tokens_to_ids(text) if text.startswith("<|") or text.startswith("[") else None
-    if token is not None and token in tokenizer.all_special_ids:
-        return f"<[{token}]>"
+    for token, added in tokenizer.added_tokens_decoder.items():
+        if added.content == text and added.special:
+            return f"<[{token}]>"
     return json.dumps(text)
 
 
@@ -357,6 +357,7 @@ class HarmonySplitter:
     def __init__(self) -> None:
         self.buffer = ""
         self.header = ""  # the current message's header: role, channel, recipient
+        self.raw_header = ""  # the same as written, returned as content if no message follows
         self.body = ""  # a tool call's arguments, as they arrive
         self.in_message = False
 
@@ -367,12 +368,16 @@ class HarmonySplitter:
             at, marker = found
             self._text(delta, self.buffer[:at])
             self.buffer = self.buffer[at + len(marker):]
+            if not self.in_message:
+                self.raw_header += marker
             self._marker(marker, delta)
         hold = 0 if finished else self._partial()
         self._text(delta, self.buffer[: len(self.buffer) - hold])
         self.buffer = self.buffer[len(self.buffer) - hold:]
         if finished and self.in_message:  # <|return|> and <|call|> end the output as end-of-sequence tokens
             self._marker("<|end|>", delta)
+        elif finished:
+            delta.content += self.raw_header
         return delta
 
     def _next_marker(self) -> tuple[int, str] | None:
@@ -392,6 +397,7 @@ class HarmonySplitter:
     def _text(self, delta: Delta, text: str) -> None:
         if not self.in_message:
             self.header += text
+            self.raw_header += text
         elif self._field("to=functions.") is not None:
             self.body += text
         elif self._field("channel=") == "analysis":
@@ -405,7 +411,7 @@ class HarmonySplitter:
         elif marker == "<|channel|>" and not self.in_message:
             self.header += " channel="
         elif marker == "<|message|>":
-            self.in_message, self.body = True, ""
+            self.in_message, self.body, self.raw_header = True, "", ""
         elif marker in ("<|end|>", "<|call|>", "<|return|>"):
             name = self._field("to=functions.") if self.in_message else None
             if name is not None:
