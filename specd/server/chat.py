@@ -203,7 +203,7 @@ def call_grammar(tokenizer, tools: list[Tool], parallel: bool) -> str:
     one of ``tools``, in the model's format, arguments valid against its schema."""
     fmt = forced_format(tokenizer)
     lit = lambda text: _literal(tokenizer, text)  # noqa: E731
-    more = "*" if parallel else ""
+    more = ' ("\\n" call)*' if parallel else ""
     if fmt == "harmony":
         calls = " | ".join(f"{lit('<|channel|>')} {json.dumps('commentary to=functions.' + t.name + ' ')} "
                            f"{lit('<|constrain|>')} \"json\" {lit('<|message|>')} {_json(t.parameters)} "
@@ -217,7 +217,7 @@ def call_grammar(tokenizer, tools: list[Tool], parallel: bool) -> str:
             array["maxItems"] = 1
         lark = f"start: {lit('[TOOL_CALLS]')} {_json(array)}\n"
     else:
-        lark = (f"start: call (\"\\n\" call){more}\n"
+        lark = (f"start: call{more}\n"
                 f"call: {json.dumps(json_tools.tool_call_start + chr(10))} body {json.dumps(chr(10) + json_tools.tool_call_end)}\n"
                 "body: " + " | ".join(_json(_call_schema(t, "arguments")) for t in tools) + "\n")
     try:

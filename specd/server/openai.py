@@ -438,7 +438,8 @@ class Completion:
             choice = {"index": index, "logprobs": lp}
             if self.chat:
                 delta = self.splitters[index].feed(joined, finished=True)
-                message: dict = {"role": "assistant", "content": delta.content or (None if delta.tool_calls else "")}
+                content = delta.content if delta.content.strip() or not delta.tool_calls else None
+                message: dict = {"role": "assistant", "content": content}
                 if delta.reasoning:
                     message["reasoning_content"] = delta.reasoning
                 if delta.tool_calls:

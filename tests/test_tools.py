@@ -1,0 +1,253 @@
+"""Tools, structured output and reasoning through the official ``openai``
+client: forced calls in every family format validate against the tool's
+schema, ``json_schema`` output always validates, tool results reach the
+prompt, and reasoning is split from content."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import jsonschema
+import openai
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from conftest import model_manifest, start_daemon
+from specd.forge.chat import STYLES, chat_variant
+from specd.server.chat import HarmonySplitter, OutputSplitter, Tool
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": CLOCK}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                    "maxItems": 3},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_models(forged, tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    return {style: chat_variant(forged / "target", root / style, style) for style in STYLES} | {
+        "hermes-draft": chat_variant(forged / "draft", root / "hermes-draft", "hermes")}
+
+
+@pytest.fixture(scope="module")
+def chat_client(chat_models, tmp_path_factory):
+    """A daemon serving one model per tool-call format; ``hermes-spec`` is paired with a draft model."""
+    pairing = textwrap.dedent(f"""\
+        apiVersion: specd.dev/v1alpha1
+        kind: DraftPairing
+        metadata:
+          name: hermes-spec-draft
+        spec:
+          targetRef: hermes-spec
+          method: draft
+          source: {chat_models["hermes-draft"]}
+          numSpeculativeTokens: 3
+        """)
+    manifests = [model_manifest(style, chat_models[style]) for style in STYLES]
+    manifests += [model_manifest("hermes-spec", chat_models["hermes"]), pairing]
+    daemon = start_daemon(tmp_path_factory.mktemp("chat-daemon"), {"models.yaml": "---\n".join(manifests)})
+    yield openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    daemon.stop()
+
+
+def check_calls(calls, names=None) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def streamed_calls(stream) -> tuple[list, str]:
+    """Tool calls reassembled from deltas (by index, arguments concatenated), and the finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"id": delta.id, "name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return [openai.types.chat.ChatCompletionMessageToolCall(
+        id=c["id"], type="function", function={"name": c["name"], "arguments": c["arguments"]})
+        for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_a_named_tool_choice_always_yields_a_valid_call(chat_client, style):
+    """In the family's own format, greedy and sampled, streamed and not."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for temperature, seed in ((0, None), (1.0, 1), (1.0, 2)):
+        kwargs = dict(model=style, messages=USER, tools=TOOLS, tool_choice=named, max_tokens=64,
+                      temperature=temperature, seed=seed)
+        out = chat_client.chat.completions.create(**kwargs)
+        assert out.choices[0].finish_reason == "tool_calls"
+        check_calls(out.choices[0].message.tool_calls, {"get_weather"})
+        calls, finish = streamed_calls(chat_client.chat.completions.create(stream=True, **kwargs))
+        assert finish == "tool_calls"
+        check_calls(calls, {"get_weather"})
+        if seed is not None:  # a seeded request streams what it returns whole
+            assert [c.function.arguments for c in calls] == [
+                c.function.arguments for c in out.choices[0].message.tool_calls]
+
+
+@pytest.mark.parametrize("model,speculation", [("hermes", None), ("hermes", "ngram"), ("hermes-spec", None)])
+def test_required_tool_choice_calls_one_of_the_tools(chat_client, model, speculation):
+    """``required`` with parallel calls allowed (each validates) and not (exactly one), with speculation on and off."""
+    extra = {"speculation": {"method": speculation}} if speculation else {}
+    for seed in range(4):
+        out = chat_client.chat.completions.create(model=model, messages=USER, tools=TOOLS, tool_choice="required",
+                                                  max_tokens=160, temperature=1.0, seed=seed, extra_body=extra)
+        check_calls(out.choices[0].message.tool_calls, set(SCHEMAS))
+        one = chat_client.chat.completions.create(model=model, messages=USER, tools=TOOLS, tool_choice="required",
+                                                  parallel_tool_calls=False, max_tokens=160, temperature=1.0,
+                                                  seed=seed, extra_body=extra)
+        assert len(one.choices[0].message.tool_calls) == 1
+        check_calls(one.choices[0].message.tool_calls, set(SCHEMAS))
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_tool_calls_and_results_in_the_history_reach_the_prompt(chat_client, chat_models, style):
+    """The assistant's call and the tool's result are rendered by the model's template."""
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny, 24 degrees"}]
+    out = chat_client.chat.completions.create(model=style, messages=history, tools=TOOLS, max_tokens=4,
+                                              temperature=0)
+    tokenizer = load_tokenizer(chat_models[style])
+    expected = history[:1] + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                               "arguments": {"city": "Paris", "days": 2}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny, 24 degrees"}]
+    prompt = tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True)
+    text = tokenizer.decode(prompt)
+    assert "sunny, 24 degrees" in text and "Paris" in text and "get_weather" in text
+    assert out.usage.prompt_tokens == len(prompt)
+    other = history[:2] + [{**history[2], "content": "rain all week, 9 degrees"}]
+    changed = chat_client.chat.completions.create(model=style, messages=other, tools=TOOLS, max_tokens=4,
+                                                  temperature=0)
+    assert changed.usage.prompt_tokens != out.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("model,speculation", [("tiny", None), ("tiny", "ngram"), ("tiny-spec", None)])
+def test_json_schema_output_always_validates(client, tokenizer, model, speculation):
+    """Greedy and sampled (three choices each), with speculation on and off;
+    compact; and any object for json_object (a random model's strings end
+    only by chance, so quotes and braces are favoured to end them soon)."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    extra = {"speculation": {"method": speculation}} if speculation else {}
+    for temperature in (0, 1.0):
+        out = client.chat.completions.create(model=model, messages=USER, response_format=response_format,
+                                             max_tokens=96, temperature=temperature, seed=5, n=3, extra_body=extra)
+        for choice in out.choices:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+            assert ", " not in choice.message.content.replace('", "', "") and ": " not in choice.message.content
+    ends = {str(tokenizer.encode(c)[0]): 6 for c in '"}'}
+    out = client.chat.completions.create(model=model, messages=USER, response_format={"type": "json_object"},
+                                         max_tokens=200, temperature=0, logit_bias=ends, extra_body=extra)
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_json_schema_streams_and_serves_text_completions(client):
+    stream = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=96, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), PERSON)
+    text = client.completions.create(model="tiny", prompt="person:", max_tokens=96, temperature=0,
+                                     extra_body={"response_format": {"type": "json_schema",
+                                                                     "json_schema": {"schema": PERSON}}})
+    jsonschema.validate(json.loads(text.choices[0].text), PERSON)
+
+
+def test_reasoning_is_split_from_content_and_template_kwargs_reach_the_template(chat_client):
+    """The Hermes template opens a think block unless ``enable_thinking`` is false."""
+    out = chat_client.chat.completions.create(model="hermes", messages=USER, max_tokens=16, temperature=0)
+    message = out.choices[0].message
+    assert message.reasoning_content and message.content == ""
+    stream = chat_client.chat.completions.create(model="hermes", messages=USER, max_tokens=16, temperature=0,
+                                                 stream=True)
+    chunks = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == message.reasoning_content
+    off = chat_client.chat.completions.create(model="hermes", messages=USER, max_tokens=16, temperature=0,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content and not getattr(off.choices[0].message, "reasoning_content", None)
+    assert off.usage.prompt_tokens > out.usage.prompt_tokens  # the template closed the think block
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "hermes", "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"model": "hermes", "tool_choice": "required"}, "tool_choice"),
+    ({"model": "hermes", "tools": [{"type": "function", "function": {"parameters": WEATHER}}]},
+     "tools[0].function.name"),
+    ({"model": "hermes", "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": "hermes", "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"model": "hermes", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+     "response_format.json_schema.schema"),
+    ({"model": "hermes", "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+    ({"model": "hermes", "messages": USER + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+])
+def test_bad_tool_and_format_requests_are_refused_by_field(chat_client, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        fields = {"messages": USER, **body}
+        chat_client.chat.completions.create(model=fields.pop("model"), messages=fields.pop("messages"), max_tokens=4,
+                                            extra_body=fields)
+    assert err.value.body["param"] == param, err.value.body
+
+
+def test_tools_for_a_template_that_cannot_render_them_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=4)
+    assert err.value.body["param"] == "tools" and "does not render tools" in err.value.body["message"]
+
+
+def feed_in_pieces(splitter, text: str, size: int):
+    content, reasoning, calls = "", "", []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for n, piece in enumerate(pieces):
+        delta = splitter.feed(piece, finished=n == len(pieces) - 1)
+        content, reasoning, calls = content + delta.content, reasoning + delta.reasoning, calls + delta.tool_calls
+    return content, reasoning, [(c.name, c.arguments) for c in calls]
+
+
+def test_output_splitting_finds_markers_across_chunk_boundaries(chat_models):
+    """Think tags and tool calls (Hermes), harmony channels, and Llama 3's bare JSON,
+    whatever the chunking, and a call that does not parse stays in the content."""
+    hermes = load_tokenizer(chat_models["hermes"])
+    tools = [Tool("get_weather", WEATHER)]
+    text = ('<think>\nplan it</think>Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+            '"days": 1}}\n</tool_call><tool_call>\nnot json\n</tool_call>')
+    for size in (1, 3, len(text)):
+        splitter = OutputSplitter(hermes, [], tools, forced=False)
+        content, reasoning, calls = feed_in_pieces(splitter, text, size)
+        assert reasoning == "\nplan it" and calls == [("get_weather", {"city": "Oslo", "days": 1})]
+        assert content == "Checking.\nnot json\n"
+    harmony = ('<|channel|>analysis<|message|>think first<|end|><|start|>assistant<|channel|>commentary '
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Rome", "days": 3}<|call|>'
+               '<|start|>assistant<|channel|>final<|message|>Done.')
+    for size in (1, 5, len(harmony)):
+        content, reasoning, calls = feed_in_pieces(HarmonySplitter(), harmony, size)
+        assert (content, reasoning, calls) == ("Done.", "think first", [("get_weather", {"city": "Rome", "days": 3})])
+    llama = load_tokenizer(chat_models["llama3"])
+    for text, expected in (('{"name": "get_weather", "parameters": {"city": "Ankara", "days": 2}}',
+                            ("", "", [("get_weather", {"city": "Ankara", "days": 2})])),
+                           ("{not a call", ("{not a call", "", []))):
+        assert feed_in_pieces(OutputSplitter(llama, [], tools, forced=False), text, 4) == expected
