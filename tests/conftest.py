@@ -157,3 +157,43 @@ def tokenizer(forged):
     from mlx_lm.utils import load_tokenizer
 
     return load_tokenizer(forged / "target")
+
+
+@pytest.fixture(scope="session")
+def family_models(forged, tmp_path_factory):
+    """Tiny random models of mlx-lm families (``specd.forge.families``), built on first use:
+    ``get(family, seed, quantization)`` -> its directory."""
+    from specd.forge.families import build
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict[tuple, Path] = {}
+
+    def get(family: str, seed: int = 0, quantization: dict | None = None) -> Path:
+        key = (family, seed, None if quantization is None else tuple(sorted(quantization.items())))
+        if key not in built:
+            quantized = "" if quantization is None else f"-{quantization['mode']}{quantization['bits']}"
+            name = f"{family}-{seed}{quantized}"
+            built[key] = build(family, root / name, forged / "target", seed=seed, quantization=quantization)
+        return built[key]
+    return get
+
+
+def two_sample_chi2(a_tokens: list[int], b_tokens: list[int]) -> tuple[float, float, int]:
+    """Pearson's two-sample chi-square of two token samples (rare tokens pooled
+    into one bin), its 0.999 quantile (Wilson-Hilferty) and degrees of freedom."""
+    import numpy as np
+
+    tokens = sorted(set(a_tokens) | set(b_tokens))
+    a = np.array([a_tokens.count(t) for t in tokens], dtype=float)
+    b = np.array([b_tokens.count(t) for t in tokens], dtype=float)
+    common = (a + b) >= 10
+    a = np.append(a[common], a[~common].sum())
+    b = np.append(b[common], b[~common].sum())
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    expected_a = (a + b) * a.sum() / (a.sum() + b.sum())
+    expected_b = (a + b) * b.sum() / (a.sum() + b.sum())
+    stat = float(((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum())
+    dof = len(a) - 1
+    limit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
+    return stat, float(limit), dof

@@ -24,7 +24,7 @@ from conftest import code_sample, free_port, model_manifest, run_engine
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
-from specd.forge.families import FAMILIES, build
+from specd.forge.families import FAMILIES
 from specd.spec.hooks import hook, unhook
 
 GREEDY = SamplingParams(temperature=0)
@@ -37,22 +37,6 @@ QUANTIZED = [("llama", AFFINE_4BIT), ("gemma3_text", AFFINE_4BIT), ("qwen3_next"
              ("gpt_oss", {"group_size": 32, "bits": 4, "mode": "mxfp4"}),  # as mlx-community publishes gpt-oss
              ("gemma4_text", AFFINE_8BIT), ("granitemoehybrid", AFFINE_8BIT)]
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def family_models(forged, tmp_path_factory):
-    """Builds a family's model on first use: ``get(family, seed, quantization)`` -> its directory."""
-    root = tmp_path_factory.mktemp("families")
-    built: dict[tuple, Path] = {}
-
-    def get(family: str, seed: int = 0, quantization: dict | None = None) -> Path:
-        key = (family, seed, None if quantization is None else tuple(sorted(quantization.items())))
-        if key not in built:
-            quantized = "" if quantization is None else f"-{quantization['mode']}{quantization['bits']}"
-            name = f"{family}-{seed}{quantized}"
-            built[key] = build(family, root / name, forged / "target", seed=seed, quantization=quantization)
-        return built[key]
-    return get
 
 
 def prompts(tokenizer) -> list[list[int]]:

@@ -10,12 +10,11 @@ import asyncio
 import copy
 import itertools
 
-import numpy as np
 import pytest
 from mlx_lm import load
 
 from specd.core.loader import check_draft_pair
-from conftest import code_sample, run_engine
+from conftest import code_sample, run_engine, two_sample_chi2
 from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest
 from specd.core.request import SpeculationConfig
@@ -168,21 +167,7 @@ def test_sampled_tokens_follow_the_target_end_to_end(pair, prompts, spec):
 
     off = serve(pair, lambda e: sample(e, None), max_batch_size=64, max_waiting=1000)
     on = serve(pair, lambda e: sample(e, spec), max_batch_size=64, max_waiting=1000)
-    tokens = sorted(set(off) | set(on))
-    a = np.array([off.count(t) for t in tokens], dtype=float)
-    b = np.array([on.count(t) for t in tokens], dtype=float)
-    common = (a + b) >= 10  # pool rare tokens into one bin
-    a = np.append(a[common], a[~common].sum())
-    b = np.append(b[common], b[~common].sum())
-    keep = (a + b) > 0
-    a, b = a[keep], b[keep]
-    expected_a = (a + b) * a.sum() / (a.sum() + b.sum())
-    expected_b = (a + b) * b.sum() / (a.sum() + b.sum())
-    stat = ((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum()
-    dof = len(a) - 1
-    # Wilson-Hilferty 0.999 quantile of chi-square(dof)
-    z = 3.09
-    limit = dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+    stat, limit, dof = two_sample_chi2(off, on)
     assert stat < limit, (stat, limit, dof)
 
 

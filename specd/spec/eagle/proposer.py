@@ -190,7 +190,8 @@ class EagleProposer:
         top_k = max(spec.tree_top_k for spec in specs)
         depth = max(ks[i] for i in members)
         budget = max(spec.tree_tokens for spec in specs) if top_k > 1 else depth
-        trees = self._expand([round_.seqs[i] for i in members], [ks[i] > 0 for i in members], depth, top_k, budget)
+        trees = self._expand([round_.seqs[i] for i in members], [ks[i] > 0 for i in members], depth, top_k, budget,
+                             [spec.tree_top_k == 1 for spec in specs])
         out = Drafts()
         for i, tree in zip(members, trees):
             if tree is None:
@@ -203,9 +204,10 @@ class EagleProposer:
         return out
 
     def _expand(self, seqs: list[Sequence], drafting: list[bool], depth: int, top_k: int,
-                budget: int) -> list[DraftTree | None]:
+                budget: int, chains: list[bool]) -> list[DraftTree | None]:
         """Trees (up to ``depth`` deep, ``budget`` nodes) for the ``drafting``
-        rows of ``seqs`` (every EAGLE row of the batch, so the others catch up too).
+        rows of ``seqs`` (every EAGLE row of the batch, so the others catch up
+        too); a row in ``chains`` gets the tree's most likely path.
 
         The expansion runs on the device without a host round trip per depth:
         candidates are recorded as (token, parent candidate, score) arrays and
@@ -248,12 +250,22 @@ class EagleProposer:
         tokens, parents, scores = (mx.concatenate(a, axis=1) for a in (tokens, parents, scores))
         mx.eval(tokens, parents, scores)
         tokens, parents, scores = tokens.tolist(), parents.tolist(), scores.tolist()
-        return [self._tree(list(zip(tokens[b], parents[b], scores[b])), budget) if drafting[b] else None
-                for b in range(B)]
+        candidates = [list(zip(tokens[b], parents[b], scores[b])) for b in range(B)]
+        return [None if not drafting[b] else self._chain(candidates[b]) if chains[b] else
+                self._tree(candidates[b], budget) for b in range(B)]
 
     def _logprobs(self, out: mx.array) -> mx.array:
         logits = self.head.logits(out, self.lm_head).astype(mx.float32)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    @staticmethod
+    def _chain(cand: list[tuple[int, int, float]]) -> DraftTree:
+        """The most likely child at every depth, as far as the expansion kept it."""
+        tokens, node = [], -1
+        while children := [c for c, (_, parent, _) in enumerate(cand) if parent == node]:
+            node = max(children, key=lambda c: cand[c][2])
+            tokens.append(cand[node][0])
+        return DraftTree.chain(tokens)
 
     @staticmethod
     def _tree(cand: list[tuple[int, int, float]], budget: int) -> DraftTree:
