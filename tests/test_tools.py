@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -42,7 +43,7 @@ def chat_models(forged, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chat_client(chat_models, tmp_path_factory):
+def chat_daemon(chat_models, tmp_path_factory):
     """A daemon serving one model per tool-call format; ``hermes-spec`` is paired with a draft model."""
     pairing = textwrap.dedent(f"""\
         apiVersion: specd.dev/v1alpha1
@@ -58,8 +59,18 @@ def chat_client(chat_models, tmp_path_factory):
     manifests = [model_manifest(style, chat_models[style]) for style in STYLES]
     manifests += [model_manifest("hermes-spec", chat_models["hermes"]), pairing]
     daemon = start_daemon(tmp_path_factory.mktemp("chat-daemon"), {"models.yaml": "---\n".join(manifests)})
-    yield openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield daemon
     daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def chat_client(chat_daemon):
+    return openai.OpenAI(base_url=chat_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def claude(chat_daemon):
+    return anthropic.Anthropic(base_url=chat_daemon.url, api_key="unused", max_retries=0, timeout=60)
 
 
 def check_calls(calls, names=None) -> None:
@@ -251,3 +262,79 @@ def test_output_splitting_finds_markers_across_chunk_boundaries(chat_models):
                             ("", "", [("get_weather", {"city": "Ankara", "days": 2})])),
                            ("{not a call", ("{not a call", "", []))):
         assert feed_in_pieces(OutputSplitter(llama, [], tools, forced=False), text, 4) == expected
+
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.mark.parametrize("style", ["hermes", "harmony"])
+def test_anthropic_forced_tool_use_validates(claude, style):
+    """tool_choice tool and any, whole and streamed, greedy and sampled."""
+    for choice, names in (({"type": "tool", "name": "get_weather"}, {"get_weather"}), ({"type": "any"}, set(SCHEMAS))):
+        for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 4}):
+            kwargs = dict(model=style, messages=USER, max_tokens=160, tools=ANTHROPIC_TOOLS, tool_choice=choice,
+                          extra_body=extra)
+            message = claude.messages.create(**kwargs)
+            with claude.messages.stream(**kwargs) as stream:
+                streamed = stream.get_final_message()
+            for out in (message, streamed):
+                uses = [b for b in out.content if b.type == "tool_use"]
+                assert out.stop_reason == "tool_use" and uses
+                for use in uses:
+                    assert use.name in names and use.id.startswith("toolu_")
+                    jsonschema.validate(use.input, SCHEMAS[use.name])
+    single = claude.messages.create(model=style, messages=USER, max_tokens=160, tools=ANTHROPIC_TOOLS,
+                                    tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    assert len([b for b in single.content if b.type == "tool_use"]) == 1
+
+
+def test_anthropic_tool_results_reach_the_prompt(claude, chat_models):
+    def conversation(result: str) -> list[dict]:
+        return USER + [
+            {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Paris", "days": 2}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}]
+    counted = claude.messages.count_tokens(model="hermes", messages=conversation("sunny, 24 degrees"),
+                                           tools=ANTHROPIC_TOOLS)
+    tokenizer = load_tokenizer(chat_models["hermes"])
+    rendered = USER + [
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather",
+                                                                "arguments": {"city": "Paris", "days": 2}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "get_weather", "content": "sunny, 24 degrees"}]
+    prompt = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True)
+    assert "sunny, 24 degrees" in tokenizer.decode(prompt) and counted.input_tokens == len(prompt)
+    message = claude.messages.create(model="hermes", messages=conversation("sunny, 24 degrees"), max_tokens=4,
+                                     tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0})
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(prompt)
+    other = claude.messages.count_tokens(model="hermes", messages=conversation("rain all week, 9 degrees"),
+                                         tools=ANTHROPIC_TOOLS)
+    assert other.input_tokens != counted.input_tokens
+
+
+def test_anthropic_thinking_blocks(claude):
+    """The Hermes template thinks by default: a thinking block, then text; ``thinking`` disabled: text only."""
+    message = claude.messages.create(model="hermes", messages=USER, max_tokens=16, extra_body={"temperature": 0})
+    assert [b.type for b in message.content] == ["thinking", "text"] and message.content[0].thinking
+    with claude.messages.stream(model="hermes", messages=USER, max_tokens=16,
+                                extra_body={"temperature": 0}) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].thinking == message.content[0].thinking
+    off = claude.messages.create(model="hermes", messages=USER, max_tokens=16, thinking={"type": "disabled"},
+                                 extra_body={"temperature": 0})
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+])
+def test_anthropic_bad_tool_requests_are_refused(claude, body, param):
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model="hermes", messages=USER, max_tokens=4, extra_body=body)
+    assert param in err.value.body["error"]["message"]

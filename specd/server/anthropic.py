@@ -1,10 +1,12 @@
 """Anthropic's Messages API: ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
 Served by the same engine path as the OpenAI routes (``openai.Completion``):
-the messages are rendered through the model's chat template, and outputs are
-rendered as Anthropic's message object or its streaming events.  Errors take
-Anthropic's shape (the app's middleware, by path).  Tools, images and
-extended thinking are refused by name until specd implements them.
+the conversation (text, ``tool_use`` and ``tool_result`` blocks) is rendered
+through the model's chat template, ``tool_choice`` any/tool forces a call by
+the same grammar, and the output is split into thinking, text and
+``tool_use`` blocks, whole or as Anthropic's streaming events.  Errors take
+Anthropic's shape (the app's middleware, by path).  Images, documents and
+server tools are refused by name.
 """
 
 from __future__ import annotations
@@ -17,62 +19,139 @@ from aiohttp import web
 
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
-from .chat import ChatTurn
+from .chat import ChatTurn, Delta, Tool, render_chat
 from .errors import APIError, bad_request
 from .openai import Completion, ParsedRequest, engine_named, integer_field, number_field, read_json
 
 routes = web.RouteTableDef()
-UNSUPPORTED = {"tools": lambda v: v in (None, []), "tool_choice": lambda v: v is None,
-               "thinking": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "disabled")}
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
 def _text(content: Any, path: str) -> str:
-    """A message's or the system prompt's text: a string or a list of text blocks."""
+    """A system prompt's or a tool result's text: a string or a list of text blocks."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for i, block in enumerate(content):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-                raise bad_request(f"content blocks of type {kind!r} are not supported yet", f"{path}[{i}]")
-            parts.append(block["text"])
-        return "".join(parts)
+        return "".join(_text_block(block, f"{path}[{i}]") for i, block in enumerate(content))
     raise bad_request("content must be a string or a list of content blocks", path)
 
 
+def _text_block(block: Any, path: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        raise bad_request(f"content blocks of type {kind!r} are not supported here", path)
+    return block["text"]
+
+
+def _blocks(content: Any, path: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad_request("content must be a string or a list of content blocks", path)
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise bad_request("each content block needs a 'type'", f"{path}[{i}]")
+    return content
+
+
 def _chat(body: dict) -> list[dict]:
-    """The conversation as chat-template messages (system first)."""
+    """The conversation as chat-template messages: system first, a user's
+    ``tool_result`` blocks as tool messages, an assistant's ``tool_use``
+    blocks as its tool calls (earlier thinking is not replayed)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: must be a non-empty list", "messages")
     out = []
     if body.get("system") is not None:
         out.append({"role": "system", "content": _text(body["system"], "system")})
+    names: dict[str, str] = {}  # tool_use id -> tool name, for the results
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise bad_request("each message needs a role of user or assistant", f"messages[{i}].role")
-        out.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}].content")})
+        path = f"messages[{i}].content"
+        text, calls, results = [], [], 0
+        for j, block in enumerate(_blocks(m.get("content"), path)):
+            where, kind = f"{path}[{j}]", block["type"]
+            if kind == "tool_result" and m["role"] == "user":
+                call_id = block.get("tool_use_id")
+                if not isinstance(call_id, str):
+                    raise bad_request("a tool_result needs its 'tool_use_id'", f"{where}.tool_use_id")
+                result = _text(block.get("content", ""), f"{where}.content")
+                if block.get("is_error"):
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
+                            "content": result})
+                results += 1
+            elif kind == "tool_use" and m["role"] == "assistant":
+                if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                    raise bad_request("a tool_use needs a 'name' and an object 'input'", where)
+                call_id = block.get("id") if isinstance(block.get("id"), str) else f"toolu_{len(names)}"
+                names[call_id] = block["name"]
+                calls.append({"id": call_id, "type": "function",
+                              "function": {"name": block["name"], "arguments": block.get("input", {})}})
+            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
+                continue
+            else:
+                text.append(_text_block(block, where))
+        if text or calls or not results:  # a user turn of tool results alone is those results
+            message = {"role": m["role"], "content": "".join(text)}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
     return out
 
 
-def _prompt(engine, body: dict) -> list[int]:
-    tokenizer = engine.tokenizer
-    if not tokenizer.has_chat_template:
-        raise bad_request(f"model '{engine.name}' has no chat template", "model")
-    return list(tokenizer.apply_chat_template(_chat(body), add_generation_prompt=True, tokenize=True))
+def _tools(body: dict) -> list[Tool]:
+    value = body.get("tools")
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad_request("tools: must be a list", "tools")
+    tools = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad_request(f"tools.{i}: server tool {kind!r} is not supported", f"tools.{i}.type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools.{i}.name: field required", f"tools.{i}.name")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad_request(f"tools.{i}.input_schema: must be a JSON schema object", f"tools.{i}.input_schema")
+        tools.append(Tool(tool["name"], schema, tool.get("description") or ""))
+    return tools
+
+
+def _turn(engine, body: dict) -> ChatTurn:
+    """The prompt and what its output may hold: ``tool_choice`` auto (the
+    default), none, any (some call) or tool (that one)."""
+    tools = _tools(body)
+    choice = body.get("tool_choice") or {"type": "auto"}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad_request("tool_choice.type: must be auto, any, tool or none", "tool_choice.type")
+    if kind in ("any", "tool") and not tools:
+        raise bad_request(f"tool_choice: {kind!r} needs tools", "tool_choice")
+    callable_tools = [] if kind == "none" else tools
+    if kind == "tool":
+        callable_tools = [t for t in tools if t.name == choice.get("name")]
+        if not callable_tools:
+            raise bad_request(f"tool_choice.name: no tool named {choice.get('name')!r}", "tool_choice.name")
+    kwargs = {}
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
+            raise bad_request("thinking.type: must be enabled or disabled", "thinking.type")
+        kwargs["enable_thinking"] = thinking["type"] == "enabled"
+    prompt = render_chat(engine.tokenizer, engine.name, _chat(body), tools, kwargs)
+    return ChatTurn(prompt, callable_tools, kind in ("any", "tool"), not choice.get("disable_parallel_tool_use"))
 
 
 def _checked(body: Any) -> dict:
-    """The body, if it is an object that names a model and asks nothing specd lacks."""
+    """The body, if it is an object that names a model."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad_request("model: a model name is required", "model")
-    for key, no_op in UNSUPPORTED.items():
-        if key in body and not no_op(body[key]):
-            raise bad_request(f"'{key}' is not supported yet", key)
     return body
 
 
@@ -99,10 +178,28 @@ def _usage(out: StepOutput | None, prompt: int) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _stop(out: StepOutput) -> tuple[str, str | None]:
+def _stop(out: StepOutput, called: bool) -> tuple[str, str | None]:
     if out.stop_sequence is not None:
         return "stop_sequence", out.stop_sequence
+    if called and out.finish_reason == "stop":
+        return "tool_use", None
     return STOP_REASONS.get(out.finish_reason, "end_turn"), None
+
+
+def _content_blocks(delta: Delta) -> list[dict]:
+    """A split output as Anthropic's content blocks: thinking, text, then tool_use."""
+    blocks = []
+    if delta.reasoning:
+        blocks.append({"type": "thinking", "thinking": delta.reasoning, "signature": ""})
+    if delta.content.strip() or not delta.tool_calls:
+        blocks.append({"type": "text", "text": delta.content})
+    blocks += [_tool_use(call) for call in delta.tool_calls]
+    return blocks
+
+
+def _tool_use(call) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": call.arguments}
 
 
 @routes.post("/v1/messages")
@@ -110,23 +207,63 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = _checked(await read_json(request))
     parsed = _parse(body)
     engine = engine_named(request, parsed.model)
-    prompt = _prompt(engine, body)
-    completion = Completion(engine, parsed, prompt, ChatTurn(prompt, [], False, False))
+    turn = _turn(engine, body)
+    completion = Completion(engine, parsed, turn.prompt, turn)
     message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": engine.name}
     if parsed.stream:
-        return await _stream(request, completion, message, len(prompt))
+        return await _stream(request, completion, message, len(turn.prompt))
     text, last = [], None
     async for _, out in completion.merged():
         text.append(out.text)
         last = out
-    reason, sequence = _stop(last)
-    return web.json_response({**message, "content": [{"type": "text", "text": "".join(text)}],
-                              "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(last, len(prompt))})
+    delta = completion.splitters[0].feed("".join(text), finished=True)
+    reason, sequence = _stop(last, bool(delta.tool_calls))
+    return web.json_response({**message, "content": _content_blocks(delta), "stop_reason": reason,
+                              "stop_sequence": sequence, "usage": _usage(last, len(turn.prompt))})
+
+
+class _Blocks:
+    """Anthropic's streamed content blocks: a block opens when the kind of
+    output changes (thinking, text, a tool call) and closes before the next."""
+
+    def __init__(self, send):
+        self.send = send
+        self.index = -1
+        self.open: str | None = None
+        self.called = False
+
+    async def start(self, kind: str, block: dict) -> None:
+        await self.close()
+        self.index += 1
+        self.open = kind
+        await self.send("content_block_start", {"index": self.index, "content_block": block})
+
+    async def close(self) -> None:
+        if self.open is not None:
+            await self.send("content_block_stop", {"index": self.index})
+            self.open = None
+
+    async def add(self, delta: Delta) -> None:
+        if delta.reasoning:
+            if self.open != "thinking":
+                await self.start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            await self.send("content_block_delta", {"index": self.index, "delta": {"type": "thinking_delta",
+                                                                                  "thinking": delta.reasoning}})
+        if delta.content and (self.open == "text" or delta.content.strip() or not self.called):
+            if self.open != "text":
+                await self.start("text", {"type": "text", "text": ""})
+            await self.send("content_block_delta", {"index": self.index, "delta": {"type": "text_delta",
+                                                                                  "text": delta.content}})
+        for call in delta.tool_calls:
+            self.called = True
+            await self.start("tool_use", {**_tool_use(call), "input": {}})
+            await self.send("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}})
 
 
 async def _stream(request: web.Request, completion: Completion, message: dict, prompt: int) -> web.StreamResponse:
-    """Anthropic's event stream: message_start, one text block's start, deltas
-    and stop, message_delta (stop reason, output tokens), message_stop."""
+    """Anthropic's event stream: message_start, each content block's start,
+    deltas and stop, message_delta (stop reason, output tokens), message_stop."""
     outputs = completion.merged()
     first = await anext(outputs)  # admission errors surface as a plain HTTP error
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -135,19 +272,19 @@ async def _stream(request: web.Request, completion: Completion, message: dict, p
     async def send(event: str, data: dict) -> None:
         await response.write(f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n".encode())
 
+    blocks, splitter = _Blocks(send), completion.splitters[0]
     try:
         await send("message_start", {"message": {**message, "content": [], "stop_reason": None,
                                                  "stop_sequence": None, "usage": _usage(None, prompt)}})
-        await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         last = first[1]
-        if last.text:
-            await send("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": last.text}})
+        await blocks.add(splitter.feed(last.text, finished=last.finish_reason is not None))
         async for _, out in outputs:
-            if out.text:
-                await send("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": out.text}})
+            await blocks.add(splitter.feed(out.text, finished=out.finish_reason is not None))
             last = out
-        await send("content_block_stop", {"index": 0})
-        reason, sequence = _stop(last)
+        if blocks.index < 0:  # an empty output still has its text block
+            await blocks.start("text", {"type": "text", "text": ""})
+        await blocks.close()
+        reason, sequence = _stop(last, blocks.called)
         usage = _usage(last, prompt)
         await send("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                      "usage": {"output_tokens": usage["output_tokens"]}})
@@ -166,4 +303,4 @@ async def _stream(request: web.Request, completion: Completion, message: dict, p
 async def count_tokens(request: web.Request) -> web.Response:
     body = _checked(await read_json(request))
     engine = engine_named(request, body["model"])
-    return web.json_response({"input_tokens": len(_prompt(engine, body))})
+    return web.json_response({"input_tokens": len(_turn(engine, body).prompt)})
