@@ -75,7 +75,7 @@ class Constraint:
         """How many leading ``tokens`` the grammar allows from here."""
         return self.matcher.validate_tokens(tokens) if tokens else 0
 
-    def extend(self, proposal: list[int], room: int) -> tuple[list[int], int]:
+    def extend(self, proposal: list[int], room: int, sampled_from_q: bool) -> tuple[list[int], int]:
         """A proposal checked against the grammar, and how many tokens at its
         end the grammar forced (the chain stays within ``room`` tokens).
 
@@ -83,14 +83,17 @@ class Constraint:
         grammar forces tokens there, they replace the rest: whatever was
         proposed, the verifier's outcome at a forced position follows the
         masked distribution alone, so they are proposed with certainty (q a
-        point mass).  Otherwise the rejected token stays: the verifier rejects
-        it and draws from the residual, which keeps a sampled draft lossless."""
+        point mass).  Otherwise a token drawn from a draft's q
+        (``sampled_from_q``) stays: the verifier rejects it and draws from the
+        residual, which keeps a sampled draft lossless.  A deterministic
+        proposal's rejected token would leave exactly the masked distribution
+        as its residual, so it goes and saves the column."""
         valid = self.valid_prefix(proposal)
         chain = proposal[:valid]
         forced = self._forced(chain, min(MAX_FORCED, room - valid))
         if forced:
             return chain + forced, len(forced)
-        return proposal[: valid + 1], 0
+        return proposal[: valid + 1] if sampled_from_q else chain, 0
 
     def _forced(self, chain: list[int], limit: int) -> list[int]:
         """Tokens the grammar forces after ``chain`` (all valid), at most ``limit``."""

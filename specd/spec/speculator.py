@@ -281,7 +281,7 @@ class Speculator:
             round_ = Round(seqs, last_tokens, specs, [0] * len(seqs))
             offered, caught_up = Drafts(), False
         drafts = [offered.chains.get(i, []) for i in range(len(seqs))]
-        forced = self._jump_forward(seqs, drafts) if any(s.constraint for s in seqs) else None
+        forced = self._jump_forward(seqs, drafts, offered) if any(s.constraint for s in seqs) else None
         if not offered.trees:
             return Proposal(round_, drafts, offered, caught_up, forced=forced)
         if self.positions is None:
@@ -289,7 +289,7 @@ class Speculator:
         trees = [offered.trees.get(i) or DraftTree.chain(d) for i, d in enumerate(drafts)]
         return Proposal(round_, drafts, offered, caught_up, layout(trees, last_tokens), trees, forced)
 
-    def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[int]:
+    def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]], offered: Drafts) -> list[int]:
         """Check each constrained row's chain against its grammar and end it
         with what the grammar forces there (SGLang's jump-forward): a forced
         token costs a column of this forward, not a round of its own.
@@ -298,8 +298,30 @@ class Speculator:
         for i, seq in enumerate(seqs):
             if seq.constraint is not None:
                 room = min(self.max_context - seq.context_length, seq.request.max_tokens - len(seq.tokens)) - 1
-                drafts[i], forced[i] = seq.constraint.extend(drafts[i], room)
+                drafts[i], forced[i] = seq.constraint.extend(drafts[i], room, i in offered.q)
+        width = self._forced_width(drafts, forced)
+        for i, chain in enumerate(drafts):
+            if len(chain) > width:
+                forced[i] -= len(chain) - width
+                drafts[i] = chain[:width]
         return forced
+
+    def _forced_width(self, drafts: list[list[int]], forced: list[int]) -> int:
+        """How many proposal columns the forced tokens are worth: every row
+        pays for the batch's widest proposal, so one row's long run of forced
+        tokens can cost the batch more than it gains.  The width (never
+        shorter than the proposers' own chains) that the cost model says
+        yields the most tokens per second, forced tokens counted as accepted."""
+        rows = len(drafts)
+        drafted = [len(d) - f for d, f in zip(drafts, forced)]
+        floor = max(drafted)
+        acceptance = self.controller.ema if self.controller.ema is not None else 0.5
+        base = rows + acceptance * sum(drafted)  # each row's next token, and what its drafts may yield
+
+        def rate(width: int) -> float:
+            gained = sum(max(0, min(len(d), width) - n) for d, n in zip(drafts, drafted))
+            return (base + gained) / self.costs.target_seconds(rows, width + 1)
+        return max(sorted({floor, *(len(d) for d in drafts if len(d) > floor)}), key=rate)
 
     def _collect(self, round_: Round) -> tuple[Drafts, bool]:
         """Every attached proposer's drafts for its rows, and whether one caught rows up."""
