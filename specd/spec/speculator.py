@@ -57,6 +57,7 @@ class Proposal:
     tree: TreeLayout | None = None  # set when some row proposes a branching tree
     trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
     forced: list[int] | None = None  # per row, tokens its grammar forced at the end of its chain
+    cut: list[int] | None = None  # per row, proposed tokens its grammar rejected before verification
 
     @property
     def drafted(self) -> list[int]:
@@ -281,30 +282,35 @@ class Speculator:
             round_ = Round(seqs, last_tokens, specs, [0] * len(seqs))
             offered, caught_up = Drafts(), False
         drafts = [offered.chains.get(i, []) for i in range(len(seqs))]
-        forced = self._jump_forward(seqs, drafts, offered) if any(s.constraint for s in seqs) else None
+        forced = cut = None
+        if any(s.constraint for s in seqs):
+            forced, cut = self._jump_forward(seqs, drafts, offered)
         if not offered.trees:
-            return Proposal(round_, drafts, offered, caught_up, forced=forced)
+            return Proposal(round_, drafts, offered, caught_up, forced=forced, cut=cut)
         if self.positions is None:
             self.positions = TreePositions(self.target)
         trees = [offered.trees.get(i) or DraftTree.chain(d) for i, d in enumerate(drafts)]
-        return Proposal(round_, drafts, offered, caught_up, layout(trees, last_tokens), trees, forced)
+        return Proposal(round_, drafts, offered, caught_up, layout(trees, last_tokens), trees, forced, cut)
 
-    def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]], offered: Drafts) -> list[int]:
+    def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]],
+                      offered: Drafts) -> tuple[list[int], list[int]]:
         """Check each constrained row's chain against its grammar and end it
         with what the grammar forces there (SGLang's jump-forward): a forced
         token costs a column of this forward, not a round of its own.
-        Returns the forced tokens per row."""
-        forced = [0] * len(seqs)
+        Returns the forced tokens per row, and the proposed ones cut."""
+        forced, cut = [0] * len(seqs), [0] * len(seqs)
         for i, seq in enumerate(seqs):
             if seq.constraint is not None:
                 room = min(self.max_context - seq.context_length, seq.request.max_tokens - len(seq.tokens)) - 1
+                proposed = len(drafts[i])
                 drafts[i], forced[i] = seq.constraint.extend(drafts[i], room, i in offered.q)
+                cut[i] = proposed - (len(drafts[i]) - forced[i])
         width = self._forced_width(drafts, forced)
         for i, chain in enumerate(drafts):
             if len(chain) > width:
                 forced[i] -= len(chain) - width
                 drafts[i] = chain[:width]
-        return forced
+        return forced, cut
 
     def _forced_width(self, drafts: list[list[int]], forced: list[int]) -> int:
         """How many proposal columns the forced tokens are worth: every row
@@ -431,10 +437,12 @@ class Speculator:
         batch.cache.settle()
         if self.drafter is not None:
             self.drafter.settle()
-        seqs, proposed = batch.seqs, proposal.drafted
-        accepted = [min(a, n) for a, n in zip(outcome.accepted, proposed)]
+        seqs, verified = batch.seqs, proposal.drafted
+        accepted = [min(a, n) for a, n in zip(outcome.accepted, verified)]
         if proposal.forced is not None:
             self.metrics.grammar_forced_tokens.labels(self.name).inc(sum(outcome.accepted) - sum(accepted))
+        # what a grammar cut counts as proposed and rejected, so acceptance stays honest
+        proposed = verified if proposal.cut is None else [n + c for n, c in zip(verified, proposal.cut)]
         for s, k, a in zip(seqs, proposed, accepted):
             if k:
                 self._count(s, k, a)
@@ -446,11 +454,14 @@ class Speculator:
             self.metrics.spec_acceptance_ema.labels(self.name).set(self.controller.ema)
 
     def _nothing_proposed(self, seqs: list[Sequence], proposal: Proposal) -> None:
-        """A step planned to speculate whose lookups all came back empty: the
-        requests' estimates learn what choosing k yielded."""
+        """A step planned to speculate whose lookups all came back empty (or
+        whose proposals a grammar cut, counted as rejected): the requests'
+        estimates learn what choosing k yielded."""
         if any(proposal.round.ks):
             none = [0] * len(seqs)
-            self.controller.observe([self.estimates[s] for s in seqs], none, none, proposal.round.ks)
+            cut = proposal.cut or none
+            self.drafted_total += sum(cut)
+            self.controller.observe([self.estimates[s] for s in seqs], cut, none, proposal.round.ks)
 
     def _randomness(self, seqs: list[Sequence], width: int, proposed: list[int]) -> tuple[mx.array, mx.array]:
         """Acceptance uniforms and final-draw noise from each sampling row's own
