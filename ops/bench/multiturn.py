@@ -95,12 +95,12 @@ def agent_turns(run: int, conv: int) -> list[str]:
 
 
 async def turn(session: aiohttp.ClientSession, base: str, model_id: str, messages: list[dict],
-               max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy chat completion: its TTFT, text and usage."""
+               max_tokens: int, extra: dict | None = None) -> dict[str, Any]:
+    """One streamed greedy chat completion (``extra``: more body fields): its TTFT, text, usage and finish."""
     body = {"model": model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     started = time.perf_counter()
-    ttft, parts, usage = None, [], None
+    ttft, parts, usage, finish = None, [], None, None
     async with session.post(base + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status} from {base}: {await resp.text()}")
@@ -113,12 +113,14 @@ async def turn(session: aiohttp.ClientSession, base: str, model_id: str, message
                 raise RuntimeError(f"stream error from {base}: {event['error']}")
             usage = event.get("usage") or usage
             for choice in event.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
                 text = (choice.get("delta") or {}).get("content") or ""
                 if text:
                     parts.append(text)
                     if ttft is None:
                         ttft = time.perf_counter() - started
     return {"ttft_s": ttft, "latency_s": time.perf_counter() - started, "text": "".join(parts),
+            "finish_reason": finish, "completion_tokens": (usage or {}).get("completion_tokens"),
             "prompt_tokens": (usage or {}).get("prompt_tokens"),
             "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
 

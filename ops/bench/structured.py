@@ -35,6 +35,7 @@ from typing import Any
 
 import aiohttp
 
+import multiturn
 import serve_vs_mlx_lm as anchor
 from spec_decode import write_result
 
@@ -58,34 +59,13 @@ TOPICS = ("parse a config file", "merge two sorted lists", "retry a network call
 
 async def ask(session: aiohttp.ClientSession, base: str, question: str, constrained: bool,
               max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": anchor.SPECD_MODEL_ID, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True, "stream_options": {"include_usage": True},
-                            "messages": [{"role": "user", "content": question}]}
-    if constrained:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "function", "schema": SCHEMA}}
-    started = time.perf_counter()
-    first, usage, text, finish = None, None, [], None
-    async with session.post(base + "/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            usage = event.get("usage") or usage
-            for choice in event.get("choices") or []:
-                finish = choice.get("finish_reason") or finish
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece:
-                    text.append(piece)
-                    first = first if first is not None else time.perf_counter() - started
-    latency = time.perf_counter() - started
-    output = "".join(text)
-    if constrained and finish == "stop":
-        json.loads(output)  # a finished constrained answer that does not parse is a failure, not a data point
-    return {"tokens": usage["completion_tokens"], "latency_s": latency, "ttft_s": first or latency,
-            "cut": finish == "length"}
+    extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "function", "schema": SCHEMA}}}
+    answer = await multiturn.turn(session, base, anchor.SPECD_MODEL_ID, [{"role": "user", "content": question}],
+                                  max_tokens, extra if constrained else None)
+    if constrained and answer["finish_reason"] == "stop":
+        json.loads(answer["text"])  # a finished constrained answer that does not parse is a failure, not a data point
+    return {"tokens": answer["completion_tokens"], "latency_s": answer["latency_s"],
+            "ttft_s": answer["ttft_s"] or answer["latency_s"], "cut": answer["finish_reason"] == "length"}
 
 
 async def run_once(session, base: str, concurrency: int, constrained: bool, max_tokens: int,
