@@ -116,7 +116,6 @@ def test_forced_tokens_cost_no_round_of_their_own(pair):
     steps = 0
 
     def counting(engine):
-        nonlocal steps
         speculator = engine.scheduler.speculator
         original = speculator.round
 

@@ -6,7 +6,8 @@ really accepted: to mask a verify forward's positions it consumes the row's
 proposals, fills one mask per position, and rolls back.  The same masks go on
 every distribution the verifier compares, so speculation stays lossless with
 respect to the constrained distribution.  Tokens the grammar forces (a key
-name, a closing brace) come back from ``forced`` to be proposed for free.
+name, a closing brace) end a row's proposal (``Constraint.extend``), to be
+verified for free in the same forward.
 """
 
 from __future__ import annotations
@@ -64,11 +65,10 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
 class Constraint:
     """One sequence's grammar state, advanced only through accepted tokens."""
 
-    def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, vocab: int, eos_ids: Seq[int]):
+    def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, eos_ids: Seq[int]):
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
-        self.vocab = vocab
         self.eos = sorted(eos_ids)
 
     def valid_prefix(self, tokens: list[int]) -> int:

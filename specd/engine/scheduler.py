@@ -95,7 +95,7 @@ class Scheduler:
         constraint = None
         if request.grammar is not None:
             tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
-            constraint = Constraint(request.grammar, tokenizer, self.vocab_size, self.eos_ids)
+            constraint = Constraint(request.grammar, tokenizer, self.eos_ids)
         return Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
                         eos_ids=self.eos_ids, max_total_tokens=self.max_context, constraint=constraint)
 

@@ -235,9 +235,6 @@ class Delta:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
-
 
 class OutputSplitter:
     """Splits a choice's streamed text into content, reasoning and tool calls.
@@ -248,7 +245,6 @@ class OutputSplitter:
     the content rather than being dropped."""
 
     def __init__(self, tokenizer, prompt: list[int], tools: list[Tool], forced: bool):
-        self.tools = tools
         fmt = forced_format(tokenizer) if forced else tool_format(tokenizer)
         self.format = fmt if tools else None
         transitions: dict[str, list[tuple[str, str]]] = {"normal": []}
@@ -309,7 +305,7 @@ class OutputSplitter:
 
     def _llama3(self, delta: Delta, finished: bool) -> None:
         """Llama 3 writes a call as bare JSON: content that starts with "{" is held until the end."""
-        if not (self.held or delta.content.lstrip().startswith("{")):
+        if not (self.held or delta.content.lstrip().startswith(("{", "<|python_tag|>"))):
             return
         self.held += delta.content
         delta.content = ""

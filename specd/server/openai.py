@@ -257,13 +257,14 @@ def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn
     forced = turn is not None and turn.forced
     if forced and parsed.response_format is not None:
         raise bad_request("'response_format' cannot constrain a required tool call", "response_format")
+    if not forced and parsed.response_format is None:
+        return None
+    where = "tools" if forced else "response_format.json_schema.schema"
     try:
         if forced:
-            grammar, where = call_grammar(engine.tokenizer, turn.tools, turn.parallel), "tools"
-        elif parsed.response_format is not None:
-            grammar, where = json_schema_grammar(parsed.response_format), "response_format.json_schema.schema"
+            grammar = call_grammar(engine.tokenizer, turn.tools, turn.parallel)
         else:
-            return None
+            grammar = json_schema_grammar(parsed.response_format)
         tokenizer = grammar_tokenizer(engine.tokenizer, engine.vocab_size, engine.tokenizer.eos_token_ids)
         check_grammar(grammar, tokenizer)
     except GrammarError as err:
