@@ -150,3 +150,24 @@ def test_sampled_output_under_a_grammar_follows_the_constrained_distribution(pai
         return [t for out in outs for t in out[1:4]]
     stat, limit, dof = two_sample_chi2(sample(None), sample(spec))
     assert stat < limit, (stat, limit, dof)
+
+
+def test_an_end_of_sequence_in_a_proposal_leaves_the_matcher_where_it_was(tokenizer):
+    """The matcher does not count an end-of-sequence token it stops on, so
+    checking, masking and drafting over a proposal that ends the output must
+    not consume one (rolling back would then undo an accepted token)."""
+    from specd.core.grammar import Constraint, grammar_tokenizer
+    import numpy as np
+
+    eos = sorted(tokenizer.eos_token_ids)
+    constraint = Constraint(json_schema_grammar(SCHEMA), grammar_tokenizer(tokenizer, len(tokenizer), eos), eos)
+    document = tokenizer.encode(json.dumps({"identifier": "ab", "temperature_celsius": 3, "categories": [],
+                                            "confirmed": True}, separators=(",", ":")))
+    constraint.advance(document[:-2])
+    proposal = document[-2:] + [eos[0]]
+    assert constraint.extend(proposal, 8, sampled_from_q=False) == (proposal, 0)
+    constraint.masks(proposal, np.empty((len(proposal) + 1, (len(tokenizer) + 31) // 32), dtype=np.int32))
+    assert all(constraint.step(t) for t in document[-2:]) and not constraint.step(eos[0])
+    constraint.rewind(2)
+    constraint.advance(proposal)
+    assert not constraint.matcher.is_error() and constraint.matcher.is_stopped()

@@ -69,7 +69,7 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
-        self.eos = sorted(eos_ids)
+        self.eos = frozenset(eos_ids)
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar allows from here."""
@@ -97,7 +97,7 @@ class Constraint:
 
     def _forced(self, chain: list[int], limit: int) -> list[int]:
         """Tokens the grammar forces after ``chain`` (all valid), at most ``limit``."""
-        if limit <= 0:
+        if limit <= 0 or self.eos.intersection(chain):  # nothing follows the end
             return []
         self.matcher.consume_tokens(chain)
         forced = [] if self.matcher.is_stopped() else self.matcher.compute_ff_tokens()[:limit]
@@ -106,22 +106,38 @@ class Constraint:
 
     def masks(self, proposal: list[int], out: np.ndarray) -> None:
         """Fill ``out`` (len(proposal)+1 bitmask rows) with the allowed tokens
-        after each prefix of ``proposal``; rows past a rejected token allow all."""
+        after each prefix of ``proposal``; rows past a rejected token or an
+        end of sequence (nothing there is ever kept) allow all."""
         allowed = self.valid_prefix(proposal)
         out[...] = -1
+        consumed = 0
         for j in range(allowed + 1):
             self._fill(out, j)
-            if j < allowed:
-                self.matcher.consume_token(proposal[j])
-        self.matcher.rollback(allowed)
+            # the matcher does not count an end-of-sequence token it stops on, so none is consumed here
+            if j == allowed or proposal[j] in self.eos:
+                break
+            self.matcher.consume_token(proposal[j])
+            consumed += 1
+        self.matcher.rollback(consumed)
 
     def _fill(self, out: np.ndarray, row: int) -> None:
         llguidance.numpy.fill_next_token_bitmask(self.matcher, out, row)
         if not out[row].any():  # an error state: only ending is left
             words = out[row].view(np.uint32)
             words[:] = 0
-            for t in self.eos:
+            for t in sorted(self.eos):
                 words[t // 32] |= np.uint32(1 << (t % 32))
+
+    def step(self, token: int) -> bool:
+        """Follow one drafted token, if the grammar allows it (``rewind`` undoes
+        it); not an end of sequence, which the matcher would not count."""
+        if token in self.eos or self.valid_prefix([token]) != 1:
+            return False
+        self.matcher.consume_token(token)
+        return True
+
+    def rewind(self, tokens: int) -> None:
+        self.matcher.rollback(tokens)
 
     def advance(self, tokens: list[int]) -> None:
         """The sequence accepted ``tokens``."""

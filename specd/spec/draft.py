@@ -18,6 +18,7 @@ import mlx.nn as nn
 
 from ..core.cache import make_row_cache
 from ..core.prefix import RowPrefixes
+from ..core.grammar import Constraint, mask_logits
 from ..core.sampling import SamplingParams, adjust_logits, sample_rows
 from ..core.sequence import Sequence
 from ..core.request import Method, SpeculationConfig
@@ -104,16 +105,20 @@ class DraftModelProposer:
         params = [s.params if d else GREEDY for s, d in zip(seqs, drafting)]
         keys = [s.key for s in seqs]
         drafts, probs = [], []
+        grammars = GrammarWalk([s.constraint if d else None for s, d in zip(seqs, drafting)])
         logits = self._forward([r.pending for r in rows])
         for step in range(k):
-            # q is what the draft samples from: with the target's logit_bias its proposals are accepted more often
-            biased = adjust_logits(logits[:, None, :], params, [()] * len(params), [()] * len(params))[:, 0]
-            token, keys, logprobs = sample_rows(biased, params, keys)
+            # q is what the draft samples from: with the target's logit_bias and grammar, its
+            # proposals are accepted more often (the verifier masks p with the same grammar state)
+            biased = adjust_logits(logits[:, None, :], params, [()] * len(params), [()] * len(params))
+            token, keys, logprobs = sample_rows(grammars.mask(biased)[:, 0], params, keys)
+            grammars.follow(token)
             drafts.append(token)
             if logprobs is not None:
                 probs.append(mx.exp(logprobs))
             if step < k - 1:
                 logits = self.rows.cache.forward(self.model, token[:, None], provisional=True)[:, -1]
+        grammars.rewind()
         self._drafted = k
         tokens = mx.stack(drafts, axis=1)
         q = mx.stack(probs, axis=1) if probs else None
@@ -172,3 +177,36 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+class GrammarWalk:
+    """The draft steps' view of constrained rows' grammars: each step's
+    logits masked at the state after the row's tokens drafted so far, the
+    matchers rewound when drafting ends.  A row whose grammar rejects its
+    token (a matcher fault) drafts unconstrained from there: its q is still
+    what it sampled from, so the verifier stays lossless."""
+
+    def __init__(self, constraints: list[Constraint | None]):
+        self.constraints = list(constraints)
+        self.walked: dict[Constraint, int] = {c: 0 for c in constraints if c is not None}
+
+    def mask(self, logits: mx.array) -> mx.array:
+        if not any(self.constraints):
+            return logits
+        return mask_logits(logits, self.constraints, [[] for _ in self.constraints])
+
+    def follow(self, tokens: mx.array) -> None:
+        if not any(self.constraints):
+            return
+        for j, token in enumerate(tokens.tolist()):
+            constraint = self.constraints[j]
+            if constraint is None:
+                continue
+            if constraint.step(token):
+                self.walked[constraint] += 1
+            else:
+                self.constraints[j] = None
+
+    def rewind(self) -> None:
+        for constraint, n in self.walked.items():
+            constraint.rewind(n)
