@@ -169,6 +169,23 @@ def test_group_speculates_exactly_as_a_single_process(tp):
     assert stats("tp", "draft")["rounds"] > 0
 
 
+def test_structured_output_on_a_group_matches_a_single_process(tp):
+    """Every rank builds the request's grammar and masks alike: the group's
+    json_schema output is the single engine's, speculating or not."""
+    client = client_for(tp)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "size": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["name", "size"], "additionalProperties": False}
+    for method in METHODS:
+        replies = [client.completions.create(
+            model=model, prompt=PROMPTS[0], max_tokens=48, temperature=0,
+            extra_body={"speculation": {"method": method},
+                        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+            for model in ("tp", "single")]
+        assert replies[0].choices[0].text == replies[1].choices[0].text, method
+        assert set(json.loads(replies[0].choices[0].text)) == {"name", "size"}
+
+
 def test_goodput_policy_reaches_the_ranks_and_keeps_them_in_step(tp):
     """A goodput SpecPolicy chooses k from timings that differ between ranks;
     rank 0's choice is broadcast, so output still matches a single process."""
