@@ -140,15 +140,15 @@ def closed_loop(prompts: list[list[int]], concurrency: int, min_requests: int) -
 
 
 async def serve_clients(engine: Engine, clients: list[list[list[int]]], specs: list[SpeculationConfig],
-                        max_tokens: int) -> dict[str, Any]:
-    """Client i sends its prompts one after another with ``specs[i]``, all
-    clients at once (greedy): aggregate output tokens/s, speculation totals,
-    decode steps, and every request's tokens."""
+                        max_tokens: int, grammar: str | None = None) -> dict[str, Any]:
+    """Client i sends its prompts one after another with ``specs[i]`` (and
+    ``grammar``), all clients at once (greedy): aggregate output tokens/s,
+    speculation totals, decode steps, and every request's tokens."""
     finished: list[tuple[int, SpecStats | None]] = []  # per request: tokens, speculation totals
 
     async def one(i: int, prompt: list[int]) -> list[int]:
         request = GenerationRequest(f"c{next(_ids)}", prompt, SamplingParams(temperature=0), max_tokens,
-                                    speculation=specs[i])
+                                    speculation=specs[i], grammar=grammar)
         tokens, spec = [], None
         async for out in engine.generate(request):
             tokens += out.tokens

@@ -16,6 +16,13 @@ answers are not charged more prefill per token.  Medians over runs.  The
 ratio json/plain is the grammar's cost (goal: at least 0.9) or gain.
 mlx_lm.server has no enforced ``response_format`` to compare against.
 
+JSON and free text are different outputs (n-gram speculation, for one,
+gains far more on a small model's repetitive free text), so the machinery's
+own cost is measured apart, in process: the same prompts with and without a
+grammar that allows any text (``/(.|\n)*/``), which leaves the output
+unchanged (checked) while every position is masked and checked as for a
+schema.
+
 Usage (from the repository root)::
 
     python ops/bench/structured.py --model models/demo/target --runs 5
@@ -36,6 +43,7 @@ from typing import Any
 import aiohttp
 
 import multiturn
+import spec_decode
 import serve_vs_mlx_lm as anchor
 from spec_decode import write_result
 
@@ -124,6 +132,46 @@ async def bench(args, env: dict, workdir: Path) -> dict[str, Any]:
     return results
 
 
+def mask_overhead(model_path: str, concurrency: list[int], runs: int, max_tokens: int) -> dict[str, Any]:
+    """tok/s with an allow-anything grammar against none, same prompts, in one engine."""
+    from specd.core.grammar import lark_grammar
+    from specd.core.loader import load_model
+    from specd.core.request import NO_SPECULATION, SpeculationConfig
+    from specd.engine.engine import Engine
+    from specd.engine.scheduler import EngineConfig
+
+    model, tokenizer = load_model(model_path)
+    anything = lark_grammar("start: /(.|\\n)*/")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write Python to {t}."}],
+                                             add_generation_prompt=True) for t in TOPICS]
+
+    async def go() -> dict[str, Any]:
+        engine = Engine("bench", model, tokenizer, EngineConfig(max_batch_size=16))
+        engine.start()
+        out: dict[str, Any] = {}
+        try:
+            for spec_name, spec in (("plain", NO_SPECULATION), ("ngram", SpeculationConfig("ngram", 3, 1, 4))):
+                for c in concurrency:
+                    clients = [[p] for p in prompts[:c]]
+                    rates: dict[str, list[float]] = {"none": [], "grammar": []}
+                    same = True
+                    for _ in range(runs):
+                        free = await spec_decode.serve_clients(engine, clients, [spec] * c, max_tokens)
+                        masked = await spec_decode.serve_clients(engine, clients, [spec] * c, max_tokens, anything)
+                        rates["none"].append(free["tok_s"])
+                        rates["grammar"].append(masked["tok_s"])
+                        same &= free["outputs"] == masked["outputs"]
+                    none, grammar = statistics.median(rates["none"]), statistics.median(rates["grammar"])
+                    out[f"{spec_name}_c{c}"] = {"none_tok_s": none, "grammar_tok_s": grammar,
+                                                "ratio": grammar / none, "same_tokens": same}
+                    print(f"[mask overhead] {spec_name} c={c}: {none:6.1f} -> {grammar:6.1f} tok/s "
+                          f"({grammar / none:.2f}x), same tokens: {same}", flush=True)
+        finally:
+            await engine.shutdown(1)
+        return out
+    return asyncio.run(go())
+
+
 def print_table(results: dict[str, Any], concurrency: list[int]) -> None:
     print("\nserver        c   plain tok/s  json tok/s  ratio | plain decode  json decode  ratio | tokens plain/json")
     for name, out in results.items():
@@ -145,10 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     env, preload = anchor.child_env()
     with tempfile.TemporaryDirectory() as tmp:
         results = asyncio.run(bench(args, env, Path(tmp)))
+    overhead = mask_overhead(args.model, args.concurrency, args.runs, args.max_tokens)
     print_table(results, args.concurrency)
+    print("\nthe grammar machinery alone (allow-anything grammar, same output):")
+    for key, row in overhead.items():
+        print(f"  {key:10} {row['none_tok_s']:7.1f} -> {row['grammar_tok_s']:7.1f} tok/s  {row['ratio']:.2f}x  "
+              f"same tokens: {row['same_tokens']}")
     write_result(args.out, {"model": args.model, "runs": args.runs, "max_tokens": args.max_tokens,
                             "schema": SCHEMA, "openblas": preload, "host": anchor.host_info(),
-                            "results": results})
+                            "results": results, "mask_overhead": overhead})
     return 0
 
 

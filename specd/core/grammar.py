@@ -151,23 +151,20 @@ def mask_logits(logits: mx.array, constraints: Seq[Constraint | None], proposals
 
     Row b's position ``columns[b][j]`` (default j) follows ``proposals[b][:j]``;
     its other positions (padding, other branches) are left alone."""
-    rows = [b for b, c in enumerate(constraints) if c is not None]
-    if not rows:
+    if not any(constraints):
         return logits
     B, L, V = logits.shape
     words = (V + 31) // 32
-    bits = np.full((len(rows), L, words), -1, dtype=np.int32)
-    for r, b in enumerate(rows):
+    bits = np.full((B, L, words), -1, dtype=np.int32)  # rows without a grammar allow everything
+    for b, constraint in enumerate(constraints):
+        if constraint is None:
+            continue
         proposal = list(proposals[b])
         filled = np.empty((len(proposal) + 1, words), dtype=np.int32)
-        constraints[b].masks(proposal, filled)
+        constraint.masks(proposal, filled)
         where = list(range(len(proposal) + 1)) if columns is None else list(columns[b])
-        bits[r, where] = filled
-    allowed = unpack_bitmask(mx.array(bits), V)
-    index = mx.array(rows)
-    x = logits.astype(mx.float32)
-    x[index] = mx.where(allowed, x[index], NEG_INF)
-    return x
+        bits[b, where] = filled
+    return mx.where(unpack_bitmask(mx.array(bits), V), logits, mx.array(NEG_INF, dtype=logits.dtype))
 
 
 def unpack_bitmask(bits: mx.array, vocab: int) -> mx.array:
