@@ -222,11 +222,14 @@ class Speculator:
             if proposal.tree is not None:
                 stack.enter_context(verifying(self.positions, batch.cache, proposal.tree))
             logits = batch.cache.forward(self.target, inputs, provisional=width > 0)
+        constraints = [s.constraint for s in seqs]
+        if any(constraints):  # the forward runs while the grammars fill their masks
+            mx.async_eval(logits)
         ancestry = None if proposal.tree is None else mx.array(proposal.tree.ancestry)
         logits = adjust_logits(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.tokens for s in seqs],
                                inputs, ancestry)
         columns = None if proposal.tree is None else [[0] + c for c in proposal.tree.columns]
-        logits = mask_logits(logits, [s.constraint for s in seqs], proposal.drafts, columns)
+        logits = mask_logits(logits, constraints, proposal.drafts, columns)
         if width == 0:
             emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
             self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
