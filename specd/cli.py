@@ -29,6 +29,15 @@ def _daemon(args: argparse.Namespace) -> int:
         if not token:
             print(f"specd: {args.admin_token_file} is empty", file=sys.stderr)
             return 2
+    args.api_keys = ()
+    if args.api_key_file is not None:
+        from .server.access import load_api_keys
+
+        try:
+            args.api_keys = load_api_keys(args.api_key_file)
+        except (OSError, ValueError) as err:
+            print(f"specd: cannot read API keys: {err}", file=sys.stderr)
+            return 2
     if args.pid_file is not None:
         _write_pid_file(args.pid_file)
     try:
@@ -65,7 +74,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     reconciler = Reconciler(store, ModelRegistry(Metrics()), drain_grace=args.drain_grace)
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
-    app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace)
+    app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
+                     cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
 
@@ -133,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bearer token for the admin API (without it, loopback clients only)")
     daemon.add_argument("--pid-file", type=Path, default=None,
                         help="write the daemon's pid here; removed when it exits cleanly")
+    daemon.add_argument("--api-key-file", type=Path, default=None,
+                        help="API keys the inference routes require (one per line, or a Secret with stringData)")
+    daemon.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let browsers on ORIGIN (or *) call the inference routes; repeatable")
+    daemon.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                        help="largest request body accepted (larger: 413)")
     daemon.set_defaults(func=_daemon)
 
     sub.add_parser("rank", help="one rank of a tensor-parallel group (started by the daemon)").set_defaults(

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .api.manifest import SERVER_ANNOTATIONS, SOURCE_ANNOTATION, ManifestError, parse_documents
+from .api.manifest import SERVER_ANNOTATIONS, SOURCE_ANNOTATION, ManifestError, parse_documents, read_manifest_file
 
 KIND_NAMES = {
     "Model": ("model", "models", "mo"),
@@ -70,7 +70,10 @@ def read_documents(sources: list[str]) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
     for source in sources:
         if source == "-":
-            files = [("-", sys.stdin.read(), None)]
+            try:
+                files = [("-", sys.stdin.buffer.read().decode("utf-8"), None)]
+            except UnicodeDecodeError as err:
+                raise CommandError(f"-: not UTF-8 text (byte {err.start})") from None
         else:
             path = Path(source)
             if path.is_dir():
@@ -79,7 +82,10 @@ def read_documents(sources: list[str]) -> list[dict[str, Any]]:
                 paths = [path]
             else:
                 raise CommandError(f"{source}: no such file or directory")
-            files = [(str(p), p.read_text(), str(p.resolve())) for p in paths]
+            try:
+                files = [(str(p), read_manifest_file(p), str(p.resolve())) for p in paths]
+            except ManifestError as err:
+                raise CommandError(str(err)) from None
         for name, text, origin in files:
             try:
                 resources = parse_documents(text, origin)

@@ -15,7 +15,9 @@ from typing import Any, Callable
 import yaml
 
 API_VERSION = "specd.dev/v1alpha1"
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.\-_]{0,251}[a-z0-9])?$")
+NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label, matched whole
+MAX_ALIASES = 64  # YAML aliases one manifest may use: enough for shared blocks, never a "billion laughs"
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
 
 class ManifestError(ValueError):
@@ -345,15 +347,16 @@ def parse_resource(doc: Any, origin: str | None = None) -> Resource:
             raise ManifestError(f'unsupported apiVersion "{doc["apiVersion"]}" (expected {API_VERSION})',
                                 "apiVersion")
         kind = doc["kind"]
-        if kind not in SPEC_PARSERS:
-            raise ManifestError(f'unknown kind "{kind}" (known: {", ".join(sorted(SPEC_PARSERS))})', "kind")
+        if not isinstance(kind, str) or kind not in SPEC_PARSERS:
+            shown = kind if isinstance(kind, str) else type(kind).__name__
+            raise ManifestError(f'unknown kind "{shown[:64]}" (known: {", ".join(sorted(SPEC_PARSERS))})', "kind")
         meta = _fields(doc["metadata"], "metadata", {"name", "labels", "annotations", *SERVER_METADATA},
                        {"name"})
         name = _check_type(meta["name"], str, "metadata.name")
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             raise ManifestError(
-                f'invalid name "{name}": lower-case letters, digits, ".", "-" and "_", '
-                "starting and ending with a letter or digit", "metadata.name")
+                f"invalid name {name[:80]!r}: a DNS-1123 label (at most 63 lower-case letters, digits "
+                "and '-', starting and ending with a letter or digit)", "metadata.name")
         raw_spec = _resolve_sources(kind, doc["spec"], origin)
         version = meta.get("resourceVersion")
         return Resource(
@@ -366,12 +369,53 @@ def parse_resource(doc: Any, origin: str | None = None) -> Resource:
         raise ManifestError(err.reason, err.path, origin) from None
 
 
-def parse_documents(text: str, origin: str | None = None) -> list[Resource]:
-    """Parse multi-document YAML; all documents are admitted or none."""
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing more than MAX_ALIASES aliases per stream:
+    aliases of aliases expand exponentially in whatever walks the result."""
+
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise ManifestError(f"more than {MAX_ALIASES} YAML aliases")
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str, origin: str | None = None) -> list[Any]:
+    """The documents of a YAML stream, bounded in size, aliases and nesting."""
+    if len(text) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"larger than {MAX_MANIFEST_BYTES} bytes", "", origin)
+    loader = _BoundedLoader(text)
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = []
+        while loader.check_data():
+            docs.append(loader.get_data())
+        return [d for d in docs if d is not None]
     except yaml.YAMLError as err:
         raise ManifestError(f"invalid YAML: {err}", "", origin) from None
+    except RecursionError:
+        raise ManifestError("invalid YAML: nested too deeply", "", origin) from None
+    except ManifestError as err:
+        raise ManifestError(err.reason, err.path, origin) from None
+    finally:
+        loader.dispose()
+
+
+def read_manifest_file(path: Path) -> str:
+    """A manifest file's text; ManifestError (naming the file) if it cannot be read as UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ManifestError(f"not UTF-8 text (byte {err.start})", "", str(path)) from None
+    except OSError as err:
+        raise ManifestError(f"cannot read: {err.strerror or err}", "", str(path)) from None
+
+
+def parse_documents(text: str, origin: str | None = None) -> list[Resource]:
+    """Parse multi-document YAML; all documents are admitted or none."""
+    docs = load_yaml(text, origin)
     resources = [parse_resource(d, origin) for d in docs]
     seen: set[tuple[str, str]] = set()
     for i, r in enumerate(resources):
@@ -387,7 +431,7 @@ def load_manifest_dir(directory: Path) -> list[Resource]:
     resources: list[Resource] = []
     seen: dict[tuple[str, str], str] = {}
     for f in files:
-        for r in parse_documents(f.read_text(), str(f)):
+        for r in parse_documents(read_manifest_file(f), str(f)):
             if (r.kind, r.name) in seen:
                 raise ManifestError(f'{r.kind} "{r.name}" is also declared in {seen[r.kind, r.name]}',
                                     "metadata.name", str(f))
@@ -402,5 +446,8 @@ def resolve_source(source: str, origin: str | None) -> str:
     if source.startswith(("./", "../")) and origin:
         return str((Path(origin).parent / source).resolve())
     if source.startswith("~"):
-        return str(Path(source).expanduser())
+        try:
+            return str(Path(source).expanduser())
+        except RuntimeError as err:  # ~user that does not exist
+            raise ManifestError(str(err), "spec.source") from None
     return source

@@ -16,7 +16,7 @@ from pathlib import Path
 import structlog
 from watchfiles import awatch
 
-from ..api.manifest import SOURCE_ANNOTATION, ManifestError, parse_documents
+from ..api.manifest import SOURCE_ANNOTATION, ManifestError, parse_documents, read_manifest_file
 from .store import Conflict, Store
 
 log = structlog.get_logger(__name__)
@@ -33,11 +33,20 @@ class ManifestDirectory:
         self.store = store
 
     def sync_file(self, path: Path) -> bool:
-        """Make the store hold exactly what ``path`` declares; False if the file is invalid."""
+        """Make the store hold exactly what ``path`` declares; False if the file is
+        invalid.  Never raises: one file's failure must not stop the others applying."""
+        try:
+            return self._sync_file(path)
+        except Exception as err:
+            log.exception("applying a manifest file failed", file=str(path))
+            self.store.record_event("File", str(path), "Warning", "Failed", f"applying it failed: {err}"[:500])
+            return False
+
+    def _sync_file(self, path: Path) -> bool:
         owner = str(path)
         try:
-            resources = parse_documents(path.read_text(), owner) if path.exists() else []
-        except (ManifestError, OSError, UnicodeDecodeError) as err:
+            resources = parse_documents(read_manifest_file(path), owner) if path.exists() else []
+        except ManifestError as err:
             log.error("invalid manifest file; keeping its last good objects", file=owner, error=str(err))
             self.store.record_event("File", owner, "Warning", "Invalid", str(err))
             return False

@@ -11,10 +11,12 @@ import hmac
 import ipaddress
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from ..api.manifest import API_VERSION, ManifestError, parse_resource
 from ..control.store import Conflict, NotFound, Store
+from .bodies import BodyError, json_body
 from .keys import ADMIN_TOKEN, STORE
 
 PREFIX = "/apis/specd.dev/v1alpha1"
@@ -22,6 +24,8 @@ KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "Sp
          "topologies": "Topology"}
 PLURALS = {v: k for k, v in KINDS.items()}
 routes = web.RouteTableDef()
+log = structlog.get_logger(__name__)
+REASONS = {400: "BadRequest", 413: "RequestEntityTooLarge", 415: "UnsupportedMediaType"}
 
 
 class StatusError(Exception):
@@ -45,8 +49,8 @@ async def admin_guard(request: web.Request, handler):
     token: str | None = request.app.get(ADMIN_TOKEN)
     try:
         if token is not None:
-            sent = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+            sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(sent, f"Bearer {token}".encode()):
                 raise StatusError(401, "Unauthorized", "a valid bearer token is required")
         elif not _loopback(request.remote):
             raise StatusError(403, "Forbidden", "the admin API accepts loopback clients only "
@@ -54,6 +58,9 @@ async def admin_guard(request: web.Request, handler):
         return await handler(request)
     except StatusError as err:
         return err.response()
+    except Exception:
+        log.exception("admin request failed", path=request.path)
+        return StatusError(500, "InternalError", "internal error").response()
 
 
 def _loopback(remote: str | None) -> bool:
@@ -83,9 +90,9 @@ def _dry_run(request: web.Request) -> bool:
 
 async def _json(request: web.Request) -> Any:
     try:
-        return await request.json()
-    except ValueError as err:
-        raise StatusError(400, "BadRequest", f"body is not valid JSON: {err}") from None
+        return await json_body(request)
+    except BodyError as err:
+        raise StatusError(err.status, REASONS.get(err.status, "BadRequest"), err.message) from None
 
 
 def _apply(request: web.Request, docs: list[Any]) -> list[dict[str, Any]]:

@@ -21,9 +21,13 @@ from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import ChatTurn, Delta, Tool, render_chat
 from .errors import APIError, bad_request
-from .openai import Completion, ParsedRequest, engine_named, integer_field, number_field, read_json
+from .openai import Completion, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
 
 routes = web.RouteTableDef()
+# what /v1/messages reads (``seed`` is specd's extension); anything else gets a 400 that names it
+FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+          "tools", "tool_choice", "thinking", "metadata", "service_tier", "seed"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
@@ -146,12 +150,15 @@ def _turn(engine, body: dict) -> ChatTurn:
     return ChatTurn(prompt, callable_tools, kind in ("any", "tool"), not choice.get("disable_parallel_tool_use"))
 
 
-def _checked(body: Any) -> dict:
-    """The body, if it is an object that names a model."""
+def _checked(body: Any, fields: set[str]) -> dict:
+    """The body, if it is an object that names a model and holds only ``fields``."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad_request("model: a model name is required", "model")
+    for key in body:
+        if key not in fields:
+            raise bad_request(f"{str(key)[:64]}: extra inputs are not permitted", str(key)[:64])
     return body
 
 
@@ -167,8 +174,9 @@ def _parse(body: dict) -> ParsedRequest:
     if not isinstance(stream, bool):
         raise bad_request("stream: must be a boolean", "stream")
     top_k = integer_field(body, "top_k", 0)
+    seed = integer_field(body, "seed", 0, 2**63 - 1)
     params = SamplingParams(temperature=number_field(body, "temperature", 0.0, 1.0, 1.0),
-                            top_p=number_field(body, "top_p", 0.0, 1.0, 1.0) or 1.0, top_k=top_k or 0)
+                            top_p=number_field(body, "top_p", 0.0, 1.0, 1.0) or 1.0, top_k=top_k or 0, seed=seed)
     return ParsedRequest(model, stream, False, max_tokens, tuple(stop), params, None)
 
 
@@ -204,11 +212,11 @@ def _tool_use(call) -> dict:
 
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
-    body = _checked(await read_json(request))
+    body = _checked(await read_json(request), FIELDS)
     parsed = _parse(body)
     engine = engine_named(request, parsed.model)
-    turn = _turn(engine, body)
-    completion = Completion(engine, parsed, turn.prompt, turn)
+    turn = await off_loop(lambda: _turn(engine, body))
+    completion = await off_loop(lambda: Completion(engine, parsed, turn.prompt, turn))
     message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": engine.name}
     if parsed.stream:
         return await _stream(request, completion, message, len(turn.prompt))
@@ -301,6 +309,7 @@ async def _stream(request: web.Request, completion: Completion, message: dict, p
 
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
-    body = _checked(await read_json(request))
+    body = _checked(await read_json(request), COUNT_FIELDS)
     engine = engine_named(request, body["model"])
-    return web.json_response({"input_tokens": len(_turn(engine, body).prompt)})
+    turn = await off_loop(lambda: _turn(engine, body))
+    return web.json_response({"input_tokens": len(turn.prompt)})

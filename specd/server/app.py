@@ -14,11 +14,13 @@ from ..control.reconciler import Reconciler
 from ..control.watcher import ManifestDirectory
 from ..dist.group import with_engine_metrics
 from . import admin, anthropic, openai
+from .access import api_access, cors_headers
 from .errors import APIError
-from .keys import ADMIN_TOKEN, REGISTRY, STARTED, STORE
+from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, REGISTRY, STARTED, STORE
 
 log = structlog.get_logger(__name__)
 routes = web.RouteTableDef()
+MAX_BODY_BYTES = 16 * 1024 * 1024  # --max-body-bytes; larger bodies get a 413
 
 
 @web.middleware
@@ -81,12 +83,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = None,
-               admin_token: str | None = None, drain_grace: float = 30.0) -> web.Application:
+               admin_token: str | None = None, drain_grace: float = 30.0, api_keys: tuple[bytes, ...] = (),
+               cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """App factory.  The reconciler starts after the server listens, so
     ``/healthz`` and ``/readyz`` answer while weights load."""
-    app = web.Application(middlewares=[request_context, admin.admin_guard], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[request_context, api_access, admin.admin_guard],
+                          client_max_size=max_body_bytes)
     app[REGISTRY] = reconciler.registry
     app[STORE] = reconciler.store
+    app[API_KEYS] = api_keys
+    app[CORS_ORIGINS] = cors_origins
+    app.on_response_prepare.append(cors_headers)
     if admin_token is not None:
         app[ADMIN_TOKEN] = admin_token
     app[STARTED] = asyncio.Event()

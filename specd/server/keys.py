@@ -12,4 +12,6 @@ from ..control.store import Store
 REGISTRY = web.AppKey("registry", ModelRegistry)
 STORE = web.AppKey("store", Store)
 ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configured
+API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open
+CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call the inference routes from
 STARTED = web.AppKey("started", asyncio.Event)

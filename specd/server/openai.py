@@ -7,7 +7,8 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from aiohttp import web
 
@@ -22,10 +23,16 @@ from ..core.request import Method, SpeculationConfig
 from ..core.grammar import GrammarError, check_grammar, grammar_tokenizer, json_schema_grammar
 from .chat import (ChatTurn, Delta, call_grammar, parse_tool_choice, parse_tools, render_chat, splitter,
                    template_kwargs, template_tool_calls)
+from .bodies import BodyError, json_body
 from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
 from .keys import REGISTRY
 
 routes = web.RouteTableDef()
+T = TypeVar("T")
+# Rendering templates and tokenizing run here, off the event loop (the tokenizers release the GIL), so
+# /healthz and /metrics answer whatever one request carries; one thread, as a fast tokenizer's
+# settings are not safe to change from two at once.
+_PREPARE = ThreadPoolExecutor(1, thread_name_prefix="specd-prepare")
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_CHOICES = 16  # n
@@ -41,6 +48,14 @@ UNSUPPORTED = {
     "suffix": lambda v: v in (None, ""),
     "best_of": lambda v: v in (None, 1),
 }
+# Every other field each route reads; anything else gets a 400 that names it.  ``user``, ``metadata``,
+# ``store`` and ``service_tier`` change nothing that is generated and are accepted as such.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options",
+                 "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+                 "seed", "user", "response_format", "speculation", "metadata", "store", "service_tier"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,12 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
     for key, no_op in UNSUPPORTED.items():
         if key in body and not no_op(body[key]):
             raise bad_request(f"'{key}' is not supported yet", key)
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for key in body:
+        if key not in known and key not in UNSUPPORTED:
+            raise bad_request(f"unrecognized request argument supplied: {str(key)[:64]}", str(key)[:64])
+    if not isinstance(body.get("user", ""), str):
+        raise bad_request("'user' must be a string", "user")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
@@ -286,6 +307,11 @@ def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
     raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
 
 
+async def off_loop(fn: Callable[[], T]) -> T:
+    """``fn()`` on the preparing thread (its exceptions raised here)."""
+    return await asyncio.get_running_loop().run_in_executor(_PREPARE, fn)
+
+
 def engine_named(request: web.Request, name: str) -> ServingEngine:
     registry = request.app[REGISTRY]
     try:
@@ -298,9 +324,9 @@ def engine_named(request: web.Request, name: str) -> ServingEngine:
 
 async def read_json(request: web.Request) -> Any:
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise bad_request(f"request body is not valid JSON: {err}") from None
+        return await json_body(request)
+    except BodyError as err:
+        raise APIError(err.status, err.message, "invalid_request_error") from None
 
 
 def _token_text(engine: ServingEngine, token: int) -> tuple[str, list[int]]:
@@ -399,7 +425,7 @@ class Completion:
             text, _ = _token_text(self.engine, lp.token)
             tokens.append(text)
             values.append(lp.logprob)
-            tops.append({_token_text(self.engine, t)[0]: v for t, v in lp.top} if lp.top else None)
+            tops.append({_token_text(self.engine, t)[0]: v for t, v in lp.top})
             offsets.append(self.text_offset[index])
             self.text_offset[index] += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -526,11 +552,13 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_common(body, chat)
     engine = engine_named(request, parsed.model)
-    if chat:
-        turn = chat_turn(engine, body)
-        completion = Completion(engine, parsed, turn.prompt, turn)
-    else:
-        completion = Completion(engine, parsed, completion_prompt(engine, body), None)
+
+    def prepare() -> Completion:
+        if chat:
+            turn = chat_turn(engine, body)
+            return Completion(engine, parsed, turn.prompt, turn)
+        return Completion(engine, parsed, completion_prompt(engine, body), None)
+    completion = await off_loop(prepare)
     if parsed.stream:
         return await completion.stream(request)
     return web.json_response(await completion.respond())
