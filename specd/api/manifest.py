@@ -387,20 +387,21 @@ def load_yaml(text: str, origin: str | None = None) -> list[Any]:
     """The documents of a YAML stream, bounded in size, aliases and nesting."""
     if len(text) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"larger than {MAX_MANIFEST_BYTES} bytes", "", origin)
-    loader = _BoundedLoader(text)
     try:
-        docs = []
-        while loader.check_data():
-            docs.append(loader.get_data())
-        return [d for d in docs if d is not None]
+        loader = _BoundedLoader(text)  # reads (and may refuse) the characters at once
+        try:
+            docs = []
+            while loader.check_data():
+                docs.append(loader.get_data())
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         raise ManifestError(f"invalid YAML: {err}", "", origin) from None
     except RecursionError:
         raise ManifestError("invalid YAML: nested too deeply", "", origin) from None
     except ManifestError as err:
         raise ManifestError(err.reason, err.path, origin) from None
-    finally:
-        loader.dispose()
+    return [d for d in docs if d is not None]
 
 
 def read_manifest_file(path: Path) -> str:

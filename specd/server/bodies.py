@@ -32,8 +32,8 @@ async def json_body(request: web.Request) -> Any:
         raise BodyError(415, f"unsupported charset {charset[:40]!r}: JSON bodies must be UTF-8")
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as err:
-        raise BodyError(413, f"request body is larger than {err.max_size} bytes") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyError(413, f"request body is larger than {request.client_max_size} bytes") from None
     return parse_json(raw)
 
 
