@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -21,7 +20,8 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import ROOT, model_manifest, start_daemon
+from conftest import model_manifest, start_daemon
+from test_control_plane import specd, wait_for
 
 ADMIN = "/apis/specd.dev/v1alpha1"
 FUZZ = settings(max_examples=250, deadline=None, derandomize=True, database=None,
@@ -175,9 +175,8 @@ def test_admin_bodies_and_tokens_that_are_not_clean_text(daemon, tmp_path):
         guarded.stop()
 
 
-def run_apply(daemon, path: Path, *extra: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specd.cli", "apply", "-f", str(path), *extra,
-                           "--server", daemon.url], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+def run_apply(daemon, path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return specd(daemon, "apply", "-f", str(path), *extra, check=False)
 
 
 ALIAS_BOMB = """apiVersion: specd.dev/v1alpha1
@@ -224,10 +223,7 @@ def test_a_bad_file_in_the_watched_directory_never_stops_the_others(forged, tmp_
         (manifests / "later.yaml").write_text(
             "apiVersion: specd.dev/v1alpha1\nkind: SpecPolicy\nmetadata: {name: later}\n"
             "spec: {selector: {matchLabels: {app: none}}, maxSpeculativeTokens: 2}\n")
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and d.get(ADMIN + "/specpolicies/later")[0] != 200:
-            time.sleep(0.1)
-        assert d.get(ADMIN + "/specpolicies/later")[0] == 200
+        wait_for(lambda: d.get(ADMIN + "/specpolicies/later")[0] == 200, 20, "the later file applied")
         assert d.get("/readyz")[0] == 200
         events = json.loads(d.get(f"{ADMIN}/models/x/events")[1])  # nothing was stored for the bad ones
         assert events == {"items": []} and d.get(ADMIN + "/models/x")[0] == 404
@@ -416,10 +412,8 @@ def test_the_watched_directory_applies_after_the_fuzzing(watched):
     (directory / "fuzz.yaml").unlink(missing_ok=True)
     (directory / "after.yaml").write_text("apiVersion: specd.dev/v1alpha1\nkind: SpecPolicy\nmetadata: {name: after}\n"
                                           "spec: {selector: {matchLabels: {app: none}}, maxSpeculativeTokens: 2}\n")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and d.get(ADMIN + "/specpolicies/after")[0] != 200:
-        time.sleep(0.1)
-    assert d.get(ADMIN + "/specpolicies/after")[0] == 200 and d.get(ADMIN + "/models/tiny")[0] == 200
+    wait_for(lambda: d.get(ADMIN + "/specpolicies/after")[0] == 200, 20, "the file after the fuzzing applied")
+    assert d.get(ADMIN + "/models/tiny")[0] == 200
     assert "unhandled error" not in d.log() and "applying a manifest file failed" not in d.log()
 
 

@@ -102,7 +102,7 @@ class PrefixTree:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common(child.key, tokens[pos:limit])
+            n = common_prefix(child.key, tokens[pos:limit])
             path.append((child, n))
             pos += n
             if n < len(child.key):
@@ -187,7 +187,7 @@ class PrefixTree:
                 self.store.account(child)
                 node, pos = child, end
                 break
-            n = _common(child.key, tokens[pos:end])
+            n = common_prefix(child.key, tokens[pos:end])
             if n < len(child.key):
                 child = self._split(child, n)
             node, pos = child, pos + n
@@ -251,10 +251,10 @@ def _own_snapshot(snapshot: Snapshot | None) -> Snapshot | None:
     return out
 
 
-def _common(a: np.ndarray, b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int]) -> int:
     """Length of the common prefix of ``a`` and ``b``."""
     n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != np.asarray(b[:n], dtype=np.int64))
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
     return int(diff[0]) if len(diff) else n
 
 
@@ -408,7 +408,7 @@ class RowPrefixes:
             if m - s > max(self.SLACK, len(c) - m):
                 return False
         new, m_new = contexts[-1], matches[-1]
-        return all(_common(np.asarray(c, dtype=np.int64), new) - max(m, m_new) < self.SLACK
+        return all(common_prefix(np.asarray(c, dtype=np.int64), new) - max(m, m_new) < self.SLACK
                    for c, m in zip(contexts[:-1], matches[:-1]))
 
     def start(self, key: object, tokens: Sequence[int], length: int) -> RowPrefix | None:

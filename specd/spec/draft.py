@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.cache import make_row_cache
-from ..core.prefix import RowPrefixes
+from ..core.prefix import RowPrefixes, common_prefix
 from ..core.grammar import Constraint, mask_logits
 from ..core.sampling import SamplingParams, adjust_logits, sample_rows
 from ..core.sequence import Sequence
@@ -157,7 +157,7 @@ class DraftModelProposer:
             row, i = self.rows.state[seq], row_of[seq]
             if row.drafting:
                 # the cache keeps the drafted tokens the row accepted (a grammar's forced tokens may follow them)
-                kept = _common_prefix(row.drafted[: k - 1], outcome.emitted[i][:-1])
+                kept = common_prefix(row.drafted[: k - 1], outcome.emitted[i][:-1])
                 rejected.append(k - 1 - kept)
                 row.pending = outcome.emitted[i][kept:]
                 row.drafting = False
@@ -171,12 +171,6 @@ class DraftModelProposer:
         if len(self.rows):
             self.rows.cache.settle()
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 class GrammarWalk:
