@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from ..api.manifest import SPEC_PARSERS, DraftPairingSpec, ModelSpec, TopologySpec
+from ..engine.engine import return_freed_memory
 from ..engine.interface import ServingEngine
 from ..core.request import Method, NO_SPECULATION
 from .registry import (
@@ -221,6 +222,8 @@ class Reconciler:
     async def _drain(self, name: str, engine: ServingEngine) -> None:
         await engine.shutdown(self.drain_grace)
         log.info("engine drained", model=name)
+        del engine  # the last reference: the weights and caches are freed here, then handed back
+        await asyncio.to_thread(return_freed_memory)
 
     def _remove(self, name: str) -> None:
         """The Model was deleted: stop routing to it, let in-flight requests finish."""

@@ -299,12 +299,21 @@ class PrefixStore:
         return tree
 
     def drop(self, name: str) -> None:
-        """Forget a tree (its model was detached)."""
+        """Forget a tree (its model was detached).  Unlinking every node from
+        its children breaks the parent/child cycles, so the tree's arrays are
+        freed now rather than at the next full garbage collection."""
         tree = self.trees.pop(name, None)
         if tree is not None:
             nodes = tree.nodes()
             self.bytes -= sum(node.nbytes for node in nodes)
             self.nodes -= len(nodes)
+            for node in [tree.root, *nodes]:
+                node.children = {}
+
+    def clear(self) -> None:
+        """Forget every tree (the engine stopped)."""
+        for name in list(self.trees):
+            self.drop(name)
 
     def tick(self) -> int:
         return next(self._clock)
