@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..control.reconciler import Reconciler
 from ..control.watcher import ManifestDirectory
 from ..dist.group import with_engine_metrics
+from ..engine.engine import return_freed_memory
 from . import admin, anthropic, openai
 from .access import api_access, cors_headers
 from .errors import APIError
@@ -21,6 +22,7 @@ from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, REGISTRY, STARTED, STORE
 log = structlog.get_logger(__name__)
 routes = web.RouteTableDef()
 MAX_BODY_BYTES = 16 * 1024 * 1024  # --max-body-bytes; larger bodies get a 413
+HEAP_TRIM_SECONDS = 30.0
 
 
 @web.middleware
@@ -82,6 +84,15 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def return_freed_memory_every(seconds: float) -> None:
+    """Under steady load glibc's heap keeps what MLX and the engines free
+    (fragments of it no later allocation fits), and the daemon's RSS creeps
+    up; handing it back now and then keeps RSS at what is actually in use."""
+    while True:
+        await asyncio.sleep(seconds)
+        await asyncio.to_thread(return_freed_memory)
+
+
 def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = None,
                admin_token: str | None = None, drain_grace: float = 30.0, api_keys: tuple[bytes, ...] = (),
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
@@ -104,7 +115,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(reconciler.run())]
+        tasks = [asyncio.create_task(reconciler.run()), asyncio.create_task(return_freed_memory_every(HEAP_TRIM_SECONDS))]
         if manifests is not None:
             tasks.append(asyncio.create_task(manifests.watch(stop)))
         app[STARTED].set()
