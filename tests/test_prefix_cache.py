@@ -182,7 +182,8 @@ def play(model, tokenizer, budget, spec=None, drafter=None, params=GREEDY, conve
         watcher.cancel()
         store = engine.scheduler.prefix_store
         drafter = store.trees.get("drafter")
-        return turns, mixed, {**store.status(), "drafterBytes": sum(n.nbytes for n in drafter.nodes()) if drafter else 0}
+        drafter_bytes = sum(n.nbytes for n in drafter.nodes()) if drafter else 0
+        return turns, mixed, {**store.status(), "drafterBytes": drafter_bytes}
     settings = {"max_batch_size": 4, "prefill_step_tokens": 16, **config}
     return run_engine(model, tokenizer, go, drafter, prefix_cache_bytes=budget, **settings)
 

@@ -115,7 +115,8 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(reconciler.run()), asyncio.create_task(return_freed_memory_every(HEAP_TRIM_SECONDS))]
+        tasks = [asyncio.create_task(reconciler.run()),
+                 asyncio.create_task(return_freed_memory_every(HEAP_TRIM_SECONDS))]
         if manifests is not None:
             tasks.append(asyncio.create_task(manifests.watch(stop)))
         app[STARTED].set()
