@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 import serve_vs_mlx_lm as anchor
 from spec_decode import write_result
@@ -167,20 +168,25 @@ class Soak:
             ready_s = time.monotonic() - started
             async with session.get(self.base + "/metrics") as r:
                 metrics = await r.text()
+            values = first_samples(metrics)
             self.samples.append({"t_s": round(time.monotonic() - self.started, 1), "rss_bytes": rss(self.pid),
-                                 "mlx_active_bytes": series(metrics, "specd_mlx_active_memory_bytes"),
-                                 "mlx_cache_bytes": series(metrics, "specd_mlx_cache_memory_bytes"),
-                                 "prefix_cache_bytes": series(metrics, "specd_prefix_cache_bytes"),
+                                 "mlx_active_bytes": values.get("specd_mlx_active_memory_bytes", float("nan")),
+                                 "mlx_cache_bytes": values.get("specd_mlx_cache_memory_bytes", float("nan")),
+                                 "prefix_cache_bytes": values.get("specd_prefix_cache_bytes", float("nan")),
                                  "readyz_s": ready_s})
             if time.monotonic() >= self.deadline:
                 return
             await asyncio.sleep(10)
 
 
-def series(metrics: str, name: str) -> float:
-    """The first sample of ``name`` in a Prometheus text page (the model's, for labelled series)."""
-    return next((float(line.split()[-1]) for line in metrics.splitlines()
-                 if line.startswith(name + " ") or line.startswith(name + "{")), float("nan"))
+def first_samples(metrics: str) -> dict[str, float]:
+    """Each series' first sample in a Prometheus text page (the model's, for
+    labelled series), read with Prometheus' own parser."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            values.setdefault(sample.name, sample.value)
+    return values
 
 
 def rss(pid: int) -> float:
@@ -191,8 +197,8 @@ def rss(pid: int) -> float:
 
 
 def peak(samples: list[dict[str, float]], start_s: float, end_s: float) -> float:
-    """The highest RSS sampled in [start_s, end_s)."""
-    return max(s["rss_bytes"] for s in samples if start_s <= s["t_s"] < end_s)
+    """The highest RSS sampled in [start_s, end_s) (NaN: none, in a run too short)."""
+    return max((s["rss_bytes"] for s in samples if start_s <= s["t_s"] < end_s), default=float("nan"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -238,7 +244,8 @@ def summarize(soak: Soak, ready_status: int, final_ready_s: float, log: str) -> 
         "rss_growth_from_minute_2": last["rss_bytes"] / first["rss_bytes"] - 1,
         "rss_peak_growth": peak(soak.samples, late_from, float("inf")) / peak(soak.samples, 120, 420) - 1,
         "rss_trend_bytes_per_minute": statistics.linear_regression(
-            [s["t_s"] / 60 for s in after_warmup], [s["rss_bytes"] for s in after_warmup]).slope,
+            [s["t_s"] / 60 for s in after_warmup], [s["rss_bytes"] for s in after_warmup]).slope
+        if len(after_warmup) >= 2 else float("nan"),
         "mlx_active_growth_from_minute_2": last["mlx_active_bytes"] / first["mlx_active_bytes"] - 1
         if first["mlx_active_bytes"] else None,
         "unexpected_errors": len(soak.unexpected), "unexpected_examples": soak.unexpected[:20],
