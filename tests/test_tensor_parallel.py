@@ -24,12 +24,12 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from conftest import model_manifest, start_daemon
+from conftest import model_manifest, run_engine, start_daemon
 
 from specd.api.manifest import SPEC_PARSERS
 from specd.dist import wire
 from specd.dist.group import GroupClient
-from specd.dist.topology import mlx_environment
+from specd.dist.topology import group_ports, mlx_environment
 from specd.core.request import NO_SPECULATION
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
@@ -184,6 +184,90 @@ def test_structured_output_on_a_group_matches_a_single_process(tp):
             for model in ("tp", "single")]
         assert replies[0].choices[0].text == replies[1].choices[0].text, method
         assert set(json.loads(replies[0].choices[0].text)) == {"name", "size"}
+
+
+SKEWED_RANK = """
+import json, os, sys, threading
+from types import SimpleNamespace
+from specd.core.grammar import json_schema_grammar
+from specd.core.request import GenerationRequest
+from specd.core.sampling import SamplingParams
+from specd.dist.rank import GroupRank, _join_group, load_shard
+from specd.engine.engine import Engine
+from specd.engine.scheduler import EngineConfig
+
+args = json.loads(sys.argv[1])
+group = _join_group(SimpleNamespace(env=args["env"], backend="ring"))
+rank = group.rank()
+model, tokenizer = load_shard(args["target"], None, group)
+engine = Engine("g", model, tokenizer, EngineConfig(max_batch_size=2))
+costs = engine.scheduler.speculator.costs
+for width in range(2, 64):  # rank 0 measured wide verify steps as free, rank 1 as dear
+    costs.observe_target(1, width, 1e-3 if rank == 0 else 1.0)
+costs.observe_target(1, 1, 1e-3)
+stepper = GroupRank(engine, group)
+if rank == 0:
+    tokens, done = [], threading.Event()
+    def emit(out):
+        tokens.extend(out.tokens)
+        if out.finish_reason:
+            done.set()
+    request = GenerationRequest("r", tokenizer.encode(args["prompt"]), SamplingParams(temperature=0),
+                                48, grammar=json_schema_grammar(args["schema"]))
+    engine.submit(request, emit)
+    stepping = threading.Thread(target=stepper.run_steps)
+    stepping.start()
+    done.wait(60)
+    engine.stop()
+    stepping.join(30)
+    forced = engine.metrics.grammar_forced_tokens.labels("g")._value.get()
+    print(json.dumps({"tokens": tokens, "forced": forced}), flush=True)
+else:
+    stepper.run_steps()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_ranks_jump_forward_alike_whatever_their_own_timings(forged):
+    """How many forced tokens a step verifies is chosen from timed costs, which
+    differ between ranks: rank 0's choice is broadcast, so ranks whose cost
+    models disagree (rank 1 finds wide steps dear) still run the same forward."""
+    import mlx_lm
+
+    from specd.core.grammar import json_schema_grammar
+    from specd.core.request import GenerationRequest
+    from specd.core.sampling import SamplingParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "size": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["name", "size"], "additionalProperties": False}
+    topo = SPEC_PARSERS["Topology"]({"backend": "ring", "hosts": [
+        {"name": f"rank{r}", "address": "127.0.0.1"} for r in range(2)]})
+    env = mlx_environment(topo, group_ports(topo))
+    args = json.dumps({"env": env, "target": str(forged / "target"), "prompt": PROMPTS[0], "schema": schema})
+    ranks = [subprocess.Popen([sys.executable, "-c", SKEWED_RANK, args], stdout=subprocess.PIPE,
+                              env={**os.environ, "MLX_RANK": str(r), "MLX_WORLD_SIZE": "2"},
+                              start_new_session=True) for r in range(2)]
+    try:
+        outs = [proc.communicate(timeout=120)[0] for proc in ranks]
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert [proc.returncode for proc in ranks] == [0, 0]
+    group = json.loads(outs[0])
+
+    model, tokenizer = mlx_lm.load(str(forged / "target"))
+
+    async def alone(engine):
+        request = GenerationRequest("r", tokenizer.encode(PROMPTS[0]), SamplingParams(temperature=0),
+                                    48, grammar=json_schema_grammar(schema))
+        return [t for out in [o async for o in engine.generate(request)] for t in out.tokens]
+
+    assert group["forced"] > 0
+    assert group["tokens"] == run_engine(model, tokenizer, alone)
 
 
 def test_goodput_policy_reaches_the_ranks_and_keeps_them_in_step(tp):

@@ -7,8 +7,8 @@ changed (arrivals with their RNG keys, cancellations, policy swaps, stop)
 through ``mx.distributed``, so every rank steps the same batch.  Everything
 after that is deterministic given the all-reduced logits — n-gram proposals,
 the replicated draft, sampling and rejection sampling from each request's own
-key — except the controller's choice of k, whose costs are timed: rank 0's
-choice is broadcast too.  A digest of every rank's batch rides along in each
+key — except the controller's choice of k and how many forced tokens a
+step verifies, both made from timed costs: rank 0's choices are broadcast too.  A digest of every rank's batch rides along in each
 step's header, so ranks that drift apart stop the group instead of serving
 wrong tokens.
 """
@@ -73,7 +73,7 @@ class GroupRank:
         self.group = group
         self.rank = group.rank()
         self.steps = 0
-        self.bytes_sent = 0  # control traffic (headers, payloads, agreed k)
+        self.bytes_sent = 0  # control traffic (headers, payloads, agreed choices)
         self.scheduler.speculator.agree = self._agree
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
@@ -145,8 +145,9 @@ class GroupRank:
         self.bytes_sent += length
         return bytes(np.array(out))
 
-    def _agree(self, ks: list[int]) -> list[int]:
-        mine = np.array(ks if self.rank == 0 else [0] * len(ks), np.int32)
+    def _agree(self, choices: list[int]) -> list[int]:
+        """Rank 0's choices, on every rank."""
+        mine = np.array(choices if self.rank == 0 else [0] * len(choices), np.int32)
         self.bytes_sent += mine.nbytes
         return mx.distributed.all_sum(mx.array(mine), group=self.group).tolist()
 

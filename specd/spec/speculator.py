@@ -108,7 +108,8 @@ class Speculator:
         self.drafted_total = 0
         self.accepted_total = 0
         # Under tensor parallelism every rank must speculate alike: the group
-        # replaces each rank's choice of k with rank 0's (time-driven costs differ).
+        # replaces each rank's choices made from timed costs (k, the width of
+        # forced tokens) with rank 0's, since each rank times its own steps.
         self.agree: Callable[[list[int]], list[int]] | None = None
 
     # -- configuration, from the control plane (between steps) ---------------
@@ -309,6 +310,8 @@ class Speculator:
                 drafts[i], forced[i] = seq.constraint.extend(drafts[i], room, i in offered.q)
                 cut[i] = proposed - (len(drafts[i]) - forced[i])
         width = self._forced_width(drafts, forced)
+        if self.agree is not None:
+            width = self.agree([width])[0]
         for i, chain in enumerate(drafts):
             if len(chain) > width:
                 forced[i] -= len(chain) - width
