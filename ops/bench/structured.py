@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 import multiturn
 import spec_decode
@@ -115,8 +116,8 @@ async def bench_server(spec: anchor.ServerSpec, port: int, env: dict, workdir: P
                 out[f"c{c}_ratio"] = {key: constrained[key] / plain[key] for key in ("tok_s", "decode_tok_s")}
             metrics = await (await session.get(base + "/metrics")).text()
             out["forced_tokens_total"] = sum(
-                float(line.split()[-1]) for line in metrics.splitlines()
-                if line.startswith("specd_grammar_forced_tokens_total"))
+                sample.value for family in text_string_to_metric_families(metrics) for sample in family.samples
+                if sample.name == "specd_grammar_forced_tokens_total")
     return out
 
 
