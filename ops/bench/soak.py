@@ -22,9 +22,9 @@ The Model's prefix cache gets a small budget (``--prefix-cache-bytes``,
 than a soak runs, which is the cache doing its job, not a leak.
 
 Reports: RSS growth from minute 2 to the end (goal: under 5%; one end sample
-can fall just after a restart handed memory back, so also the peak RSS of
-the last five minutes against minutes 2 to 7, and the fitted trend per minute
-from minute 2), unexpected errors (goal: 0), ``/readyz`` latency at the end
+can fall just after a restart or a heap trim handed memory back, so also the
+peak and the median RSS of the last five minutes against minutes 2 to 7, and
+the fitted trend per minute from minute 2), unexpected errors (goal: 0), ``/readyz`` latency at the end
 (goal: under 100 ms), and the p50/p99 latency of whole chat requests per
 minute (drift: the last five minutes against minutes 2 to 6).
 
@@ -45,7 +45,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -196,9 +196,13 @@ def rss(pid: int) -> float:
     return float("nan")
 
 
-def peak(samples: list[dict[str, float]], start_s: float, end_s: float) -> float:
-    """The highest RSS sampled in [start_s, end_s) (NaN: none, in a run too short)."""
-    return max((s["rss_bytes"] for s in samples if start_s <= s["t_s"] < end_s), default=float("nan"))
+def rss_growth(samples: list[dict[str, float]], statistic: Callable[[list[float]], float]) -> float:
+    """``statistic`` of the RSS sampled in the last five minutes against minutes
+    2 to 7 (NaN in a run too short to have both)."""
+    late_from = samples[-1]["t_s"] - 300
+    late = [s["rss_bytes"] for s in samples if s["t_s"] >= late_from]
+    early = [s["rss_bytes"] for s in samples if 120 <= s["t_s"] < 420]
+    return statistic(late) / statistic(early) - 1 if late and early else float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -235,14 +239,14 @@ def summarize(soak: Soak, ready_status: int, final_ready_s: float, log: str) -> 
     after_warmup = [s for s in soak.samples if s["t_s"] >= 120]
     first, last = after_warmup[0] if after_warmup else soak.samples[0], soak.samples[-1]
     minutes = sorted(soak.latency)
-    late_from = soak.samples[-1]["t_s"] - 300
     per_minute = {m: {"p50_s": percentile(soak.latency[m], 0.5), "p99_s": percentile(soak.latency[m], 0.99),
                       "n": len(soak.latency[m])} for m in minutes}
     early = [x for m in minutes if 2 <= m < 7 for x in soak.latency[m]]
     late = [x for m in minutes[-5:] for x in soak.latency[m]]
     return {
         "rss_growth_from_minute_2": last["rss_bytes"] / first["rss_bytes"] - 1,
-        "rss_peak_growth": peak(soak.samples, late_from, float("inf")) / peak(soak.samples, 120, 420) - 1,
+        "rss_peak_growth": rss_growth(soak.samples, max),
+        "rss_median_growth": rss_growth(soak.samples, statistics.median),
         "rss_trend_bytes_per_minute": statistics.linear_regression(
             [s["t_s"] / 60 for s in after_warmup], [s["rss_bytes"] for s in after_warmup]).slope
         if len(after_warmup) >= 2 else float("nan"),
