@@ -24,9 +24,10 @@ than a soak runs, which is the cache doing its job, not a leak.
 Reports: RSS growth from minute 2 to the end (goal: under 5%; one end sample
 can fall just after a restart or a heap trim handed memory back, so also the
 peak and the median RSS of the last five minutes against minutes 2 to 7, and
-the fitted trend per minute from minute 2), unexpected errors (goal: 0), ``/readyz`` latency at the end
-(goal: under 100 ms), and the p50/p99 latency of whole chat requests per
-minute (drift: the last five minutes against minutes 2 to 6).
+the fitted trend per minute from minute 2), unexpected errors (goal: 0),
+``/readyz`` latency at the end (goal: under 100 ms), and the p50/p99 latency
+of whole chat requests per minute (drift: the last five minutes against
+minutes 2 to 6).
 
 Usage (from the repository root)::
 

@@ -1,16 +1,16 @@
 """A rank of a tensor-parallel group: ``specd rank`` (started by the daemon).
 
-Every rank holds a shard of the target (``mlx_lm``'s ``model.shard``), a
-full copy of the draft model if there is one, and the same ``Engine``.  Rank
-0 takes requests from the daemon; before every step it broadcasts what
-changed (arrivals with their RNG keys, cancellations, policy swaps, stop)
-through ``mx.distributed``, so every rank steps the same batch.  Everything
-after that is deterministic given the all-reduced logits — n-gram proposals,
-the replicated draft, sampling and rejection sampling from each request's own
-key — except the controller's choice of k and how many forced tokens a
-step verifies, both made from timed costs: rank 0's choices are broadcast too.  A digest of every rank's batch rides along in each
-step's header, so ranks that drift apart stop the group instead of serving
-wrong tokens.
+Every rank holds a shard of the target (``mlx_lm``'s ``model.shard``), a full
+copy of the draft model if there is one, and the same ``Engine``.  Rank 0
+takes requests from the daemon; before every step it broadcasts what changed
+(arrivals with their RNG keys, cancellations, policy swaps, stop) through
+``mx.distributed``, so every rank steps the same batch.  Everything after that
+is deterministic given the all-reduced logits — n-gram proposals, the
+replicated draft, sampling and rejection sampling from each request's own key
+— except the controller's choice of k and how many forced tokens a step
+verifies, both made from timed costs: rank 0's choices are broadcast too.  A
+digest of every rank's batch rides along in each step's header, so ranks that
+drift apart stop the group instead of serving wrong tokens.
 """
 
 from __future__ import annotations
