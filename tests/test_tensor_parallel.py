@@ -22,19 +22,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx_lm
 import openai
 import pytest
 from conftest import model_manifest, run_engine, start_daemon
 
 from specd.api.manifest import SPEC_PARSERS
+from specd.core.grammar import json_schema_grammar
+from specd.core.request import NO_SPECULATION, GenerationRequest
+from specd.core.sampling import SamplingParams
 from specd.dist import wire
 from specd.dist.group import GroupClient
 from specd.dist.topology import group_ports, mlx_environment
-from specd.core.request import NO_SPECULATION
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n", "x = [1, 2, 3]\n", "def main():\n    args = parse()\n"]
 METHODS = ["none", "ngram", "draft"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "size"], "additionalProperties": False}
 
 
 def topology(name: str = "loopback", **extra) -> str:
@@ -173,14 +179,11 @@ def test_structured_output_on_a_group_matches_a_single_process(tp):
     """Every rank builds the request's grammar and masks alike: the group's
     json_schema output is the single engine's, speculating or not."""
     client = client_for(tp)
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "size": {"type": "integer", "minimum": 0, "maximum": 999}},
-              "required": ["name", "size"], "additionalProperties": False}
     for method in METHODS:
         replies = [client.completions.create(
             model=model, prompt=PROMPTS[0], max_tokens=48, temperature=0,
             extra_body={"speculation": {"method": method},
-                        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}})
+                        "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}})
             for model in ("tp", "single")]
         assert replies[0].choices[0].text == replies[1].choices[0].text, method
         assert set(json.loads(replies[0].choices[0].text)) == {"name", "size"}
@@ -233,19 +236,10 @@ def test_ranks_jump_forward_alike_whatever_their_own_timings(forged):
     """How many forced tokens a step verifies is chosen from timed costs, which
     differ between ranks: rank 0's choice is broadcast, so ranks whose cost
     models disagree (rank 1 finds wide steps dear) still run the same forward."""
-    import mlx_lm
-
-    from specd.core.grammar import json_schema_grammar
-    from specd.core.request import GenerationRequest
-    from specd.core.sampling import SamplingParams
-
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "size": {"type": "integer", "minimum": 0, "maximum": 999}},
-              "required": ["name", "size"], "additionalProperties": False}
     topo = SPEC_PARSERS["Topology"]({"backend": "ring", "hosts": [
         {"name": f"rank{r}", "address": "127.0.0.1"} for r in range(2)]})
     env = mlx_environment(topo, group_ports(topo))
-    args = json.dumps({"env": env, "target": str(forged / "target"), "prompt": PROMPTS[0], "schema": schema})
+    args = json.dumps({"env": env, "target": str(forged / "target"), "prompt": PROMPTS[0], "schema": SCHEMA})
     ranks = [subprocess.Popen([sys.executable, "-c", SKEWED_RANK, args], stdout=subprocess.PIPE,
                               env={**os.environ, "MLX_RANK": str(r), "MLX_WORLD_SIZE": "2"},
                               start_new_session=True) for r in range(2)]
@@ -263,7 +257,7 @@ def test_ranks_jump_forward_alike_whatever_their_own_timings(forged):
 
     async def alone(engine):
         request = GenerationRequest("r", tokenizer.encode(PROMPTS[0]), SamplingParams(temperature=0),
-                                    48, grammar=json_schema_grammar(schema))
+                                    48, grammar=json_schema_grammar(SCHEMA))
         return [t for out in [o async for o in engine.generate(request)] for t in out.tokens]
 
     assert group["forced"] > 0

@@ -309,6 +309,8 @@ class Speculator:
                 proposed = len(drafts[i])
                 drafts[i], forced[i] = seq.constraint.extend(drafts[i], room, i in offered.q)
                 cut[i] = proposed - (len(drafts[i]) - forced[i])
+        if not any(forced):  # no forced column to weigh: every chain stays as proposed
+            return forced, cut
         width = self._forced_width(drafts, forced)
         if self.agree is not None:
             width = self.agree([width])[0]
