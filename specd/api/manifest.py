@@ -14,9 +14,12 @@ from typing import Any, Callable
 
 import yaml
 
+from .text import LONE_SURROGATE, lone_surrogate_path, shown
+
 API_VERSION = "specd.dev/v1alpha1"
 NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label, matched whole
 MAX_ALIASES = 64  # YAML aliases one manifest may use: enough for shared blocks, never a "billion laughs"
+MAX_EXPANDED_NODES = 100_000  # nodes one document may stand for, aliases expanded (a real one has hundreds)
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
 
@@ -80,7 +83,8 @@ def _fields(obj: Any, path: str, allowed: set[str], required: set[str] = frozens
     _check_type(obj, dict, path)
     for key in obj:
         if key not in allowed:
-            raise ManifestError(f'unknown field "{key}"', f"{path}.{key}" if path else key)
+            named = key if isinstance(key, str) and len(key) <= 80 else shown(key)
+            raise ManifestError(f"unknown field {shown(key)}", f"{path}.{named}" if path else named)
     for key in sorted(required - obj.keys()):
         raise ManifestError("required field is missing", f"{path}.{key}" if path else key)
     return obj
@@ -91,7 +95,7 @@ def _positive_int(obj: dict, key: str, path: str, default: int | None) -> int | 
         return default
     value = _check_type(obj[key], int, f"{path}.{key}")
     if value < 1:
-        raise ManifestError(f"must be at least 1, got {value}", f"{path}.{key}")
+        raise ManifestError(f"must be at least 1, got {shown(value)}", f"{path}.{key}")
     return value
 
 
@@ -135,12 +139,12 @@ def _byte_size(obj: dict, key: str, path: str) -> int | None:
     value = obj[key]
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
-            raise ManifestError(f"must not be negative, got {value}", f"{path}.{key}")
+            raise ManifestError(f"must not be negative, got {shown(value)}", f"{path}.{key}")
         return value
     _check_type(value, str, f"{path}.{key}")
     found = BYTE_SIZE_RE.match(value.strip())
     if found is None:
-        raise ManifestError(f'expected a byte size such as 8Gi or 500M, got "{value}"', f"{path}.{key}")
+        raise ManifestError(f'expected a byte size such as 8Gi or 500M, got {shown(value)}', f"{path}.{key}")
     return int(float(found.group(1)) * BYTE_UNITS[found.group(2) or ""])
 
 
@@ -169,7 +173,7 @@ def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec
     target = _check_type(spec["targetRef"], str, f"{path}.targetRef")
     method = _check_type(spec["method"], str, f"{path}.method")
     if method not in ("ngram", "draft", "eagle"):
-        raise ManifestError(f'must be "ngram", "draft" or "eagle", got "{method}"', f"{path}.method")
+        raise ManifestError(f'must be "ngram", "draft" or "eagle", got {shown(method)}', f"{path}.method")
     source = spec.get("source")
     if source is not None:
         _check_type(source, str, f"{path}.source")
@@ -178,21 +182,21 @@ def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec
         raise ManifestError(f"method {method} needs {what} source", f"{path}.source")
     k = _positive_int(spec, "numSpeculativeTokens", path, 3)
     if k > MAX_SPECULATIVE_TOKENS:
-        raise ManifestError(f"must be at most {MAX_SPECULATIVE_TOKENS}, got {k}", f"{path}.numSpeculativeTokens")
+        raise ManifestError(f"must be at most {MAX_SPECULATIVE_TOKENS}, got {shown(k)}", f"{path}.numSpeculativeTokens")
     ngram = _fields(spec.get("ngram", {}), f"{path}.ngram", {"min", "max"})
     n_min = _positive_int(ngram, "min", f"{path}.ngram", 1)
     n_max = _positive_int(ngram, "max", f"{path}.ngram", max(4, n_min))
     if n_max < n_min:
-        raise ManifestError(f"must be at least ngram.min ({n_min}), got {n_max}", f"{path}.ngram.max")
+        raise ManifestError(f"must be at least ngram.min ({n_min}), got {shown(n_max)}", f"{path}.ngram.max")
     if "eagle" in spec and method != "eagle":
         raise ManifestError("only method eagle drafts trees", f"{path}.eagle")
     eagle = _fields(spec.get("eagle", {}), f"{path}.eagle", {"topK", "treeTokens"})
     top_k = _positive_int(eagle, "topK", f"{path}.eagle", 1)
     if top_k > MAX_TREE_TOP_K:
-        raise ManifestError(f"must be at most {MAX_TREE_TOP_K}, got {top_k}", f"{path}.eagle.topK")
+        raise ManifestError(f"must be at most {MAX_TREE_TOP_K}, got {shown(top_k)}", f"{path}.eagle.topK")
     tokens = _positive_int(eagle, "treeTokens", f"{path}.eagle", max(16, k))
     if not k <= tokens <= MAX_TREE_TOKENS:
-        raise ManifestError(f"must be between numSpeculativeTokens ({k}) and {MAX_TREE_TOKENS}, got {tokens}",
+        raise ManifestError(f"must be between numSpeculativeTokens ({k}) and {MAX_TREE_TOKENS}, got {shown(tokens)}",
                             f"{path}.eagle.treeTokens")
     return DraftPairingSpec(target, method, source, k, n_min, n_max, top_k, tokens)
 
@@ -202,7 +206,7 @@ def _number(obj: dict, key: str, path: str, lo: float, hi: float, default: float
         return default
     value = _check_type(obj[key], (int, float), f"{path}.{key}")
     if not lo <= value <= hi:
-        raise ManifestError(f"must be between {lo} and {hi}, got {value}", f"{path}.{key}")
+        raise ManifestError(f"must be between {lo} and {hi}, got {shown(value)}", f"{path}.{key}")
     return float(value)
 
 
@@ -234,10 +238,10 @@ def _parse_spec_policy_spec(spec: Any, path: str = "spec") -> SpecPolicySpec:
     _check_type(enabled, bool, f"{path}.enabled")
     mode = spec.get("mode", "goodput")
     if mode not in SPEC_POLICY_MODES:
-        raise ManifestError(f"must be one of {', '.join(SPEC_POLICY_MODES)}, got {mode!r}", f"{path}.mode")
+        raise ManifestError(f"must be one of {', '.join(SPEC_POLICY_MODES)}, got {shown(mode)}", f"{path}.mode")
     max_k = _positive_int(spec, "maxSpeculativeTokens", path, MAX_SPECULATIVE_TOKENS)
     if max_k > MAX_SPECULATIVE_TOKENS:
-        raise ManifestError(f"must be at most {MAX_SPECULATIVE_TOKENS}, got {max_k}",
+        raise ManifestError(f"must be at most {MAX_SPECULATIVE_TOKENS}, got {shown(max_k)}",
                             f"{path}.maxSpeculativeTokens")
     alpha = _number(spec, "emaAlpha", path, 0.0, 1.0, 0.1)
     if alpha == 0.0:
@@ -276,10 +280,10 @@ def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
                          "threadsPerRank", "specdCommand"}, {"backend", "hosts"})
     backend = _check_type(spec["backend"], str, f"{path}.backend")
     if backend not in ("jaccl", "ring"):
-        raise ManifestError(f'must be "jaccl" or "ring", got "{backend}"', f"{path}.backend")
+        raise ManifestError(f'must be "jaccl" or "ring", got {shown(backend)}', f"{path}.backend")
     launcher = spec.get("launcher", "ssh")
     if launcher not in ("ssh", "local"):
-        raise ManifestError(f'must be "ssh" or "local", got "{launcher}"', f"{path}.launcher")
+        raise ManifestError(f'must be "ssh" or "local", got {shown(launcher)}', f"{path}.launcher")
     hosts_raw = _check_type(spec["hosts"], list, f"{path}.hosts")
     if not hosts_raw:
         raise ManifestError("at least one host is required", f"{path}.hosts")
@@ -289,13 +293,13 @@ def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
         _fields(h, hp, {"name", "address", "rdmaDevices"}, {"name", "address"})
         name = _check_type(h["name"], str, f"{hp}.name")
         if name in names:
-            raise ManifestError(f'duplicate host "{name}"', f"{hp}.name")
+            raise ManifestError(f"duplicate host {shown(name)}", f"{hp}.name")
         names.add(name)
         hosts.append(TopologyHost(name, _check_type(h["address"], str, f"{hp}.address"),
                                   _string_map(h.get("rdmaDevices", {}), f"{hp}.rdmaDevices")))
     size = _positive_int(spec, "tensorParallelSize", path, len(hosts))
     if size > len(hosts):
-        raise ManifestError(f"must be at most the number of hosts ({len(hosts)}), got {size}",
+        raise ManifestError(f"must be at most the number of hosts ({len(hosts)}), got {shown(size)}",
                             f"{path}.tensorParallelSize")
     port = _positive_int(spec, "port", path, None)
     if port is not None and port + size > 65536:
@@ -344,18 +348,18 @@ def parse_resource(doc: Any, origin: str | None = None) -> Resource:
         _fields(doc, "", {"apiVersion", "kind", "metadata", "spec", "status"},
                 {"apiVersion", "kind", "metadata", "spec"})
         if doc["apiVersion"] != API_VERSION:
-            raise ManifestError(f'unsupported apiVersion "{doc["apiVersion"]}" (expected {API_VERSION})',
+            raise ManifestError(f'unsupported apiVersion {shown(doc["apiVersion"])} (expected {API_VERSION})',
                                 "apiVersion")
         kind = doc["kind"]
         if not isinstance(kind, str) or kind not in SPEC_PARSERS:
-            shown = kind if isinstance(kind, str) else type(kind).__name__
-            raise ManifestError(f'unknown kind "{shown[:64]}" (known: {", ".join(sorted(SPEC_PARSERS))})', "kind")
+            named = shown(kind) if isinstance(kind, str) else type(kind).__name__
+            raise ManifestError(f'unknown kind {named} (known: {", ".join(sorted(SPEC_PARSERS))})', "kind")
         meta = _fields(doc["metadata"], "metadata", {"name", "labels", "annotations", *SERVER_METADATA},
                        {"name"})
         name = _check_type(meta["name"], str, "metadata.name")
         if not NAME_RE.fullmatch(name):
             raise ManifestError(
-                f"invalid name {name[:80]!r}: a DNS-1123 label (at most 63 lower-case letters, digits "
+                f"invalid name {shown(name)}: a DNS-1123 label (at most 63 lower-case letters, digits "
                 "and '-', starting and ending with a letter or digit)", "metadata.name")
         raw_spec = _resolve_sources(kind, doc["spec"], origin)
         version = meta.get("resourceVersion")
@@ -370,8 +374,11 @@ def parse_resource(doc: Any, origin: str | None = None) -> Resource:
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing more than MAX_ALIASES aliases per stream:
-    aliases of aliases expand exponentially in whatever walks the result."""
+    """PyYAML's safe loader, bounding the work a stream can ask for: at most
+    MAX_ALIASES aliases, and at most MAX_EXPANDED_NODES nodes once every alias
+    is expanded, since whatever walks the result (validation, an error that
+    quotes a value, JSON for the admin API) walks the expansion, and aliases of
+    aliases grow it exponentially. An alias inside its own anchor is refused."""
 
     aliases = 0
 
@@ -382,9 +389,43 @@ class _BoundedLoader(yaml.SafeLoader):
                 raise ManifestError(f"more than {MAX_ALIASES} YAML aliases")
         return super().compose_node(parent, index)
 
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node)
+        return node
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many nodes ``root`` stands for with its aliases expanded, counted
+    once per distinct node (iteratively); ManifestError past MAX_EXPANDED_NODES
+    or on a cycle."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        children = [n for pair in node.value for n in (pair if isinstance(pair, tuple) else (pair,))] \
+            if isinstance(node, yaml.CollectionNode) else []
+        if children_done:
+            on_path.discard(id(node))
+            sizes[id(node)] = size = 1 + sum(sizes[id(c)] for c in children)
+            if size > MAX_EXPANDED_NODES:
+                raise ManifestError(f"the YAML expands to more than {MAX_EXPANDED_NODES} nodes once its aliases "
+                                    "are expanded")
+            continue
+        if id(node) in on_path:
+            raise ManifestError("a YAML alias refers to a node that contains it")
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes[id(root)]
+
 
 def load_yaml(text: str, origin: str | None = None) -> list[Any]:
-    """The documents of a YAML stream, bounded in size, aliases and nesting."""
+    """The documents of a YAML stream, bounded in size, aliases, expanded nodes
+    and nesting, with no lone surrogate in any string (see ``api/text.py``)."""
     if len(text) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"larger than {MAX_MANIFEST_BYTES} bytes", "", origin)
     try:
@@ -395,13 +436,20 @@ def load_yaml(text: str, origin: str | None = None) -> list[Any]:
                 docs.append(loader.get_data())
         finally:
             loader.dispose()
+    except ManifestError as err:
+        raise ManifestError(err.reason, err.path, origin) from None
     except yaml.YAMLError as err:
         raise ManifestError(f"invalid YAML: {err}", "", origin) from None
     except RecursionError:
         raise ManifestError("invalid YAML: nested too deeply", "", origin) from None
-    except ManifestError as err:
-        raise ManifestError(err.reason, err.path, origin) from None
-    return [d for d in docs if d is not None]
+    except ValueError as err:  # a scalar PyYAML cannot build: a 5,000-digit integer, a 13th month
+        raise ManifestError(f"invalid YAML: {str(err)[:200]}", "", origin) from None
+    docs = [d for d in docs if d is not None]
+    for i, doc in enumerate(docs):
+        path = lone_surrogate_path(doc, f"[{i}]" if len(docs) > 1 else "")
+        if path is not None:
+            raise ManifestError(LONE_SURROGATE, path, origin)
+    return docs
 
 
 def read_manifest_file(path: Path) -> str:

@@ -92,7 +92,7 @@ async def _json(request: web.Request) -> Any:
     try:
         return await json_body(request)
     except BodyError as err:
-        raise StatusError(err.status, REASONS.get(err.status, "BadRequest"), err.message) from None
+        raise StatusError(err.status, REASONS.get(err.status, "BadRequest"), err.message, err.param) from None
 
 
 def _apply(request: web.Request, docs: list[Any]) -> list[dict[str, Any]]:

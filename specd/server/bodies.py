@@ -13,16 +13,18 @@ from typing import Any
 
 from aiohttp import web
 
+from ..api.text import LONE_SURROGATE, lone_surrogate_path
+
 MAX_JSON_DEPTH = 64  # an OpenAI body with tools and JSON schemas nests about 10 deep
 UTF8 = ("utf-8", "utf8")
 
 
 class BodyError(Exception):
-    """A body that cannot be read as JSON: its HTTP status and why."""
+    """A body that cannot be read as JSON: its HTTP status, why, and the field at fault if one is."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.param = status, message, param
 
 
 async def json_body(request: web.Request) -> Any:
@@ -48,6 +50,8 @@ def parse_json(raw: bytes) -> Any:
         raise BodyError(400, f"request body is not valid JSON: {str(err)[:200]}") from None
     if depth(value) > MAX_JSON_DEPTH:
         raise BodyError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
+    if (path := lone_surrogate_path(value)) is not None:
+        raise BodyError(400, f"{path or 'request body'}: {LONE_SURROGATE}", path or None)
     return value
 
 

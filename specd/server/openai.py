@@ -326,7 +326,8 @@ async def read_json(request: web.Request) -> Any:
     try:
         return await json_body(request)
     except BodyError as err:
-        raise APIError(err.status, err.message, "invalid_request_error") from None
+        raise APIError(err.status, err.message, "invalid_request_error", err.param,
+                       "invalid_value" if err.param else None) from None
 
 
 def _token_text(engine: ServingEngine, token: int) -> tuple[str, list[int]]:
