@@ -21,6 +21,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from conftest import code_sample, free_port, model_manifest, run_engine
+from specd.core.cache import padding_leaks
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
@@ -101,9 +102,31 @@ def test_family_matches_mlx_lm_batched_and_speculating(family, family_models):
     check_family(family_models(family))
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next", "olmo_hybrid", "deepseek_v41"])
 def test_draft_models_of_rotating_and_recurrent_families(family, family_models):
     check_family(family_models(family), family_models(family, seed=1))
+
+
+def test_a_family_whose_padding_leaks_into_its_rows_prefills_them_alone(family_models):
+    """OLMo Hybrid's short convolutions read the padded columns of a left-padded row, so
+    batched prefill would change a padded row's tokens (the parity tests catch that); the
+    probe finds it exactly, and a model it flags gets prefill groups of one row."""
+    leaking, tokenizer = load_model(str(family_models("olmo_hybrid")))
+    clean, _ = load_model(str(family_models("qwen3_next")))  # masks its padding, the same layer kinds
+    assert padding_leaks(leaking) and not padding_leaks(clean)
+
+    async def groups(engine):
+        sizes = []
+        admit = engine.scheduler._admit
+
+        def counted():
+            admit()
+            if engine.scheduler.prefill is not None and engine.scheduler.prefill.done == 0:
+                sizes.append(len(engine.scheduler.prefill.seqs))
+        engine.scheduler._admit = counted
+        await asyncio.gather(*(generate(engine, [5 + i] * (3 + 4 * i)) for i in range(3)))
+        return sizes
+    assert set(run_engine(leaking, tokenizer, groups, max_batch_size=4)) == {1}
 
 
 @pytest.mark.parametrize("family,quantization", QUANTIZED, ids=[f"{f}-{q['mode']}{q['bits']}" for f, q in QUANTIZED])

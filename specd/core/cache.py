@@ -18,13 +18,17 @@ rows are selected and merged as sequences leave and join.
   accepted tokens only;
 - ``CacheList`` (Falcon-H1) holds one of each, and each member follows its kind.
 
-A model whose forward cannot take rows at different positions at all (Llama
-4: its chunked-attention mask and its NoPE layers' temperature read one offset
-for the whole batch) runs row by row over mlx-lm's own caches (``RowwiseCache``).
+A model whose forward cannot take rows at different positions at all runs
+row by row over mlx-lm's own caches (``RowwiseCache``): Llama 4 (its
+chunked-attention mask and its NoPE layers' temperature read one offset for
+the whole batch) and DeepSeek V4 (one ``start_pos`` for the batch's sliding
+window, compressor and indexer; its ``LayerCache`` cannot be trimmed, so a
+row rolls back by restoring its caches and running its kept tokens again).
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Iterator, Protocol
 
@@ -32,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.deepseek_v41 import LayerCache as CompressedLayerCache
 
 from .kv import SpeculativeKVCache
 from .prefix import Columns, PrefixStore, RowPrefix, RowPrefixes, Snapshot
@@ -317,18 +322,36 @@ def _leaves(layers: list) -> Iterator:
             yield layer
 
 
+# Cache kinds whose forward reads one position for the whole batch: their rows run alone.
+ROWWISE_KINDS = (ChunkedKVCache, CompressedLayerCache)
+
+
 class RowwiseCache:
     """``RowCache`` as one mlx-lm cache list per row, the model run row by
     row: for models whose forward reads one position for the whole batch.
-    Rollback trims each row's caches; prompt padding is skipped, not fed."""
+    Prompt padding is skipped, not fed. Rollback trims each row's caches
+    where they can be trimmed; otherwise (DeepSeek V4's compressed groups
+    and evicted window rows cannot be restored) the caches as they were
+    before the provisional forwards are kept, as shallow copies (these
+    kinds replace their arrays, never write into them), and a row that
+    rejected columns gets them back and runs its kept columns again."""
 
     chains_only = True
 
     def __init__(self, model: nn.Module, left_padding: list[int]):
         self.rows = [make_prompt_cache(model) for _ in left_padding]
         self.padding = list(left_padding)  # per row: padding columns still to come
+        self.trimmable = all(layer.is_trimmable() for layer in self.rows[0])
+        self._model: nn.Module | None = None
+        self._journal: list[mx.array] = []  # inputs of the provisional forwards since the last rollback
+        self._saved: list[list] = []  # each row's caches before them
 
     def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array:
+        if provisional and not self.trimmable:
+            if not self._journal:
+                self._model = model
+                self._saved = [[copy.copy(layer) for layer in cache] for cache in self.rows]
+            self._journal.append(inputs)
         width = inputs.shape[1]
         outs = []
         for b, cache in enumerate(self.rows):
@@ -340,6 +363,15 @@ class RowwiseCache:
                                mx.pad(o, [(0, 0), (width - o.shape[1], 0), (0, 0)]) for o in outs])
 
     def rollback(self, rejected: list[int]) -> None:
+        if self._journal:
+            inputs = self._journal[0] if len(self._journal) == 1 else mx.concatenate(self._journal, axis=1)
+            for b, r in enumerate(rejected):
+                if r:
+                    self.rows[b] = self._saved[b]
+                    if inputs.shape[1] > r:
+                        self._model(inputs[b: b + 1, : inputs.shape[1] - r], cache=self.rows[b])
+            self._journal, self._saved = [], []
+            return
         for cache, r in zip(self.rows, rejected):
             if r:
                 for layer in cache:
@@ -364,7 +396,7 @@ class RowwiseCache:
 
     @property
     def state(self) -> list:
-        return [a for cache in self.rows for layer in cache for a in (layer.keys, layer.values) if a is not None]
+        return [a for cache in self.rows for layer in cache for a in vars(layer).values() if isinstance(a, mx.array)]
 
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")
@@ -376,7 +408,7 @@ def make_row_cache(model: nn.Module, left_padding: list[int],
     left-padded by ``left_padding`` (and starting from ``prefixes``), or row
     by row for chunked attention; refuses kinds that cannot batch."""
     caches = make_prompt_cache(model)
-    if any(isinstance(c, ChunkedKVCache) for c in caches):
+    if any(isinstance(c, ROWWISE_KINDS) for c in caches):
         if prefixes and any(prefixes):
             raise ValueError("a row-by-row cache starts from no cached prefix")
         return RowwiseCache(model, left_padding)
@@ -384,6 +416,20 @@ def make_row_cache(model: nn.Module, left_padding: list[int],
     if prefixes and any(prefixes):
         cache.restore(prefixes)
     return cache
+
+
+def padding_leaks(model: nn.Module) -> bool:
+    """Whether what a row's left padding holds reaches the row's output.
+
+    A family must mask padding everywhere its forward mixes positions; one
+    that misses a place (OLMo Hybrid's short convolutions take the padded
+    columns as input) gives a padded row other tokens than the same prompt
+    alone. Two forwards of one padded row that differ only in the padding's
+    token ids show it exactly: same shapes and kernels, so masked padding
+    gives identical logits and any difference is a leak."""
+    logits = [make_row_cache(model, [4]).forward(model, mx.array([[pad] * 4 + [2, 3, 4, 5]]))[:, -1]
+              for pad in (0, 1)]
+    return not mx.array_equal(*logits).item()
 
 
 def _batched(cache, padding: list[int]):

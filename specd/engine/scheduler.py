@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.batch import RunningBatch
-from ..core.cache import RowCache, make_row_cache, model_prefixes
+from ..core.cache import RowCache, make_row_cache, model_prefixes, padding_leaks
 from ..core.loader import context_window, vocab_size
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
 from ..core.grammar import Constraint, grammar_tokenizer, mask_logits
@@ -70,7 +70,7 @@ class Scheduler:
 
     def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig, metrics: Metrics,
                  speculation: SpeculationConfig, drafter: nn.Module | None):
-        warm_up(model)
+        self.prefill_rows_alone = warm_up(model)  # left padding would change such a model's rows
         self.name = name
         self.model = model
         self.config = config
@@ -182,6 +182,8 @@ class Scheduler:
         or would compute the same uncached prefix as one of them, waits for
         the next group."""
         room = self.config.max_batch_size - len(self.batch)
+        if self.prefill_rows_alone and False:
+            room = min(room, 1)
         if self.prefill is not None or room <= 0 or not self.waiting:
             return
         seqs, limits, matches, later = [], [], [], deque()
@@ -329,8 +331,10 @@ def _report_logprobs(logits: mx.array, emitted: list[list[int]],
     return out
 
 
-def warm_up(model: nn.Module) -> None:
+def warm_up(model: nn.Module) -> bool:
     """One token through a batched cache, at load: a model whose caches
     cannot batch, or whose forward fails on this machine, fails to load with
-    the reason instead of failing its first request."""
+    the reason instead of failing its first request. Returns whether its
+    rows must be prefilled one at a time (``padding_leaks``)."""
     mx.eval(make_row_cache(model, [0]).forward(model, mx.array([[0]])))
+    return padding_leaks(model)

@@ -254,6 +254,33 @@ FAMILIES: dict[str, dict] = {
         "rope_scaling": None,
         "tie_word_embeddings": False,
     },
+    # OLMo Hybrid 7B: three gated-delta linear-attention layers (short convs
+    # on q, k and v, negative eigenvalues allowed) per full-attention layer
+    # with q/k norms and no RoPE, post-norm blocks.
+    "olmo_hybrid": {
+        "architectures": ["OlmoHybridForCausalLM"],
+        "model_type": "olmo_hybrid",
+        **_COMMON, **_TOKENS,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": _LINEAR_FULL_4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 12,
+        "linear_value_head_dim": 24,
+        "linear_conv_kernel_dim": 4,
+        "linear_allow_neg_eigval": True,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "max_position_embeddings": 65536,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": None,
+        "rope_theta": None,
+        "tie_word_embeddings": False,
+    },
     # Qwen3.5 (dense): the Qwen3-Next layer mix under text_config, rope under
     # rope_parameters.
     "qwen3_5": {
@@ -477,6 +504,58 @@ FAMILIES: dict[str, dict] = {
             "type": "yarn",
         },
         "tie_word_embeddings": False,
+    },
+    # DeepSeek V4.1 (Flash): under text_config, hyper-connection streams,
+    # grouped low-rank output, a sliding window on every layer and, on the
+    # others, KV compressed 4 tokens to one latent: a layer that compresses
+    # and indexes its own, one that reuses it with its own indexer (top-k
+    # within candidate blocks), one that compresses its own and reuses the
+    # other's top-k. sqrt-softplus-routed MoE with a shared expert.
+    "deepseek_v41": {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        **_TOKENS,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "deepseek_v41_text",
+            **_COMMON,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "head_dim": 32,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "scoring_func": "sqrtsoftplus",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.5,
+            "swiglu_limit": 10.0,
+            "rms_norm_eps": 1e-6,
+            "sliding_window": WINDOW,
+            "compress_ratios": [0, 4, 4, 4],
+            "kv_source_layer_ids": [1, 3],
+            "index_source_layer_ids": [1, 2],
+            "candidate_source_layer_id": 1,
+            "candidate_topk_blocks": 2,
+            "candidate_block_size": 2,
+            "index_n_heads": 2,
+            "index_head_dim": 32,
+            "index_topk": 4,
+            "compress_rope_theta": 160000.0,
+            "rope_theta": 10000.0,
+            "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                             "beta_fast": 32, "beta_slow": 1},
+            "max_position_embeddings": 1048576,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "num_nextn_predict_layers": 3,
+            "tie_word_embeddings": False,
+        },
     },
     # GLM-4.5 Air: partial rope, biased q/k/v, a dense first layer then
     # sigmoid-routed MoE with a shared expert.
