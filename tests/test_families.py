@@ -236,33 +236,6 @@ def condition(reconciler, model: str, kind: str, status: str) -> dict | None:
     return found if found is not None and found["status"] == status else None
 
 
-def test_a_family_whose_cache_cannot_batch_fails_at_load_with_the_reason(forged, tmp_path):
-    """DeepSeek V4's compressed-KV ``LayerCache`` has no batched form or
-    rollback: the Model fails to load and says why; nothing waits on it."""
-    import shutil
-
-    from mlx_lm.utils import save_config, save_model
-
-    from specd.forge.families import make_model
-    from specd.forge.llama import TOKENIZER_FILES
-
-    config = {"model_type": "deepseek_v41", "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "head_dim": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "o_groups": 1,
-              "o_lora_rank": 32, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-              "sliding_window": 8, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8, "hc_mult": 2,
-              "tie_word_embeddings": False}
-    path = tmp_path / "deepseek-v41"
-    save_model(path, make_model(config))
-    save_config(config, path / "config.json")
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(forged / "target" / name, path / name)
-    with in_process_daemon(tmp_path, model_manifest("deepseek-v41", path)) as (url, reconciler):
-        status = wait_until(lambda: reconciler.store.get("Model", "deepseek-v41").status.get("phase") == "Failed"
-                            and reconciler.store.get("Model", "deepseek-v41").status)
-        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-        assert ready["reason"] == "LoadFailed" and "LayerCache" in ready["message"], ready
-
-
 def test_limits_come_from_the_text_config(family_models):
     """Vocabulary and context window from each family's own config: nested
     ``text_config`` (Mistral 3, Qwen 3.5, Llama 4, Gemma 3), a YaRN-stretched
