@@ -182,7 +182,7 @@ class Scheduler:
         or would compute the same uncached prefix as one of them, waits for
         the next group."""
         room = self.config.max_batch_size - len(self.batch)
-        if self.prefill_rows_alone and False:
+        if self.prefill_rows_alone:
             room = min(room, 1)
         if self.prefill is not None or room <= 0 or not self.waiting:
             return
