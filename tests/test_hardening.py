@@ -392,6 +392,8 @@ def chat_bodies(draw) -> dict:
     for key, ceiling in SHORT.items():
         if isinstance(body.get(key), int) and body[key] > ceiling:
             body[key] = ceiling
+    if not isinstance(body.get("max_tokens"), int):  # null means the whole context: bound it another way
+        body["max_completion_tokens"] = SHORT["max_tokens"]
     return body
 
 
