@@ -402,9 +402,12 @@ def holds_lone_surrogate(value) -> bool:
 
 
 def send_fuzzed(url: str, body) -> tuple[int, bytes]:
-    """POST a fuzzed JSON body (lone surrogates as JSON escapes); one with a lone surrogate must be a 400."""
-    status, raw, _ = post(url, json.dumps(body).encode())
-    if holds_lone_surrogate(body):
+    """POST a fuzzed JSON body (lone surrogates as JSON escapes); one with a lone surrogate must be
+    a 400. What the daemon sees is the body as JSON decodes it: two escapes that form a UTF-16
+    pair (``\\ud800\\udc00``) are one character then, not two lone surrogates."""
+    sent = json.dumps(body)
+    status, raw, _ = post(url, sent.encode())
+    if holds_lone_surrogate(json.loads(sent)):
         HOSTILE["bodies holding a lone surrogate"] += 1
         assert status == 400 and b"surrogate" in raw, (status, raw[:300])
     return status, raw
