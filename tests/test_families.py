@@ -21,11 +21,12 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from conftest import code_sample, free_port, model_manifest, run_engine
-from specd.core.cache import padding_leaks
+from specd.core.cache import make_row_cache, padding_leaks
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
-from specd.forge.families import FAMILIES
+from specd.forge.families import (FAMILIES, METAL_ONLY, NOT_SERVED, SHAPES, UNFORGEABLE, model_types,
+                                   served_families)
 from specd.spec.hooks import hook, unhook
 
 GREEDY = SamplingParams(temperature=0)
@@ -127,6 +128,34 @@ def test_a_family_whose_padding_leaks_into_its_rows_prefills_them_alone(family_m
         await asyncio.gather(*(generate(engine, [5 + i] * (3 + 4 * i)) for i in range(3)))
         return sizes
     assert set(run_engine(leaking, tokenizer, groups, max_batch_size=4)) == {1}
+
+
+@pytest.mark.parametrize("family", [f for f in served_families() if f not in FAMILIES])
+def test_every_other_family_mlx_lm_ships_loads_and_batches(family, family_models):
+    """Each family outside the parity matrix, as a tiny model built from its ModelArgs (and its
+    checkpoints' shapes) and loaded with mlx_lm.load, runs in specd's row caches: a short prompt
+    left-padded beside a longer one gives the logits it gives alone, or the family is one whose
+    padding leaks (and prefills alone)."""
+    if family in METAL_ONLY and not mx.metal.is_available():
+        pytest.skip(METAL_ONLY[family])
+    if family in UNFORGEABLE:
+        pytest.skip(UNFORGEABLE[family])
+    model, _ = load_model(str(family_models(family)))
+    short, longer = [2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12]
+    alone = make_row_cache(model, [0]).forward(model, mx.array([short]))[0, -1]
+    if padding_leaks(model):
+        return
+    batched = make_row_cache(model, [3, 0]).forward(model, mx.array([[0] * 3 + short, longer]))[0, -1]
+    assert mx.allclose(alone, batched, atol=1e-3, rtol=1e-4).item(), mx.abs(alone - batched).max().item()
+
+
+def test_every_family_named_is_one_mlx_lm_ships():
+    """The matrix follows the installed mlx-lm: the test above runs for every module of
+    ``mlx_lm.models`` not listed as not served, and every list names only families that
+    module still holds (a family mlx-lm drops or renames fails here, not silently)."""
+    named = set(FAMILIES) | set(NOT_SERVED) | set(METAL_ONLY) | set(UNFORGEABLE) | set(SHAPES)
+    assert named - set(model_types()) == set(), named - set(model_types())
+    assert set(NOT_SERVED).isdisjoint(served_families()) and len(model_types()) > 100
 
 
 @pytest.mark.parametrize("family,quantization", QUANTIZED, ids=[f"{f}-{q['mode']}{q['bits']}" for f, q in QUANTIZED])

@@ -407,15 +407,52 @@ def make_row_cache(model: nn.Module, left_padding: list[int],
     """The model's own caches (``make_prompt_cache``), each batched with rows
     left-padded by ``left_padding`` (and starting from ``prefixes``), or row
     by row for chunked attention; refuses kinds that cannot batch."""
-    caches = make_prompt_cache(model)
-    if any(isinstance(c, ROWWISE_KINDS) for c in caches):
+    if runs_row_by_row(model):
         if prefixes and any(prefixes):
             raise ValueError("a row-by-row cache starts from no cached prefix")
         return RowwiseCache(model, left_padding)
+    caches = make_prompt_cache(model)
     cache = BatchRowCache([_batched(c, list(left_padding)) for c in caches], max(left_padding))
     if prefixes and any(prefixes):
         cache.restore(prefixes)
     return cache
+
+
+def runs_row_by_row(model: nn.Module) -> bool:
+    """Whether ``model``'s rows must run one at a time: its caches are of a kind whose
+    forward reads one position for the whole batch, or two rows of different lengths
+    decoded together do not give the logits each gives alone (Gemma 2, AFM 7 and
+    StarCoder's ``gpt_bigcode`` read positions from the batch's width, not each row's).
+    Decided once, at the model's first cache, and remembered on the model."""
+    decided = getattr(model, "_specd_row_by_row", None)
+    if decided is None:
+        caches = make_prompt_cache(model)
+        decided = any(isinstance(c, ROWWISE_KINDS) for c in caches) or not _decodes_rows_exactly(model)
+        model._specd_row_by_row = decided
+    return decided
+
+
+def _decodes_rows_exactly(model: nn.Module) -> bool:
+    """Two prompts prefilled apart, merged into one batch as the scheduler merges rows, then
+    one decoding step: within float noise of each row's step alone (a tenth of the logits'
+    spread; a model that reads the wrong positions is off by about the spread itself)."""
+    prompts = ([2, 3, 4, 5, 6, 7, 8], [9, 10, 11])
+
+    def step(rows: tuple[list[int], ...]) -> mx.array:
+        caches = []
+        for prompt in rows:
+            cache = BatchRowCache([_batched(c, [0]) for c in make_prompt_cache(model)])
+            cache.forward(model, mx.array([prompt]))
+            caches.append(cache)
+        for other in caches[1:]:
+            caches[0].merge(other)
+        return caches[0].forward(model, mx.array([[1]] * len(rows)))[:, -1]
+    alone = mx.concatenate([step((prompt,)) for prompt in prompts])
+    try:
+        together = step(prompts)
+    except (ValueError, RuntimeError):  # a forward that cannot take rows at different positions at all
+        return False
+    return mx.abs(together - alone).max().item() <= 0.1 * mx.std(alone).item()
 
 
 def padding_leaks(model: nn.Module) -> bool:

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import importlib
 import io
 import json
 import math
+import pkgutil
 import shutil
 from pathlib import Path
 
@@ -33,7 +36,8 @@ from .presets import get_recipe
 from .tokenizer import EOS, IM_END, SPECIAL_TOKENS
 
 __all__ = [
-    "FAMILIES", "VOCAB_SIZE", "EOS_TOKEN_IDS", "WINDOW", "CHUNK", "LOGIT_STD", "build", "make_model",
+    "FAMILIES", "METAL_ONLY", "NOT_SERVED", "SHAPES", "UNFORGEABLE", "VOCAB_SIZE", "EOS_TOKEN_IDS", "WINDOW",
+    "CHUNK", "LOGIT_STD", "build", "family_config", "make_model", "model_types", "served_families",
 ]
 
 VOCAB_SIZE = get_recipe("test").vocab_size
@@ -749,6 +753,216 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# -- every other family mlx-lm ships: a tiny config built from its ModelArgs -----------
+
+# The sizes a generated tiny model takes, by the names mlx-lm's ModelArgs use for them.
+TINY = {
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "hidden_dim": 64, "model_dim": 64,
+    "intermediate_size": 128, "ffn_hidden_size": 128, "n_inner": 128, "ff_intermediate_size": 128,
+    "moe_intermediate_size": 64, "expert_ffn_hidden_size": 64, "shared_expert_intermediate_size": 64,
+    "shared_intermediate_size": 64,
+    "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "num_transformer_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "head_dim": 16,
+    "rms_norm_eps": 1e-6, "layer_norm_eps": 1e-5, "layer_norm_epsilon": 1e-5, "norm_eps": 1e-6,
+    "layernorm_epsilon": 1e-6,
+    "max_position_embeddings": 32768, "n_positions": 32768, "n_ctx": 32768, "rope_theta": 10000.0,
+    "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4,
+    "moe_top_k": 2,
+    "num_experts_per_tok": 2, "moe_topk": 2,
+    "sliding_window": WINDOW, "sliding_window_size": WINDOW, "attention_window_size": WINDOW,
+    # multi-head latent attention (DeepSeek V2 and its followers)
+    "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+}
+_MOE_SHARED = {"n_shared_experts": 1, "norm_topk_prob": True, "first_k_dense_replace": 1}
+_GRANITE = {"logits_scaling": 8.0, "attention_multiplier": 0.0078125, "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22, "attention_bias": False}
+
+# Per family, what its real checkpoints set that a generated tiny model must keep (layer
+# mixes, MoE routing, MLA ranks, multipliers) and the fields its ModelArgs requires.
+SHAPES: dict[str, dict] = {
+    "Klear": {"attention_bias": False, "mlp_only_layers": [], "decoder_sparse_step": 1, **_MOE_SHARED},
+    "afm7": {"num_kv_reuse_layers": 1},
+    "afmoe": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL_4, "num_dense_layers": 1},
+    "cohere2": {"num_hidden_layers": 4},
+    "exaone4": {"num_hidden_layers": 4, "sliding_window_pattern": "LLLG", "layer_types": _SLIDING_FULL_4,
+                "rope_scaling": _LLAMA3_ROPE},
+    "exaone_moe": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL_4, "is_moe_layer": [False, True, True, True],
+                   "num_shared_experts": 1},
+    "gear": {"layer_types": ["sliding_attention", "full_attention"]},
+    "mellum": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL_4, "norm_topk_prob": True,
+               "rope_parameters": {"sliding_attention": {"rope_theta": 10000.0},
+                                   "full_attention": {"rope_theta": 1000000.0}}},
+    "kimi_linear": {"num_hidden_layers": 4, "model_max_length": 32768,
+                    "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 4,
+                                           "head_dim": 16, "short_conv_kernel_size": 4}},
+    "longcat_flash": {"attention_bias": False, "attention_method": "MLA", "zero_expert_type": "identity",
+                      "zero_expert_num": 2, "routed_scaling_factor": 6.0, "mla_scale_q_lora": True,
+                      "mla_scale_kv_lora": True},
+    "longcat_flash_ngram": {"zero_expert_num": 2, "routed_scaling_factor": 6.0, "mla_scale_q_lora": True,
+                            "mla_scale_kv_lora": True},
+    "mimo_v2_flash": {"num_hidden_layers": 4, "hybrid_layer_pattern": [0, 1, 1, 1], "moe_layer_freq": [0, 1, 1, 1],
+                      "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False,
+                      "n_shared_experts": None, "routed_scaling_factor": None, "topk_method": "noaux_tc",
+                      "scoring_func": "sigmoid", "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+                      "swa_rope_theta": 10000.0, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+                      "v_head_dim": 16, "swa_head_dim": 16, "swa_v_head_dim": 16, "partial_rotary_factor": 0.5},
+    "apertus": {"mlp_bias": False, "attention_bias": False, "post_norm": False, "qk_norm": True},
+    "baichuan_m1": {"sliding_window_layers": [0], "conv_window": 2},
+    # Gemma 3n (E2B): AltUp streams, LAuReL, per-layer inputs, KV shared by the last layers,
+    # activation sparsity on the first; four sliding layers per global one.
+    "gemma3n": {"text_config": {"num_hidden_layers": 10, "num_kv_shared_layers": 4,
+                                "vocab_size_per_layer_input": VOCAB_SIZE, "rope_local_base_freq": 10000.0,
+                                "rope_theta": 1000000.0, "final_logit_softcapping": 30.0,
+                                "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 2,
+                                "activation_sparsity_pattern": [0.95] * 2 + [0.0] * 8,
+                                "hidden_size_per_layer_input": 16, "altup_num_inputs": 4, "altup_coef_clip": 120.0,
+                                "altup_correct_scale": True, "altup_active_idx": 0, "laurel_rank": 8}},
+    "muse_spark": {"text_config": {"num_hidden_layers": 4, "post_norm_eps": 1e-6,
+                                   "rope_parameters": {"rope_theta": 500000.0},
+                                   "layer_rope_theta": [10000.0, 10000.0, 10000.0, 0.0],
+                                   "layer_types": _SLIDING_FULL_4, "final_logit_softcapping": 30.0,
+                                   "output_multiplier": 1.0, "moe_hidden_size": 64}},
+    "bailing_moe_v3": {"num_hidden_layers": 4, "n_group": 2, "topk_group": 1, "layer_group_size": 2},
+    "kimi_k3": {"text_config": {"num_hidden_layers": 4, "num_experts": 4, "moe_intermediate_size": 64,
+                                "num_experts_per_token": 2, "num_shared_experts": 1, "first_k_dense_replace": 1,
+                                "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                                                       "num_heads": 4, "head_dim": 16,
+                                                       "short_conv_kernel_size": 4}}},
+    "bailing_moe": {"num_shared_experts": 1, "norm_topk_prob": True, "first_k_dense_replace": 1},
+    "bailing_moe_linear": {"num_shared_experts": 1, "norm_topk_prob": True, "first_k_dense_replace": 1,
+                           "num_hidden_layers": 4, "layer_group_size": 2, "group_norm_size": 1},
+    "bailing_hybrid": {"num_shared_experts": 1, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                       "num_hidden_layers": 4, "layer_group_size": 2, "group_norm_size": 1,
+                       "routed_scaling_factor": 2.5},
+    "dbrx": {"ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+             "attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 8.0}},
+    "deepseek_v2": {"rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                     "type": "yarn"}, **_MOE_SHARED},
+    "dots1": {**_MOE_SHARED, "routed_scaling_factor": 2.5},
+    "ernie4_5": {"use_bias": False},
+    "ernie4_5_moe": {"use_bias": False},
+    "glm4": {"attention_bias": True, "partial_rotary_factor": 0.5},
+    "gpt_neox": {"rotary_emb_base": 10000, "rotary_pct": 0.25},
+    "gptj": {"rotary_dim": 8},
+    "granite": {**_GRANITE, "mlp_bias": False},
+    "granitemoe": _GRANITE,
+    "helium": {"attention_bias": False, "mlp_bias": False},
+    "hunyuan": {"rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}, "attention_bias": False,
+                "num_shared_expert": 1, "use_mixed_mlp_moe": True, "use_qk_norm": True, "use_cla": False,
+                "cla_share_factor": 2},
+    "jamba": {"num_hidden_layers": 4, "attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1,
+              "expert_layer_period": 2, "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2},
+    "lfm2_moe": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                 "norm_topk_prob": True, "use_expert_bias": True, "num_dense_layers": 1, "conv_bias": False,
+                 "conv_L_cache": 3},
+    "lille-130m": {"block_size": 4096},
+    "llama4_text": {"num_hidden_layers": 4, "intermediate_size_mlp": 128, "no_rope_layers": [1, 1, 1, 0],
+                    "use_qk_norm": True, "attention_chunk_size": CHUNK},
+    "mamba": {"state_size": 16, "conv_kernel": 4, "use_bias": False, "use_conv_bias": True, "time_step_rank": 4},
+    "mamba2": {"num_heads": 8, "state_size": 16, "conv_kernel": 4, "n_groups": 1, "use_bias": False,
+               "use_conv_bias": True, "time_step_limit": [0.0, 1e9], "time_step_rank": 4},
+    "minicpm": {"dim_model_base": 256, "scale_depth": 1.4, "scale_emb": 12.0},
+    "minicpm3": {"dim_model_base": 256, "scale_depth": 1.4, "scale_emb": 12.0,
+                 "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 4, "short_factor": [1.0] * 4,
+                                  "original_max_position_embeddings": 32768}},
+    "minimax": {"rotary_dim": 8},
+    "mistral4": {**_MOE_SHARED, "routed_scaling_factor": 1.0, "topk_group": 1, "n_group": 1,
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0,
+                                     "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}},
+    "nemotron": {"hidden_act": "relu2"},
+    # Llama-3.1-Nemotron (NAS): per-block configs, one skipping its attention, one its FFN.
+    "nemotron-nas": {"num_hidden_layers": 3, "block_configs": [
+        {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+        {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.5}},
+        {"attention": {"n_heads_in_group": 4}, "ffn": {"no_op": True}}]},
+    "glm_moe_dsa": {**_MOE_SHARED, "index_head_dim": 32, "index_n_heads": 2, "index_topk": 4,
+                    "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                    "n_group": 1, "topk_group": 1, "moe_layer_freq": 1, "attention_bias": False,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "spark2_5": {"num_hidden_layers": 4, "layer_types": _SLIDING_FULL_4,
+                 "rope_parameters": {"sliding_attention": {"rope_theta": 10000.0},
+                                     "full_attention": {"rope_theta": 1000000.0}}},
+    "openelm": {"ffn_dim_divisor": 64, "num_query_heads": [4, 4], "num_kv_heads": [2, 2],
+                "ffn_multipliers": [0.5, 4.0]},
+    "phixtral": {"rotary_dim": 8},
+    "plamo": {"n_shared_head": 2},
+    "qwen": {"kv_channels": 16, "intermediate_size": 256},  # Qwen 1 halves intermediate_size per projection
+    "step3p5": {"num_attention_groups": 2, "share_expert_dim": 64},
+    "phi3small": {"dense_attention_every_n_layers": 2, "gegelu_limit": 20.0},
+    "recurrent_gemma": {"attention_bias": False, "conv1d_width": 4, "logits_soft_cap": 30.0,
+                        "num_hidden_layers": 3, "block_types": ["recurrent", "recurrent", "attention"]},
+    "rwkv7": {"a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 16, "decay_low_rank_dim": 8},
+    "solar_open": {**_MOE_SHARED, "routed_scaling_factor": 1.0, "partial_rotary_factor": 1.0},
+    "stablelm": {"use_qkv_bias": False, "partial_rotary_factor": 0.25},
+}
+
+# Families of the installed mlx-lm that specd does not serve, and why.
+NOT_SERVED: dict[str, str] = {
+    "olmo": "mlx-lm's module imports the ai2-olmo package (OLMo 1), which neither mlx-lm nor specd installs; "
+            "mlx_lm.server cannot load it either. OLMo 2, OLMo 3 and OLMo Hybrid are served.",
+}
+# Families that a Mac may serve but MLX's CPU backend cannot run, and why: untested off Metal.
+METAL_ONLY = {
+    "bitnet": "its forward runs a Metal kernel (mx.fast.metal_kernel) only",
+    "muse_spark": "its forward runs Metal kernels only",
+    "phi3small": "mlx_lm.generate alone aborts the process on MLX's CPU backend (glibc: corrupted size vs. "
+                 "prev_size)",
+}
+# Families whose checkpoints carry something a tiny model cannot be forged with, and what.
+UNFORGEABLE = {"prism_hadamard_qwen35": "its checkpoints carry a Hadamard rotation pack (schema 2) that mlx-lm "
+                                        "reads from the weights; the forge cannot make one"}
+
+# Modules of mlx_lm.models that hold no model family.
+_NOT_FAMILIES = {"activations", "base", "bitlinear_layers", "cache", "gated_delta", "mla", "pipeline",
+                 "rope_utils", "ssm", "switch_layers"}
+
+
+def model_types() -> list[str]:
+    """Every model family the installed mlx-lm ships (its ``mlx_lm.models`` modules)."""
+    import mlx_lm.models
+
+    return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__) if m.name not in _NOT_FAMILIES)
+
+
+def served_families() -> list[str]:
+    """The families specd serves: every one mlx-lm ships but ``NOT_SERVED``."""
+    return [m for m in model_types() if m not in NOT_SERVED]
+
+
+# Multimodal wrappers whose text model is another family's (the rest define TextArgs or TextConfig).
+_TEXT_FAMILIES = {"gemma4": "gemma4_text", "lfm2-vl": "lfm2", "pixtral": "llama", "qwen2_vl": "qwen2", "qwen3_vl": "qwen3",
+                  "qwen3_vl_moe": "qwen3_moe", "prism_hadamard_qwen35": "qwen3_5"}
+
+
+def family_config(family: str) -> dict:
+    """The config.json of ``family``'s tiny model: hand-written in ``FAMILIES``, else
+    built from its ModelArgs (and, for a wrapper, its text model's under ``text_config``):
+    ``TINY`` sizes for the fields it has, then ``SHAPES``."""
+    if family in FAMILIES:
+        return copy.deepcopy(FAMILIES[family])
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    config = {"model_type": family, **_COMMON, **_TOKENS, "tie_word_embeddings": False, **_tiny(module.ModelArgs)}
+    shape = copy.deepcopy(SHAPES.get(family, {}))
+    if "text_config" in {f.name for f in dataclasses.fields(module.ModelArgs)}:
+        inner = _TEXT_FAMILIES.get(family)
+        if inner is not None:
+            text = {k: v for k, v in family_config(inner).items() if k != "architectures"}
+        else:
+            text_args = getattr(module, "TextArgs", None) or module.TextConfig
+            text = {"model_type": f"{family}_text", **_COMMON, "tie_word_embeddings": False, **_tiny(text_args)}
+        config["text_config"] = {**text, **shape.pop("text_config", {})}
+    return {**config, **shape}
+
+
+def _tiny(args: type) -> dict:
+    """``TINY``'s sizes for the fields the ModelArgs class ``args`` has."""
+    fields = {f.name for f in dataclasses.fields(args)}
+    return {k: v for k, v in TINY.items() if k in fields}
+
+
 def build(
     family: str,
     out_dir: Path | str,
@@ -764,7 +978,7 @@ def build(
     ``quantize_model`` (and the family's own quant predicate), which also
     writes the ``quantization`` entries into config.json.
     """
-    config = copy.deepcopy(FAMILIES[family])
+    config = family_config(family)
     _check_vocab(config, Path(tokenizer_dir))
     model = make_model(config, seed)
     if quantization is not None:
@@ -795,25 +1009,29 @@ def make_model(config: dict, seed: int = 0) -> nn.Module:
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)  # the vectors (SSM A_log, biases) keep mlx-lm's own init
     model = model_class(args_class.from_dict(copy.deepcopy(config)))  # from_dict mutates
-    tied = _text(config).get("tie_word_embeddings", True)  # Hugging Face's default
+    tied = not any(name.endswith(_HEADS) for name, _ in tree_flatten(model.parameters()))
     weights = _init_weights(model, seed, tied)
-    if tied:
-        weights = {k: v for k, v in weights.items() if not k.endswith("lm_head.weight")}
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
-    head = _FINAL_NORMS if tied else ("lm_head.weight",)
+    head = _FINAL_NORMS if tied else _HEADS
     _scale_logits(model, head, _text(config)["vocab_size"], seed)
     return model
 
 
+# An untied head's weight, per family (InternLM 2 calls it ``output``).
+_HEADS = ("lm_head.weight", "output.weight", "lm_head.linear.weight", "lm_head")
 # The norm the last hidden state goes through before the head, per family.
 _FINAL_NORMS = (
     "model.norm.weight",
     "model.embedding_norm.weight",
     "norm_f.weight",
     "final_layernorm.weight",
+    "ln_f.weight",
+    "output_norm.weight",
+    "final_layer_norm.weight",
+    "transformer.norm.weight",
 )
 
 
