@@ -21,9 +21,11 @@ rows are selected and merged as sequences leave and join.
 A model whose forward cannot take rows at different positions at all runs
 row by row over mlx-lm's own caches (``RowwiseCache``): Llama 4 (its
 chunked-attention mask and its NoPE layers' temperature read one offset for
-the whole batch) and DeepSeek V4 (one ``start_pos`` for the batch's sliding
+the whole batch), DeepSeek V4 (one ``start_pos`` for the batch's sliding
 window, compressor and indexer; its ``LayerCache`` cannot be trimmed, so a
-row rolls back by restoring its caches and running its kept tokens again).
+row rolls back by restoring its caches and running its kept tokens again),
+and any model whose rows, decoded together, are found at its first cache to
+differ from each row alone (``runs_row_by_row``).
 """
 
 from __future__ import annotations
@@ -406,7 +408,7 @@ def make_row_cache(model: nn.Module, left_padding: list[int],
                    prefixes: list[RowPrefix | None] | None = None) -> BatchRowCache | RowwiseCache:
     """The model's own caches (``make_prompt_cache``), each batched with rows
     left-padded by ``left_padding`` (and starting from ``prefixes``), or row
-    by row for chunked attention; refuses kinds that cannot batch."""
+    by row (``runs_row_by_row``); refuses kinds that cannot batch."""
     if runs_row_by_row(model):
         if prefixes and any(prefixes):
             raise ValueError("a row-by-row cache starts from no cached prefix")
