@@ -8,6 +8,12 @@ Sliding windows (8 tokens) and Llama 4's attention chunks (16) are small, so
 a 40-80 token request wraps them. Every vocabulary is the forge test
 tokenizer's, so any sampled id decodes.
 
+Every other family the installed mlx-lm ships (``model_types``) gets a config
+built from its ``ModelArgs`` (``family_config``): ``TINY`` sizes for the
+fields it has, then its ``SHAPES`` entry, so a family mlx-lm adds is built
+and tested without a hand-written config; ``NOT_SERVED``, ``METAL_ONLY`` and
+``UNFORGEABLE`` say which cannot be, and why.
+
 ``build`` goes through mlx-lm's own machinery (model lookup, ``sanitize``,
 ``quantize_model``, ``save_model``, ``save_config``), so a built directory
 loads with ``mlx_lm.load`` exactly like an mlx-community checkpoint.
@@ -933,8 +939,8 @@ def served_families() -> list[str]:
 
 
 # Multimodal wrappers whose text model is another family's (the rest define TextArgs or TextConfig).
-_TEXT_FAMILIES = {"gemma4": "gemma4_text", "lfm2-vl": "lfm2", "pixtral": "llama", "qwen2_vl": "qwen2", "qwen3_vl": "qwen3",
-                  "qwen3_vl_moe": "qwen3_moe", "prism_hadamard_qwen35": "qwen3_5"}
+_TEXT_FAMILIES = {"gemma4": "gemma4_text", "lfm2-vl": "lfm2", "pixtral": "llama", "qwen2_vl": "qwen2",
+                  "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe", "prism_hadamard_qwen35": "qwen3_5"}
 
 
 def family_config(family: str) -> dict:
