@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from conftest import code_sample, free_port, model_manifest, run_engine
-from specd.core.cache import make_row_cache, padding_leaks
+from specd.core.cache import make_row_cache, padding_leaks, runs_row_by_row
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
@@ -130,12 +130,23 @@ def test_a_family_whose_padding_leaks_into_its_rows_prefills_them_alone(family_m
     assert set(run_engine(leaking, tokenizer, groups, max_batch_size=4)) == {1}
 
 
+def test_families_whose_rows_decode_differently_together_run_row_by_row(family_models):
+    """Gemma 2 and AFM 7 read positions from the batch's width and gpt_bigcode takes one offset
+    for the batch, so two rows decoded together are wrong (or raise); the probe finds them, and
+    Gemma 2 served row by row keeps parity with mlx-lm, speculating too."""
+    flagged = {f: runs_row_by_row(load_model(str(family_models(f)))[0])
+               for f in ("gemma2", "afm7", "gpt_bigcode", "llama", "qwen3_next", "gemma3_text")}
+    assert flagged == {"gemma2": True, "afm7": True, "gpt_bigcode": True,
+                       "llama": False, "qwen3_next": False, "gemma3_text": False}, flagged
+    check_family(family_models("gemma2"))
+
+
 @pytest.mark.parametrize("family", [f for f in served_families() if f not in FAMILIES])
 def test_every_other_family_mlx_lm_ships_loads_and_batches(family, family_models):
     """Each family outside the parity matrix, as a tiny model built from its ModelArgs (and its
     checkpoints' shapes) and loaded with mlx_lm.load, runs in specd's row caches: a short prompt
-    left-padded beside a longer one gives the logits it gives alone, or the family is one whose
-    padding leaks (and prefills alone)."""
+    left-padded beside a longer one gives the logits it gives alone (row by row where the load
+    probe found batching inexact), or the family is one whose padding leaks (and prefills alone)."""
     if family in METAL_ONLY and not mx.metal.is_available():
         pytest.skip(METAL_ONLY[family])
     if family in UNFORGEABLE:
