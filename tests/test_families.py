@@ -42,9 +42,13 @@ _ids = itertools.count()
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    """Three code prompts of different lengths, one repetitive so n-gram lookup finds matches."""
+    """Four prompts of different lengths: three code snippets, one repetitive so n-gram
+    lookup finds matches, and one holding each distinct token of the code sample once,
+    far longer than a window, so a short row prefilled beside it is padding for many
+    chunks and nearly any token a random model writes was seen before (prompt lookup
+    proposes, and is mostly rejected, whatever the family)."""
     ids = tokenizer.encode(code_sample("speculation"))
-    return [ids[:11], ids[300:322], ids[40:52] * 3]
+    return [ids[:11], ids[300:322], ids[40:52] * 3, list(dict.fromkeys(ids))]
 
 
 def reference(model, tokenizer, prompt: list[int]) -> list[int]:
@@ -89,11 +93,11 @@ def check_family(path: Path, draft_path: Path | None = None) -> None:
     expected = [reference(model, tokenizer, p) for p in batch]
     assert staggered(model, tokenizer, batch) == expected, "batched spec-off differs from mlx-lm alone"
     assert staggered(model, tokenizer, batch, NGRAM) == expected, "n-gram speculation changed the output"
-    assert staggered(model, tokenizer, batch, [NGRAM, None, NGRAM]) == expected, "a mixed batch changed it"
+    assert staggered(model, tokenizer, batch, [NGRAM, None, NGRAM, None]) == expected, "a mixed batch changed it"
     if draft_path is not None:
         draft, _ = load_model(str(draft_path))
         for drafter in (draft, model):  # mostly rejected, then always accepted
-            mixed = [DRAFT, NGRAM, None]
+            mixed = [DRAFT, NGRAM, None, DRAFT]
             assert staggered(model, tokenizer, batch, DRAFT, drafter) == expected, "draft speculation changed it"
             assert staggered(model, tokenizer, batch, mixed, drafter) == expected, "a mixed batch changed it"
 
@@ -142,22 +146,27 @@ def test_families_whose_rows_decode_differently_together_run_row_by_row(family_m
 
 
 @pytest.mark.parametrize("family", [f for f in served_families() if f not in FAMILIES])
-def test_every_other_family_mlx_lm_ships_loads_and_batches(family, family_models):
-    """Each family outside the parity matrix, as a tiny model built from its ModelArgs (and its
-    checkpoints' shapes) and loaded with mlx_lm.load, runs in specd's row caches: a short prompt
-    left-padded beside a longer one gives the logits it gives alone (row by row where the load
-    probe found batching inexact), or the family is one whose padding leaks (and prefills alone)."""
+def test_every_other_family_mlx_lm_ships_batches_exactly_and_speculates_losslessly(family, family_models, forged):
+    """Each family outside the hand-written matrix, as a tiny model built from its ModelArgs
+    (and its checkpoints' shapes) and loaded with mlx_lm.load: a short prompt left-padded
+    beside a longer one gives the logits it gives alone (row by row where the load probe
+    found batching inexact; skipped for a family whose padding leaks, which prefills alone),
+    and a staggered batch mixing n-gram, no speculation and a draft model (the forge's
+    Llama, mostly rejected) gives each row mlx-lm's own greedy tokens, windows wrapping."""
     if family in METAL_ONLY and not mx.metal.is_available():
         pytest.skip(METAL_ONLY[family])
     if family in UNFORGEABLE:
         pytest.skip(UNFORGEABLE[family])
-    model, _ = load_model(str(family_models(family)))
-    short, longer = [2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12]
-    alone = make_row_cache(model, [0]).forward(model, mx.array([short]))[0, -1]
-    if padding_leaks(model):
-        return
-    batched = make_row_cache(model, [3, 0]).forward(model, mx.array([[0] * 3 + short, longer]))[0, -1]
-    assert mx.allclose(alone, batched, atol=1e-3, rtol=1e-4).item(), mx.abs(alone - batched).max().item()
+    model, tokenizer = load_model(str(family_models(family)))
+    if not padding_leaks(model):
+        short, longer = [2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12]
+        alone = make_row_cache(model, [0]).forward(model, mx.array([short]))[0, -1]
+        batched = make_row_cache(model, [3, 0]).forward(model, mx.array([[0] * 3 + short, longer]))[0, -1]
+        assert mx.allclose(alone, batched, atol=1e-3, rtol=1e-4).item(), mx.abs(alone - batched).max().item()
+    batch = prompts(tokenizer)
+    expected = [reference(model, tokenizer, p) for p in batch]
+    draft, _ = load_model(str(forged / "draft"))
+    assert staggered(model, tokenizer, batch, [NGRAM, None, DRAFT, NGRAM], draft) == expected
 
 
 def test_every_family_named_is_one_mlx_lm_ships():

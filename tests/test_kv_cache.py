@@ -93,3 +93,34 @@ def test_sliding_window_sees_the_last_positions_through_rollbacks_and_evictions(
             kept[b] += new[b][: width - r]
         widest = max(widest, cache._idx)
     assert widest <= 2 * window + SpeculativeKVCache.EVICT_SLACK + 4
+
+
+def test_a_windowed_prefill_group_keeps_the_padding_of_prompts_that_start_in_a_later_chunk():
+    """A short prompt prefilled beside a much longer one is all padding for
+    the first chunks; evicting between chunks (the long row outgrows the
+    window) must keep the short row's padding still to be written, or its
+    own tokens would attend to those padding columns."""
+    window, chunk, lengths = 4, 5, [40, 3, 12]
+    width = max(lengths)
+    cache = SpeculativeKVCache([width - n for n in lengths], window=window)
+    counter = iter(range(1, 10**6))
+    prompts = [[0.0] * (width - n) + [float(next(counter)) for _ in range(n)] for n in lengths]
+    evicted = False
+    for start in range(0, width, chunk):
+        if cache.needs_eviction():
+            cache.evict()
+            evicted = True
+        end = min(width, start + chunk)
+        mask = np.array(cache.make_mask(end - start, return_array=True))  # (B, 1, N, _idx + N)
+        keys = np.array(cache.keys[:, 0, : cache._idx, 0]) if cache.keys is not None else np.zeros((3, 0))
+        block = np.array([p[start:end] for p in prompts], dtype=np.float32)
+        for b, n in enumerate(lengths):
+            for j in range(end - start):
+                position = start + j
+                if position < width - n:
+                    continue  # a padding query: what it sees is never read
+                seen = keys[b][mask[b, 0, j, : cache._idx]].tolist() + [
+                    block[b][i] for i in range(end - start) if mask[b, 0, j, cache._idx + i]]
+                assert seen == prompts[b][width - n: position + 1][-window:], (start, b, j)
+        cache.update_and_fetch(mx.array(block[:, None, :, None]), mx.array(block[:, None, :, None]))
+    assert evicted

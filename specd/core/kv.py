@@ -121,14 +121,16 @@ class SpeculativeKVCache(BatchKVCache):
 
     def _gather(self, live: mx.array) -> None:
         """Keep each row's ``live`` columns, right-aligned in order, and drop
-        the padding every row has in front."""
+        the padding every row has in front.  A row of a prefill group whose
+        prompt starts in a later chunk keeps the padding still to be written."""
         n = self._idx
+        unwritten = mx.maximum(self.left_padding - n, 0)
         order = mx.argsort(live.astype(mx.int32) * n + mx.arange(n)[None, :], axis=1)  # dead first, live in order
         index = order[:, None, :, None]
         self.keys = mx.take_along_axis(self.keys[..., :n, :], index, axis=2)
         self.values = mx.take_along_axis(self.values[..., :n, :], index, axis=2)
-        self.left_padding = n - live.sum(axis=1)
-        front = int(self.left_padding.min().item())
+        self.left_padding = n - live.sum(axis=1) + unwritten
+        front = min(int(self.left_padding.min().item()), n)
         self.keys, self.values = self.keys[..., front:, :], self.values[..., front:, :]
         self._idx -= front
         self.left_padding = self.left_padding - front
