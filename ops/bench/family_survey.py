@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,6 +95,7 @@ class MlxLmServer:
         self.proc = None
         self.base = ""
         self.starts = 0
+        self.processes = contextlib.ExitStack()
 
     async def ensure(self, session: aiohttp.ClientSession) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -99,15 +103,13 @@ class MlxLmServer:
         port = anchor.free_port()
         spec = anchor.mlx_lm_spec(self.default_model, port, prompt_cache=True, backlog=64)
         self.log = self.workdir / f"mlx_lm-{self.starts}.log"
-        self.context = anchor.running(spec, self.env, self.log)
-        self.proc = self.context.__enter__()
+        self.proc = self.processes.enter_context(anchor.running(spec, self.env, self.log))
         self.base, self.starts = f"http://127.0.0.1:{port}", self.starts + 1
         await anchor.wait_ready(session, self.base, spec, self.proc, self.log)
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.context.__exit__(None, None, None)
-            self.proc = None
+        self.processes.close()
+        self.proc = None
 
     async def texts(self, session: aiohttp.ClientSession, model: Path) -> list[str]:
         await self.ensure(session)
@@ -125,9 +127,26 @@ class MlxLmServer:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             died = self.proc.poll() is not None
             self.stop()
-            raised = [line for line in anchor.log_tail(self.log, 40).splitlines() if "Error" in line]
-            cause = " <- ".join(dict.fromkeys(line.strip() for line in reversed(raised))) if raised else f"{type(e).__name__}: {e}"
+            raised = [line.strip() for line in anchor.log_tail(self.log, 400).splitlines()
+                      if re.match(r"\s*\w+(Error|Exception): ", line) and "generation thread died" not in line]
+            cause = raised[0] if raised else f"{type(e).__name__}: {e}"
             raise RuntimeError(f"{'the server died' if died else 'connection dropped'}: {cause}") from None
+
+
+def build_model(family: str, root: Path) -> Path:
+    """The family's tiny model; a Metal-only family is built in a child process,
+    since its forward (which building runs) may corrupt this one's heap on the CPU."""
+    out = root / family
+    if family not in METAL_ONLY:
+        return build(family, out, root / "forge" / "target", seed=0)
+    script = ("import sys; from specd.forge.families import build; "
+              "build(sys.argv[1], sys.argv[2], sys.argv[3], seed=0)")
+    done = subprocess.run([sys.executable, "-c", script, family, str(out), str(root / "forge" / "target")],
+                          capture_output=True, text=True, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise ChildProcessError(lines[-1])  # the child's own exception line
+    return out
 
 
 def verdict(texts: list[str] | str, expected: list[str] | None) -> str:
@@ -143,7 +162,7 @@ async def attempt(coroutine) -> list[str] | str:
     try:
         return await coroutine
     except Exception as e:  # a family's failure is this survey's finding
-        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return f"error: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
 
 
 async def survey(families: list[str], root: Path) -> list[dict[str, Any]]:
@@ -160,9 +179,10 @@ async def survey(families: list[str], root: Path) -> list[dict[str, Any]]:
                     rows.append(row)
                     continue
                 try:
-                    path = build(family, root / family, root / "forge" / "target", seed=0)
+                    path = build_model(family, root)
                 except Exception as e:
-                    row["skipped"] = f"cannot be built: {type(e).__name__}: {e}"[:200]
+                    what = str(e) if isinstance(e, ChildProcessError) else f"{type(e).__name__}: {e}"
+                    row["skipped"] = f"cannot be built: {what}"[:200]
                     rows.append(row)
                     continue
                 expected, model, tokenizer = None, None, None
