@@ -327,12 +327,106 @@ def test_anthropic_thinking_blocks(claude):
     assert [b.type for b in off.content] == ["text"] and off.content[0].text
 
 
+def test_anthropic_requests_as_claude_code_sends_them(claude, chat_models):
+    """Claude Code's request shapes: ``thinking`` adaptive thinks like enabled,
+    ``output_config.effort`` reaches the template as its reasoning effort (max
+    as high), a system message inside ``messages`` is rendered where it
+    stands, and ``cache_control`` marks change nothing."""
+    hermes, harmony = load_tokenizer(chat_models["hermes"]), load_tokenizer(chat_models["harmony"])
+    adaptive = claude.messages.create(model="hermes", messages=USER, max_tokens=16, thinking={"type": "adaptive"},
+                                      extra_body={"temperature": 0})
+    enabled = claude.messages.create(model="hermes", messages=USER, max_tokens=16,
+                                     thinking={"type": "enabled"},
+                                     extra_body={"temperature": 0})
+    assert [b.type for b in adaptive.content] == ["thinking", "text"]
+    assert adaptive.content[0].thinking == enabled.content[0].thinking
+    for effort, rendered in (("low", "low"), ("high", "high"), ("max", "high")):
+        counted = claude.messages.count_tokens(model="harmony", messages=USER, extra_body={
+            "output_config": {"effort": effort}})
+        prompt = harmony.apply_chat_template(USER, add_generation_prompt=True, reasoning_effort=rendered)
+        assert f"Reasoning: {rendered}" in harmony.decode(prompt) and counted.input_tokens == len(prompt)
+    agent = [*USER, {"role": "assistant", "content": "On it."},
+             {"role": "system", "content": "The user prefers Celsius."}, {"role": "user", "content": "And Rome?"}]
+    counted = claude.messages.count_tokens(model="hermes", messages=agent)
+    prompt = hermes.apply_chat_template(agent, add_generation_prompt=True)
+    assert counted.input_tokens == len(prompt) and "The user prefers Celsius." in hermes.decode(prompt)
+    marked = [{"role": "user", "content": [{"type": "text", "text": USER[0]["content"],
+                                            "cache_control": {"type": "ephemeral"}}]}]
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    assert claude.messages.count_tokens(model="hermes", messages=marked, system=system).input_tokens == \
+        claude.messages.count_tokens(model="hermes", messages=USER, system="Be brief.").input_tokens
+
+
+def test_anthropic_clear_thinking_keeps_the_newest_turns_thinking(claude, chat_models):
+    """``context_management``'s clear_thinking edit, as Claude Code sends it:
+    earlier turns' thinking stays out of the prompt but the ``keep`` newest
+    (one by default), and the reply reports the turns and tokens it cleared."""
+    hermes = load_tokenizer(chat_models["hermes"])
+
+    def turn(i: int) -> list[dict]:
+        return [{"role": "user", "content": f"Question {i}?"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": f"Pondering number {i}.",
+                                                   "signature": ""}, {"type": "text", "text": f"Answer {i}."}]}]
+    conversation = turn(1) + turn(2) + turn(3) + [{"role": "user", "content": "Question 4?"}]
+
+    def rendered(kept: set[int]) -> list[int]:
+        messages = []
+        for m in conversation:
+            if isinstance(m["content"], str):
+                messages.append(m)
+                continue
+            i = int(m["content"][1]["text"].split()[1].rstrip("."))
+            message = {"role": "assistant", "content": m["content"][1]["text"]}
+            if i in kept:
+                message["reasoning_content"] = m["content"][0]["thinking"]
+            messages.append(message)
+        return hermes.apply_chat_template(messages, add_generation_prompt=True)
+
+    for keep, kept in ((None, {3}), ({"type": "thinking_turns", "value": 2}, {2, 3}), ("all", {1, 2, 3}),
+                       ({"type": "thinking_turns", "value": 0}, set())):
+        edit = {"type": "clear_thinking_20251015", **({} if keep is None else {"keep": keep})}
+        body = {"context_management": {"edits": [edit]}}
+        counted = claude.messages.count_tokens(model="hermes", messages=conversation, extra_body=body)
+        assert counted.input_tokens == len(rendered(kept)), keep
+        message = claude.messages.create(model="hermes", messages=conversation, max_tokens=4, extra_body={
+            **body, "temperature": 0})
+        applied = message.model_extra["context_management"]["applied_edits"]
+        cleared = 3 - len(kept)
+        assert applied == ([{"type": "clear_thinking_20251015", "cleared_thinking_turns": cleared,
+                             "cleared_input_tokens": len(rendered({1, 2, 3})) - len(rendered(kept))}]
+                           if cleared else []), keep
+    plain = claude.messages.count_tokens(model="hermes", messages=conversation)
+    assert plain.input_tokens == len(rendered(set()))  # without the edit, no earlier thinking is replayed
+
+
+def test_anthropic_streams_report_cache_reads(claude):
+    """A repeated prompt reads its prefix from the cache: the stream's
+    ``message_start`` and ``message_delta`` report it as the whole reply does."""
+    long_user = [{"role": "user", "content": "Tell me about the weather in Paris. " * 20}]
+    claude.messages.create(model="hermes", messages=long_user, max_tokens=2, extra_body={"temperature": 0})
+    whole = claude.messages.create(model="hermes", messages=long_user, max_tokens=2, extra_body={"temperature": 0})
+    assert whole.usage.cache_read_input_tokens > 0
+    with claude.messages.stream(model="hermes", messages=long_user, max_tokens=2,
+                                extra_body={"temperature": 0}) as stream:
+        events = list(stream)
+    start = next(e for e in events if e.type == "message_start").message.usage
+    delta = next(e for e in events if e.type == "message_delta").usage
+    for usage in (start, delta):
+        assert usage.cache_read_input_tokens == whole.usage.cache_read_input_tokens
+        assert usage.input_tokens == whole.usage.input_tokens
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management.edits.0.type"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": 3}]}},
+     "context_management.edits.0.keep"),
 ])
 def test_anthropic_bad_tool_requests_are_refused(claude, body, param):
     with pytest.raises(anthropic.BadRequestError) as err:

@@ -41,7 +41,11 @@ For each function call, return a json object with function name and arguments wi
 {{ m.content }}
 </tool_response><|im_end|>
 {% else %}<|im_start|>{{ m.role }}
-{{ m.content or '' }}{% for tool_call in m.tool_calls or [] %}{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content or '' }}{% for tool_call in m.tool_calls or [] %}{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}
 <tool_call>
 {"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
 </tool_call>{% endfor %}<|im_end|>

@@ -7,6 +7,13 @@ the same grammar, and the output is split into thinking, text and
 ``tool_use`` blocks, whole or as Anthropic's streaming events.  Errors take
 Anthropic's shape (the app's middleware, by path).  Images, documents and
 server tools are refused by name.
+
+What Claude Code sends is implemented: ``thinking`` adaptive (the template
+thinks, as enabled), ``output_config.effort`` (the template's
+``reasoning_effort``), ``context_management``'s ``clear_thinking`` edit
+(earlier turns' thinking is left out of the prompt, all but the ``keep``
+newest), system messages inside ``messages`` (rendered where they stand), and
+``cache_control`` marks (accepted: the prefix cache needs no marks).
 """
 
 from __future__ import annotations
@@ -26,8 +33,13 @@ from .openai import Completion, ParsedRequest, engine_named, integer_field, numb
 routes = web.RouteTableDef()
 # what /v1/messages reads (``seed`` is specd's extension); anything else gets a 400 that names it
 FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice", "thinking", "metadata", "service_tier", "seed"}
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+          "tools", "tool_choice", "thinking", "metadata", "service_tier", "seed", "context_management",
+          "output_config"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "context_management",
+                "output_config"}
+# output_config.effort as the chat templates' reasoning_effort (they know low, medium and high)
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
+CLEAR_THINKING = "clear_thinking_20251015"
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
@@ -58,10 +70,12 @@ def _blocks(content: Any, path: str) -> list[dict]:
     return content
 
 
-def _chat(body: dict) -> list[dict]:
-    """The conversation as chat-template messages: system first, a user's
-    ``tool_result`` blocks as tool messages, an assistant's ``tool_use``
-    blocks as its tool calls (earlier thinking is not replayed)."""
+def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int]:
+    """The conversation as chat-template messages, and how many assistant turns'
+    thinking was left out: system first, system messages in ``messages`` where
+    they stand, a user's ``tool_result`` blocks as tool messages, an assistant's
+    ``tool_use`` blocks as its tool calls, and the thinking of its
+    ``keep_thinking`` newest turns that have some as ``reasoning_content``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: must be a non-empty list", "messages")
@@ -69,11 +83,15 @@ def _chat(body: dict) -> list[dict]:
     if body.get("system") is not None:
         out.append({"role": "system", "content": _text(body["system"], "system")})
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results
+    thinking_turns = []  # (message, its thinking) of each assistant turn that has some
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_request("each message needs a role of user or assistant", f"messages[{i}].role")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad_request("each message needs a role of user, assistant or system", f"messages[{i}].role")
         path = f"messages[{i}].content"
-        text, calls, results = [], [], 0
+        if m["role"] == "system":
+            out.append({"role": "system", "content": _text(m.get("content"), path)})
+            continue
+        text, calls, results, thinking = [], [], 0, []
         for j, block in enumerate(_blocks(m.get("content"), path)):
             where, kind = f"{path}[{j}]", block["type"]
             if kind == "tool_result" and m["role"] == "user":
@@ -93,8 +111,11 @@ def _chat(body: dict) -> list[dict]:
                 names[call_id] = block["name"]
                 calls.append({"id": call_id, "type": "function",
                               "function": {"name": block["name"], "arguments": block.get("input", {})}})
-            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                continue
+            elif kind == "thinking" and m["role"] == "assistant":
+                if isinstance(block.get("thinking"), str) and block["thinking"]:
+                    thinking.append(block["thinking"])
+            elif kind == "redacted_thinking" and m["role"] == "assistant":
+                continue  # encrypted by another server: nothing this model can read
             else:
                 text.append(_text_block(block, where))
         if text or calls or not results:  # a user turn of tool results alone is those results
@@ -102,7 +123,72 @@ def _chat(body: dict) -> list[dict]:
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
-    return out
+            if thinking:
+                thinking_turns.append((message, "".join(thinking)))
+    kept = thinking_turns[len(thinking_turns) - keep_thinking:] if keep_thinking else []
+    for message, thinking in kept:
+        message["reasoning_content"] = thinking
+    return out, len(thinking_turns) - len(kept)
+
+
+def _thinking_kept(body: dict) -> int | None:
+    """How many of the newest assistant turns keep their thinking in the prompt,
+    if ``context_management`` has a ``clear_thinking`` edit: its ``keep`` (one
+    turn by default, as Anthropic's; ``"all"``: every turn).  None without one:
+    then no earlier thinking is replayed."""
+    value = body.get("context_management")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("edits", []), list):
+        raise bad_request("context_management: must be an object with a list of 'edits'", "context_management")
+    for key in value:
+        if key != "edits":
+            raise bad_request(f"context_management.{str(key)[:64]}: extra inputs are not permitted",
+                              f"context_management.{str(key)[:64]}")
+    kept = None
+    for i, edit in enumerate(value.get("edits", [])):
+        where = f"context_management.edits.{i}"
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if kind != CLEAR_THINKING:
+            raise bad_request(f"{where}.type: {kind!r} is not supported; specd implements {CLEAR_THINKING!r}",
+                              f"{where}.type")
+        for key in edit:
+            if key not in ("type", "keep"):
+                raise bad_request(f"{where}.{str(key)[:64]}: extra inputs are not permitted",
+                                  f"{where}.{str(key)[:64]}")
+        keep = edit.get("keep", {"type": "thinking_turns", "value": 1})
+        if keep == "all":
+            kept = len(body.get("messages") or [])
+        elif (isinstance(keep, dict) and keep.get("type") == "thinking_turns" and set(keep) == {"type", "value"}
+              and isinstance(keep["value"], int) and not isinstance(keep["value"], bool) and keep["value"] >= 0):
+            kept = keep["value"]
+        else:
+            raise bad_request(f"{where}.keep: must be 'all' or {{'type': 'thinking_turns', 'value': n}}",
+                              f"{where}.keep")
+    return kept
+
+
+def _template_kwargs(body: dict) -> dict:
+    """``thinking`` (enabled or adaptive: the template thinks; disabled: it does
+    not) and ``output_config.effort``, as chat-template variables."""
+    kwargs = {}
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "adaptive", "disabled"):
+            raise bad_request("thinking.type: must be enabled, adaptive or disabled", "thinking.type")
+        kwargs["enable_thinking"] = thinking["type"] != "disabled"
+    config = body.get("output_config")
+    if config is not None:
+        if not isinstance(config, dict):
+            raise bad_request("output_config: must be an object", "output_config")
+        for key in config:
+            if key != "effort":
+                where = f"output_config.{str(key)[:64]}"
+                raise bad_request(f"{where}: not supported by specd (it implements output_config.effort)", where)
+        if config.get("effort") not in EFFORTS:
+            raise bad_request("output_config.effort: must be low, medium, high or max", "output_config.effort")
+        kwargs["reasoning_effort"] = EFFORTS[config["effort"]]
+    return kwargs
 
 
 def _tools(body: dict) -> list[Tool]:
@@ -125,9 +211,11 @@ def _tools(body: dict) -> list[Tool]:
     return tools
 
 
-def _turn(engine, body: dict) -> ChatTurn:
+def _turn(engine, body: dict) -> tuple[ChatTurn, dict | None]:
     """The prompt and what its output may hold: ``tool_choice`` auto (the
-    default), none, any (some call) or tool (that one)."""
+    default), none, any (some call) or tool (that one); and, when the request
+    asked for context management, the edits applied (the thinking turns left
+    out and the prompt tokens that saved)."""
     tools = _tools(body)
     choice = body.get("tool_choice") or {"type": "auto"}
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -140,14 +228,17 @@ def _turn(engine, body: dict) -> ChatTurn:
         callable_tools = [t for t in tools if t.name == choice.get("name")]
         if not callable_tools:
             raise bad_request(f"tool_choice.name: no tool named {choice.get('name')!r}", "tool_choice.name")
-    kwargs = {}
-    thinking = body.get("thinking")
-    if thinking is not None:
-        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
-            raise bad_request("thinking.type: must be enabled or disabled", "thinking.type")
-        kwargs["enable_thinking"] = thinking["type"] == "enabled"
-    prompt = render_chat(engine.tokenizer, engine.name, _chat(body), tools, kwargs)
-    return ChatTurn(prompt, callable_tools, kind in ("any", "tool"), not choice.get("disable_parallel_tool_use"))
+    kwargs, keep = _template_kwargs(body), _thinking_kept(body)
+    messages, cleared = _chat(body, keep or 0)
+    prompt = render_chat(engine.tokenizer, engine.name, messages, tools, kwargs)
+    turn = ChatTurn(prompt, callable_tools, kind in ("any", "tool"), not choice.get("disable_parallel_tool_use"))
+    if body.get("context_management") is None:
+        return turn, None
+    if keep is None or not cleared:
+        return turn, {"applied_edits": []}
+    whole = render_chat(engine.tokenizer, engine.name, _chat(body, len(body["messages"]))[0], tools, kwargs)
+    return turn, {"applied_edits": [{"type": CLEAR_THINKING, "cleared_thinking_turns": cleared,
+                                     "cleared_input_tokens": len(whole) - len(prompt)}]}
 
 
 def _checked(body: Any, fields: set[str]) -> dict:
@@ -180,10 +271,9 @@ def _parse(body: dict) -> ParsedRequest:
     return ParsedRequest(model, stream, False, max_tokens, tuple(stop), params, None)
 
 
-def _usage(out: StepOutput | None, prompt: int) -> dict:
-    cached = out.cached_tokens if out is not None else 0
-    return {"input_tokens": prompt - cached, "output_tokens": out.completion_tokens if out is not None else 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+def _usage(out: StepOutput, prompt: int) -> dict:
+    return {"input_tokens": prompt - out.cached_tokens, "output_tokens": out.completion_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": out.cached_tokens}
 
 
 def _stop(out: StepOutput, called: bool) -> tuple[str, str | None]:
@@ -215,11 +305,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = _checked(await read_json(request), FIELDS)
     parsed = _parse(body)
     engine = engine_named(request, parsed.model)
-    turn = await off_loop(lambda: _turn(engine, body))
+    turn, edits = await off_loop(lambda: _turn(engine, body))
     completion = await off_loop(lambda: Completion(engine, parsed, turn.prompt, turn))
     message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": engine.name}
+    managed = {} if edits is None else {"context_management": edits}
     if parsed.stream:
-        return await _stream(request, completion, message, len(turn.prompt))
+        return await _stream(request, completion, message, len(turn.prompt), managed)
     text, last = [], None
     async for _, out in completion.merged():
         text.append(out.text)
@@ -227,7 +318,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     delta = completion.splitters[0].feed("".join(text), finished=True)
     reason, sequence = _stop(last, bool(delta.tool_calls))
     return web.json_response({**message, "content": _content_blocks(delta), "stop_reason": reason,
-                              "stop_sequence": sequence, "usage": _usage(last, len(turn.prompt))})
+                              "stop_sequence": sequence, "usage": _usage(last, len(turn.prompt)), **managed})
 
 
 class _Blocks:
@@ -269,9 +360,12 @@ class _Blocks:
                 "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}})
 
 
-async def _stream(request: web.Request, completion: Completion, message: dict, prompt: int) -> web.StreamResponse:
-    """Anthropic's event stream: message_start, each content block's start,
-    deltas and stop, message_delta (stop reason, output tokens), message_stop."""
+async def _stream(request: web.Request, completion: Completion, message: dict, prompt: int,
+                  managed: dict) -> web.StreamResponse:
+    """Anthropic's event stream: message_start (its usage counts the prompt's
+    cached tokens, known once the request is admitted), each content block's
+    start, deltas and stop, message_delta (stop reason, the whole usage, the
+    context edits applied), message_stop."""
     outputs = completion.merged()
     first = await anext(outputs)  # admission errors surface as a plain HTTP error
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -282,9 +376,9 @@ async def _stream(request: web.Request, completion: Completion, message: dict, p
 
     blocks, splitter = _Blocks(send), completion.splitters[0]
     try:
-        await send("message_start", {"message": {**message, "content": [], "stop_reason": None,
-                                                 "stop_sequence": None, "usage": _usage(None, prompt)}})
         last = first[1]
+        await send("message_start", {"message": {**message, "content": [], "stop_reason": None,
+                                                 "stop_sequence": None, "usage": _usage(last, prompt)}})
         await blocks.add(splitter.feed(last.text, finished=last.finish_reason is not None))
         async for _, out in outputs:
             await blocks.add(splitter.feed(out.text, finished=out.finish_reason is not None))
@@ -293,9 +387,8 @@ async def _stream(request: web.Request, completion: Completion, message: dict, p
             await blocks.start("text", {"type": "text", "text": ""})
         await blocks.close()
         reason, sequence = _stop(last, blocks.called)
-        usage = _usage(last, prompt)
         await send("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                     "usage": {"output_tokens": usage["output_tokens"]}})
+                                     "usage": _usage(last, prompt), **managed})
         await send("message_stop", {})
         await response.write_eof()
     except APIError as err:
@@ -311,5 +404,6 @@ async def _stream(request: web.Request, completion: Completion, message: dict, p
 async def count_tokens(request: web.Request) -> web.Response:
     body = _checked(await read_json(request), COUNT_FIELDS)
     engine = engine_named(request, body["model"])
-    turn = await off_loop(lambda: _turn(engine, body))
-    return web.json_response({"input_tokens": len(turn.prompt)})
+    turn, edits = await off_loop(lambda: _turn(engine, body))
+    return web.json_response({"input_tokens": len(turn.prompt), **({} if edits is None else
+                                                                   {"context_management": edits})})
