@@ -1,6 +1,6 @@
 """Anthropic's Messages API: ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
-Served by the same engine path as the OpenAI routes (``openai.Completion``):
+Served by the same engine path as the OpenAI routes (``completion.EngineRun``):
 the conversation (text, ``tool_use`` and ``tool_result`` blocks) is rendered
 through the model's chat template, ``tool_choice`` any/tool forces a call by
 the same grammar, and the output is split into thinking, text and
@@ -28,7 +28,7 @@ from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import ChatTurn, Delta, Tool, render_chat
 from .errors import APIError, bad_request
-from .openai import Completion, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
+from .completion import EngineRun, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
 
 routes = web.RouteTableDef()
 # what /v1/messages reads (``seed`` is specd's extension); anything else gets a 400 that names it
@@ -306,8 +306,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     parsed = _parse(body)
     engine = engine_named(request, parsed.model)
     turn, edits = await off_loop(lambda: _turn(engine, body))
-    completion = await off_loop(lambda: Completion(engine, parsed, turn.prompt, turn))
-    message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": engine.name}
+    completion = await off_loop(lambda: EngineRun(engine, parsed, turn.prompt, turn, "msg_" + uuid.uuid4().hex))
+    message = {"id": completion.id, "type": "message", "role": "assistant", "model": engine.name}
     managed = {} if edits is None else {"context_management": edits}
     if parsed.stream:
         return await _stream(request, completion, message, len(turn.prompt), managed)
@@ -360,7 +360,7 @@ class _Blocks:
                 "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}})
 
 
-async def _stream(request: web.Request, completion: Completion, message: dict, prompt: int,
+async def _stream(request: web.Request, completion: EngineRun, message: dict, prompt: int,
                   managed: dict) -> web.StreamResponse:
     """Anthropic's event stream: message_start (its usage counts the prompt's
     cached tokens, known once the request is admitted), each content block's

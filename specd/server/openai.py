@@ -2,37 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, replace
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any
 
 from aiohttp import web
 
 from ..api.manifest import MAX_SPECULATIVE_TOKENS
-from ..control.registry import ModelNotFound, ModelNotReady
-from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
-from ..engine.scheduler import RequestRejected
 from ..core.sampling import SamplingParams
-from ..core.request import GenerationRequest, StepOutput, TokenLogprob
-from ..core.request import Method, SpeculationConfig
-from ..core.grammar import GrammarError, check_grammar, grammar_tokenizer, json_schema_grammar
-from .chat import (ChatTurn, Delta, call_grammar, parse_tool_choice, parse_tools, render_chat, splitter,
-                   template_kwargs, template_tool_calls)
-from .bodies import BodyError, json_body
-from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
+from ..core.request import Method, StepOutput, TokenLogprob
+from .chat import ChatTurn, Delta, parse_tool_choice, parse_tools, render_chat, template_kwargs, template_tool_calls
+from .completion import EngineRun, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
+from .errors import APIError, bad_request, model_not_found
 from .keys import REGISTRY
 
 routes = web.RouteTableDef()
-T = TypeVar("T")
-# Rendering templates and tokenizing run here, off the event loop (the tokenizers release the GIL), so
-# /healthz and /metrics answer whatever one request carries; one thread, as a fast tokenizer's
-# settings are not safe to change from two at once.
-_PREPARE = ThreadPoolExecutor(1, thread_name_prefix="specd-prepare")
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_CHOICES = 16  # n
@@ -56,42 +42,6 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p"
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    model: str
-    stream: bool
-    include_usage: bool
-    max_tokens: int | None
-    stop: tuple[str, ...]
-    params: SamplingParams
-    speculation: dict | None  # the request's own {"method", "num_speculative_tokens"}
-    n: int = 1  # choices, each its own request (they share the prompt's prefill through the prefix cache)
-    response_format: dict | None = None  # a JSON schema ({} for any JSON object) the output must match
-
-
-def number_field(body: dict, key: str, lo: float, hi: float, default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"'{key}' must be a number", key)
-    if not lo <= value <= hi:
-        raise bad_request(f"'{key}' must be between {lo} and {hi}, got {value}", key)
-    return float(value)
-
-
-def integer_field(body: dict, key: str, lo: int, hi: int | None = None, prefix: str = "") -> int | None:
-    value, param = body.get(key), prefix + key
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{param}' must be an integer", param)
-    if value < lo or (hi is not None and value > hi):
-        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise bad_request(f"'{param}' must be {bound}, got {value}", param)
-    return value
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -214,16 +164,6 @@ def _speculation(body: dict) -> dict | None:
     return {"method": method, "num_speculative_tokens": k}
 
 
-def speculation_for(engine: ServingEngine, asked: dict | None) -> SpeculationConfig | None:
-    """The request's speculation, filling what it left out from the model's pairing."""
-    if asked is None:
-        return None
-    default = engine.speculation
-    k = asked["num_speculative_tokens"] or default.num_speculative_tokens
-    return SpeculationConfig(asked["method"], k, default.ngram_min, default.ngram_max, default.tree_top_k,
-                             default.tree_tokens)
-
-
 def _message_text(content: Any, index: int) -> str:
     if content is None:
         return ""
@@ -273,26 +213,6 @@ def chat_turn(engine: ServingEngine, body: dict) -> ChatTurn:
     return ChatTurn(prompt, callable_tools if mode != "none" else [], mode == "required", parallel)
 
 
-def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn | None) -> str | None:
-    """The grammar the output must match: a forced tool call, or ``response_format``'s JSON."""
-    forced = turn is not None and turn.forced
-    if forced and parsed.response_format is not None:
-        raise bad_request("'response_format' cannot constrain a required tool call", "response_format")
-    if not forced and parsed.response_format is None:
-        return None
-    where = "tools" if forced else "response_format.json_schema.schema"
-    try:
-        if forced:
-            grammar = call_grammar(engine.tokenizer, turn.tools, turn.parallel)
-        else:
-            grammar = json_schema_grammar(parsed.response_format)
-        tokenizer = grammar_tokenizer(engine.tokenizer, engine.vocab_size, engine.tokenizer.eos_token_ids)
-        check_grammar(grammar, tokenizer)
-    except GrammarError as err:
-        raise bad_request(f"cannot enforce this schema: {err}", where) from None
-    return grammar
-
-
 def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -307,106 +227,21 @@ def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
     raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
 
 
-async def off_loop(fn: Callable[[], T]) -> T:
-    """``fn()`` on the preparing thread (its exceptions raised here)."""
-    return await asyncio.get_running_loop().run_in_executor(_PREPARE, fn)
-
-
-def engine_named(request: web.Request, name: str) -> ServingEngine:
-    registry = request.app[REGISTRY]
-    try:
-        return registry.engine(name)
-    except ModelNotFound:
-        raise model_not_found(name) from None
-    except ModelNotReady as err:
-        raise unavailable(str(err)) from None
-
-
-async def read_json(request: web.Request) -> Any:
-    try:
-        return await json_body(request)
-    except BodyError as err:
-        raise APIError(err.status, err.message, "invalid_request_error", err.param,
-                       "invalid_value" if err.param else None) from None
-
-
 def _token_text(engine: ServingEngine, token: int) -> tuple[str, list[int]]:
     """A token's text and UTF-8 bytes, as OpenAI's logprobs report them."""
     text = engine.tokenizer.decode([token])
     return text, list(text.encode())
 
 
-class Completion:
-    """Runs one request (``n`` engine requests, one per choice) against an
-    engine and renders it in OpenAI's shape."""
+class Completion(EngineRun):
+    """An engine run rendered in OpenAI's shape."""
 
     def __init__(self, engine: ServingEngine, parsed: ParsedRequest, prompt: list[int], turn: ChatTurn | None):
-        chat = turn is not None
-        self.engine, self.parsed, self.chat = engine, parsed, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        prefix = "chatcmpl-" if turn is not None else "cmpl-"
+        super().__init__(engine, parsed, prompt, turn, prefix + uuid.uuid4().hex)
         self.created = int(time.time())
-        limit = engine.max_context - len(prompt)
-        max_tokens = min(parsed.max_tokens or limit, max(limit, 1))
-        speculation = speculation_for(engine, parsed.speculation)
-        grammar = request_grammar(engine, parsed, turn)
-        seed = parsed.params.seed
-        # a seeded request gives each choice its own seed, so choices differ and are reproducible
-        self.requests = [GenerationRequest(self.id if parsed.n == 1 else f"{self.id}-{i}", prompt,
-                                           parsed.params if seed is None else replace(parsed.params,
-                                                                                      seed=(seed + i) % 2**63),
-                                           max_tokens, parsed.stop, speculation, grammar)
-                         for i in range(parsed.n)]
-        try:
-            engine.check_prompt(self.requests[0])
-        except RequestRejected as err:
-            field = "messages" if chat and err.field == "prompt" else err.field
-            raise bad_request(str(err), field) from None
         self.text_offset = [0] * parsed.n
-        # each chat choice's text split into content, reasoning and tool calls
-        self.splitters = [splitter(engine.tokenizer, prompt, turn.tools, turn.forced)
-                          for _ in range(parsed.n)] if chat else []
         self.calls_made = [0] * parsed.n
-
-    async def outputs(self, index: int) -> AsyncIterator[StepOutput]:
-        try:
-            async for out in self.engine.generate(self.requests[index]):
-                if out.error:
-                    raise APIError(500, out.error, "server_error", None, "engine_error")
-                yield out
-        except EngineOverloaded as err:
-            raise overloaded(str(err)) from None
-        except EngineUnavailable as err:
-            raise unavailable(str(err)) from None
-
-    async def merged(self) -> AsyncIterator[tuple[int, StepOutput]]:
-        """Every choice's outputs as they come, tagged with the choice's index."""
-        if self.parsed.n == 1:
-            async for out in self.outputs(0):
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int) -> None:
-            try:
-                async for out in self.outputs(index):
-                    await queue.put((index, out, None))
-            except Exception as err:  # handed to the consumer, raised there
-                await queue.put((index, None, err))
-            await queue.put((index, None, None))
-        tasks = [asyncio.ensure_future(pump(i)) for i in range(self.parsed.n)]
-        try:
-            running = len(tasks)
-            while running:
-                index, out, err = await queue.get()
-                if err is not None:
-                    raise err
-                if out is None:
-                    running -= 1
-                    continue
-                yield index, out
-        finally:
-            for task in tasks:
-                task.cancel()
 
     def logprobs(self, items: list[TokenLogprob] | None, index: int = 0) -> dict | None:
         if items is None:

@@ -1,0 +1,193 @@
+"""What every API's completion shares: the engine a request names, the
+fields all APIs parse alike, and the run of its engine requests.
+
+The OpenAI routes (``openai``) and Anthropic's (``anthropic``) translate
+their request and response shapes only; this module holds the rest, so a
+field means the same thing under every API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+from aiohttp import web
+
+from ..control.registry import ModelNotFound, ModelNotReady
+from ..core.grammar import GrammarError, check_grammar, grammar_tokenizer, json_schema_grammar
+from ..core.request import GenerationRequest, SpeculationConfig, StepOutput
+from ..core.sampling import SamplingParams
+from ..engine.engine import EngineOverloaded, EngineUnavailable
+from ..engine.interface import ServingEngine
+from ..engine.scheduler import RequestRejected
+from .bodies import BodyError, json_body
+from .chat import ChatTurn, call_grammar, splitter
+from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
+from .keys import REGISTRY
+
+T = TypeVar("T")
+# Rendering templates and tokenizing run here, off the event loop (the tokenizers release the GIL), so
+# /healthz and /metrics answer whatever one request carries; one thread, as a fast tokenizer's
+# settings are not safe to change from two at once.
+_PREPARE = ThreadPoolExecutor(1, thread_name_prefix="specd-prepare")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    params: SamplingParams
+    speculation: dict | None  # the request's own {"method", "num_speculative_tokens"}
+    n: int = 1  # choices, each its own request (they share the prompt's prefill through the prefix cache)
+    response_format: dict | None = None  # a JSON schema ({} for any JSON object) the output must match
+
+
+def number_field(body: dict, key: str, lo: float, hi: float, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{key}' must be a number", key)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{key}' must be between {lo} and {hi}, got {value}", key)
+    return float(value)
+
+
+def integer_field(body: dict, key: str, lo: int, hi: int | None = None, prefix: str = "") -> int | None:
+    value, param = body.get(key), prefix + key
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{param}' must be an integer", param)
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise bad_request(f"'{param}' must be {bound}, got {value}", param)
+    return value
+
+
+def speculation_for(engine: ServingEngine, asked: dict | None) -> SpeculationConfig | None:
+    """The request's speculation, filling what it left out from the model's pairing."""
+    if asked is None:
+        return None
+    default = engine.speculation
+    k = asked["num_speculative_tokens"] or default.num_speculative_tokens
+    return SpeculationConfig(asked["method"], k, default.ngram_min, default.ngram_max, default.tree_top_k,
+                             default.tree_tokens)
+
+
+def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn | None) -> str | None:
+    """The grammar the output must match: a forced tool call, or ``response_format``'s JSON."""
+    forced = turn is not None and turn.forced
+    if forced and parsed.response_format is not None:
+        raise bad_request("'response_format' cannot constrain a required tool call", "response_format")
+    if not forced and parsed.response_format is None:
+        return None
+    where = "tools" if forced else "response_format.json_schema.schema"
+    try:
+        if forced:
+            grammar = call_grammar(engine.tokenizer, turn.tools, turn.parallel)
+        else:
+            grammar = json_schema_grammar(parsed.response_format)
+        tokenizer = grammar_tokenizer(engine.tokenizer, engine.vocab_size, engine.tokenizer.eos_token_ids)
+        check_grammar(grammar, tokenizer)
+    except GrammarError as err:
+        raise bad_request(f"cannot enforce this schema: {err}", where) from None
+    return grammar
+
+
+async def off_loop(fn: Callable[[], T]) -> T:
+    """``fn()`` on the preparing thread (its exceptions raised here)."""
+    return await asyncio.get_running_loop().run_in_executor(_PREPARE, fn)
+
+
+def engine_named(request: web.Request, name: str) -> ServingEngine:
+    registry = request.app[REGISTRY]
+    try:
+        return registry.engine(name)
+    except ModelNotFound:
+        raise model_not_found(name) from None
+    except ModelNotReady as err:
+        raise unavailable(str(err)) from None
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        return await json_body(request)
+    except BodyError as err:
+        raise APIError(err.status, err.message, "invalid_request_error", err.param,
+                       "invalid_value" if err.param else None) from None
+
+
+class EngineRun:
+    """One request of any API against an engine: ``n`` engine requests (one
+    per choice) sharing the prompt, their outputs as they come, and each chat
+    choice's text split into reasoning, content and tool calls."""
+
+    def __init__(self, engine: ServingEngine, parsed: ParsedRequest, prompt: list[int], turn: ChatTurn | None,
+                 request_id: str):
+        chat = turn is not None
+        self.engine, self.parsed, self.chat, self.id = engine, parsed, chat, request_id
+        limit = engine.max_context - len(prompt)
+        max_tokens = min(parsed.max_tokens or limit, max(limit, 1))
+        speculation = speculation_for(engine, parsed.speculation)
+        grammar = request_grammar(engine, parsed, turn)
+        seed = parsed.params.seed
+        # a seeded request gives each choice its own seed, so choices differ and are reproducible
+        self.requests = [GenerationRequest(request_id if parsed.n == 1 else f"{request_id}-{i}", prompt,
+                                           parsed.params if seed is None else replace(parsed.params,
+                                                                                      seed=(seed + i) % 2**63),
+                                           max_tokens, parsed.stop, speculation, grammar)
+                         for i in range(parsed.n)]
+        try:
+            engine.check_prompt(self.requests[0])
+        except RequestRejected as err:
+            field = "messages" if chat and err.field == "prompt" else err.field
+            raise bad_request(str(err), field) from None
+        self.splitters = [splitter(engine.tokenizer, prompt, turn.tools, turn.forced)
+                          for _ in range(parsed.n)] if chat else []
+
+    async def outputs(self, index: int) -> AsyncIterator[StepOutput]:
+        try:
+            async for out in self.engine.generate(self.requests[index]):
+                if out.error:
+                    raise APIError(500, out.error, "server_error", None, "engine_error")
+                yield out
+        except EngineOverloaded as err:
+            raise overloaded(str(err)) from None
+        except EngineUnavailable as err:
+            raise unavailable(str(err)) from None
+
+    async def merged(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Every choice's outputs as they come, tagged with the choice's index."""
+        if self.parsed.n == 1:
+            async for out in self.outputs(0):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            try:
+                async for out in self.outputs(index):
+                    await queue.put((index, out, None))
+            except Exception as err:  # handed to the consumer, raised there
+                await queue.put((index, None, err))
+            await queue.put((index, None, None))
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(self.parsed.n)]
+        try:
+            running = len(tasks)
+            while running:
+                index, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    running -= 1
+                    continue
+                yield index, out
+        finally:
+            for task in tasks:
+                task.cancel()
