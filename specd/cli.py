@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from .control.watcher import ManifestDirectory
     from .metrics import Metrics
     from .server.app import create_app
+    from .server.response_store import ResponseStore
 
     manifests = None
     args.state_dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
     app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
-                     cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes)
+                     cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
+                     stored_responses=ResponseStore(args.state_dir / "responses.db"))
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
 

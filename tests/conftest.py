@@ -197,3 +197,36 @@ def two_sample_chi2(a_tokens: list[int], b_tokens: list[int]) -> tuple[float, fl
     dof = len(a) - 1
     limit = dof * (1 - 2 / (9 * dof) + 3.09 * np.sqrt(2 / (9 * dof))) ** 3
     return stat, float(limit), dof
+
+
+@pytest.fixture(scope="module")
+def chat_models(forged, tmp_path_factory):
+    """The forged target in each tool-call family's chat conventions (``specd.forge.chat``)."""
+    from specd.forge.chat import STYLES, chat_variant
+
+    root = tmp_path_factory.mktemp("chat")
+    return {style: chat_variant(forged / "target", root / style, style) for style in STYLES} | {
+        "hermes-draft": chat_variant(forged / "draft", root / "hermes-draft", "hermes")}
+
+
+@pytest.fixture(scope="module")
+def chat_daemon(chat_models, tmp_path_factory):
+    """A daemon serving one model per tool-call format; ``hermes-spec`` is paired with a draft model."""
+    from specd.forge.chat import STYLES
+
+    pairing = textwrap.dedent(f"""\
+        apiVersion: specd.dev/v1alpha1
+        kind: DraftPairing
+        metadata:
+          name: hermes-spec-draft
+        spec:
+          targetRef: hermes-spec
+          method: draft
+          source: {chat_models["hermes-draft"]}
+          numSpeculativeTokens: 3
+        """)
+    manifests = [model_manifest(style, chat_models[style]) for style in STYLES]
+    manifests += [model_manifest("hermes-spec", chat_models["hermes"]), pairing]
+    daemon = start_daemon(tmp_path_factory.mktemp("chat-daemon"), {"models.yaml": "---\n".join(manifests)})
+    yield daemon
+    daemon.stop()

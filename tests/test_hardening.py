@@ -131,6 +131,10 @@ SURROGATE_CASES = [
      "messages[1].content[0].input.q"),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "user", "content": LONE}]},
      "messages[0].content"),
+    ("/v1/responses", {"model": "tiny", "input": LONE}, "input"),
+    ("/v1/responses", {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_text", "text": LONE}]}]},
+     "input[0].content[0].text"),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "instructions": LONE}, "instructions"),
     (ADMIN + "/apply", {"items": [{"apiVersion": "specd.dev/v1alpha1", "kind": "SpecPolicy",
                                    "metadata": {"name": "lone"}, "spec": {"selector": {}, "mode": LONE}}]},
      "items[0].spec.mode"),
@@ -443,7 +447,7 @@ def test_fuzzed_completion_bodies_never_5xx(daemon, prompt, extra):
 @FUZZ
 @given(raw=st.binary(max_size=200) | text(200).map(lambda t: t.encode("utf-8", "surrogatepass")))
 def test_fuzzed_raw_bytes_never_5xx(daemon, raw):
-    for route in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"):
         status, body, _ = post(daemon.url + route, raw)
         assert 400 <= status < 500, (route, status, body[:200])
 
@@ -459,6 +463,23 @@ def test_fuzzed_anthropic_bodies_never_5xx(daemon, body):
     assert status < 500, (status, raw[:300])
     if status >= 400:
         assert json.loads(raw)["type"] == "error"
+
+
+@FUZZ
+@given(body=st.fixed_dictionaries({"model": st.just("tiny"), "max_output_tokens": st.integers(-1, 3)}, optional={
+    "input": JSON_VALUES | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"]),
+         "role": st.sampled_from(["user", "assistant", "developer", "x"])},
+        optional={"content": JSON_VALUES, "call_id": JSON_VALUES, "name": JSON_VALUES, "arguments": JSON_VALUES,
+                  "output": JSON_VALUES, "encrypted_content": JSON_VALUES}), max_size=3),
+    "instructions": JSON_VALUES, "tools": JSON_VALUES, "tool_choice": JSON_VALUES, "text": JSON_VALUES,
+    "reasoning": JSON_VALUES, "include": JSON_VALUES, "store": JSON_VALUES, "previous_response_id": JSON_VALUES,
+    "stream": JSON_VALUES, "temperature": JSON_VALUES, "junk": JSON_VALUES}))
+def test_fuzzed_responses_bodies_never_5xx(daemon, body):
+    status, raw = send_fuzzed(daemon.url + "/v1/responses", body)
+    assert status < 500, (status, raw[:300])
+    if status >= 400:
+        assert "error" in json.loads(raw)
 
 
 MANIFESTS = st.fixed_dictionaries({

@@ -6,7 +6,6 @@ prompt, and reasoning is split from content."""
 from __future__ import annotations
 
 import json
-import textwrap
 
 import anthropic
 import jsonschema
@@ -14,8 +13,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from conftest import model_manifest, start_daemon
-from specd.forge.chat import STYLES, chat_variant
+from specd.forge.chat import STYLES
 from specd.server.chat import HarmonySplitter, OutputSplitter, Tool
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -33,34 +31,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "ok": {"type": "boolean"}},
           "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def chat_models(forged, tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    return {style: chat_variant(forged / "target", root / style, style) for style in STYLES} | {
-        "hermes-draft": chat_variant(forged / "draft", root / "hermes-draft", "hermes")}
-
-
-@pytest.fixture(scope="module")
-def chat_daemon(chat_models, tmp_path_factory):
-    """A daemon serving one model per tool-call format; ``hermes-spec`` is paired with a draft model."""
-    pairing = textwrap.dedent(f"""\
-        apiVersion: specd.dev/v1alpha1
-        kind: DraftPairing
-        metadata:
-          name: hermes-spec-draft
-        spec:
-          targetRef: hermes-spec
-          method: draft
-          source: {chat_models["hermes-draft"]}
-          numSpeculativeTokens: 3
-        """)
-    manifests = [model_manifest(style, chat_models[style]) for style in STYLES]
-    manifests += [model_manifest("hermes-spec", chat_models["hermes"]), pairing]
-    daemon = start_daemon(tmp_path_factory.mktemp("chat-daemon"), {"models.yaml": "---\n".join(manifests)})
-    yield daemon
-    daemon.stop()
 
 
 @pytest.fixture(scope="module")

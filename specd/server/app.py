@@ -14,10 +14,11 @@ from ..control.reconciler import Reconciler
 from ..control.watcher import ManifestDirectory
 from ..dist.group import with_engine_metrics
 from ..engine.engine import return_freed_memory
-from . import admin, anthropic, openai
+from . import admin, anthropic, openai, responses
 from .access import api_access, cors_headers
 from .errors import APIError
-from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, REGISTRY, STARTED, STORE
+from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, REGISTRY, RESPONSES, STARTED, STORE
+from .response_store import ResponseStore
 
 log = structlog.get_logger(__name__)
 routes = web.RouteTableDef()
@@ -95,13 +96,17 @@ async def return_freed_memory_every(seconds: float) -> None:
 
 def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = None,
                admin_token: str | None = None, drain_grace: float = 30.0, api_keys: tuple[bytes, ...] = (),
-               cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
+               cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
+               stored_responses: ResponseStore | None = None) -> web.Application:
     """App factory.  The reconciler starts after the server listens, so
-    ``/healthz`` and ``/readyz`` answer while weights load."""
+    ``/healthz`` and ``/readyz`` answer while weights load.  Stored Responses
+    live in ``stored_responses`` (the daemon's is in its state directory;
+    without one they last as long as the app)."""
     app = web.Application(middlewares=[request_context, api_access, admin.admin_guard],
                           client_max_size=max_body_bytes)
     app[REGISTRY] = reconciler.registry
     app[STORE] = reconciler.store
+    app[RESPONSES] = stored_responses if stored_responses is not None else ResponseStore()
     app[API_KEYS] = api_keys
     app[CORS_ORIGINS] = cors_origins
     app.on_response_prepare.append(cors_headers)
@@ -111,6 +116,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
     app.add_routes(routes)
     app.add_routes(openai.routes)
     app.add_routes(anthropic.routes)
+    app.add_routes(responses.routes)
     app.add_routes(admin.routes)
 
     async def control_plane(app: web.Application):
@@ -127,6 +133,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
         await asyncio.gather(*tasks, return_exceptions=True)
         await reconciler.registry.shutdown(drain_grace)
         reconciler.store.close()
+        app[RESPONSES].close()
 
     app.cleanup_ctx.append(control_plane)
     return app

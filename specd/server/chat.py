@@ -78,8 +78,11 @@ def forced_format(tokenizer) -> str:
 # -- reading a request -------------------------------------------------------------
 
 
-def parse_tools(value: Any) -> list[Tool]:
-    """OpenAI's ``tools``: function tools, each with a JSON-schema ``parameters``."""
+def parse_tools(value: Any, flat: bool = False) -> list[Tool]:
+    """Function tools, each with a JSON-schema ``parameters``: chat's
+    ``{"type": "function", "function": {...}}``, or (``flat``) the Responses
+    API's ``{"type": "function", "name": ...}``.  Other types (hosted tools
+    such as web search) are refused by name: only a client can run them."""
     if value is None:
         return []
     if not isinstance(value, list):
@@ -87,18 +90,23 @@ def parse_tools(value: Any) -> list[Tool]:
     tools = []
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"tools of type {str(kind)[:64]!r} are not supported: specd runs function tools "
+                              "(hosted tools such as web search are the client's to run)", f"{where}.type")
+        function = tool if flat else tool.get("function")
+        if not isinstance(function, dict):
             raise bad_request("each tool must be {\"type\": \"function\", \"function\": {...}}", where)
-        function = tool["function"]
+        at = where if flat else f"{where}.function"
         name = function.get("name")
         if not isinstance(name, str) or not name or len(name) > 64:
-            raise bad_request("a function needs a 'name' of 1 to 64 characters", f"{where}.function.name")
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
+            raise bad_request("a function needs a 'name' of 1 to 64 characters", f"{at}.name")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
-            raise bad_request("'parameters' must be a JSON schema object", f"{where}.function.parameters")
+            raise bad_request("'parameters' must be a JSON schema object", f"{at}.parameters")
         description = function.get("description") or ""
         if not isinstance(description, str):
-            raise bad_request("'description' must be a string", f"{where}.function.description")
+            raise bad_request("'description' must be a string", f"{at}.description")
         tools.append(Tool(name, parameters, description))
     if len({t.name for t in tools}) < len(tools):
         raise bad_request("tool names must be unique", "tools")

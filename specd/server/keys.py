@@ -8,6 +8,7 @@ from aiohttp import web
 
 from ..control.registry import ModelRegistry
 from ..control.store import Store
+from .response_store import ResponseStore
 
 REGISTRY = web.AppKey("registry", ModelRegistry)
 STORE = web.AppKey("store", Store)
@@ -15,3 +16,4 @@ ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configure
 API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open
 CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call the inference routes from
 STARTED = web.AppKey("started", asyncio.Event)
+RESPONSES = web.AppKey("responses", ResponseStore)  # stored Responses (previous_response_id)
