@@ -135,6 +135,27 @@ async def collect(engine, request) -> list[int]:
     return [t async for out in engine.generate(request) for t in out.tokens]
 
 
+def test_a_seeded_request_samples_the_same_whatever_forced_width_a_round_takes(pair):
+    """How many forced tokens a round carries is the cost model's choice, from
+    measured step times (a busy machine changes it); a seeded, sampled request
+    under a grammar gives the same tokens whether every round carries all its
+    forced tokens, none (each comes from a plain step), or one."""
+    model, tokenizer, _ = pair
+    params = SamplingParams(temperature=1.0, seed=11)
+
+    def sampled(width) -> list[int]:
+        def go(engine):
+            speculator = engine.scheduler.speculator
+            speculator._forced_width = lambda drafts, forced: width(drafts, forced)
+            request = GenerationRequest(f"g{next(_ids)}", prompts_of(tokenizer)[0], params, 96, (), None, GRAMMAR)
+            return collect(engine, request)
+        return run_engine(model, tokenizer, go)
+    every = sampled(lambda drafts, forced: max(len(d) for d in drafts))
+    valid(tokenizer, every)
+    assert sampled(lambda drafts, forced: max(len(d) - f for d, f in zip(drafts, forced))) == every
+    assert sampled(lambda drafts, forced: max(len(d) - f for d, f in zip(drafts, forced)) + 1) == every
+
+
 @pytest.mark.parametrize("spec", [DRAFT, NGRAM], ids=["draft", "ngram"])
 def test_sampled_output_under_a_grammar_follows_the_constrained_distribution(pair, spec):
     """Two-sample chi-square on the 2nd..4th tokens (the first comes from

@@ -69,6 +69,14 @@ class Proposal:
         return lengths if self.forced is None else [n - f for n, f in zip(lengths, self.forced)]
 
     @property
+    def forced_only(self) -> list[int]:
+        """Per row, its forced tokens when it proposed nothing else (they are
+        accepted with certainty), else 0."""
+        if self.forced is None:
+            return [0] * len(self.drafts)
+        return [f if d == 0 else 0 for d, f in zip(self.drafted, self.forced)]
+
+    @property
     def width(self) -> int:
         """Proposal columns the verify forward adds to each row."""
         if self.tree is not None:
@@ -376,7 +384,9 @@ class Speculator:
         if sampling:  # only sampling rows need q and randomness
             drafted_q = self._draft_q(proposal, width)
             q = mx.stack([drafted_q[i] if i in drafted_q else point_mass(padded[i], self.vocab) for i in sampling])
-            uniforms, gumbel = self._randomness([seqs[i] for i in sampling], width, [lengths[i] for i in sampling])
+            forced = proposal.forced_only
+            uniforms, gumbel = self._randomness([seqs[i] for i in sampling], width, [lengths[i] for i in sampling],
+                                                [forced[i] for i in sampling])
         verdict = verify(logits, padded, lengths, [s.params for s in seqs], q, uniforms, gumbel)
         self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
 
@@ -409,7 +419,8 @@ class Speculator:
         tree, trees = proposal.tree, proposal.trees
         params = [s.params for s in seqs]
         target = transform_logprobs(logits, params)
-        uniforms, gumbel = self._randomness(seqs, tree.width, [len(t.tokens) for t in trees])
+        uniforms, gumbel = self._randomness(seqs, tree.width, [len(t.tokens) for t in trees],
+                                            proposal.forced_only)
         verdict = accept(target, trees, tree, [p.greedy for p in params], uniforms, gumbel,
                          self._draft_q(proposal, tree.width - 1))
         self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
@@ -471,19 +482,27 @@ class Speculator:
             self.drafted_total += sum(cut)
             self.controller.observe([self.estimates[s] for s in seqs], cut, none, proposal.round.ks)
 
-    def _randomness(self, seqs: list[Sequence], width: int, proposed: list[int]) -> tuple[mx.array, mx.array]:
+    def _randomness(self, seqs: list[Sequence], width: int, proposed: list[int],
+                    forced_only: list[int]) -> tuple[mx.array, mx.array]:
         """Acceptance uniforms and final-draw noise from each sampling row's own
         key.  A row that proposed nothing draws its token with the noise a
         plain step's sampler would use, so a seeded request samples the same
-        whether its batch mates speculate or not."""
+        whether its batch mates speculate or not.  A row that proposed only
+        tokens its grammar forced (``forced_only``: accepted with certainty)
+        first advances its key once per forced token, as the plain steps that
+        would have produced them do: how many forced tokens a round carries
+        is the cost model's choice, from measured step times, and must not
+        change what a seeded request samples."""
         uniforms, gumbel = [], []
-        for s, n in zip(seqs, proposed):
+        for s, n, forced in zip(seqs, proposed, forced_only):
             if s.params.greedy:
                 uniforms.append(mx.zeros((width,)))
                 gumbel.append(mx.zeros((self.vocab,)))
                 continue
+            for _ in range(forced):
+                s.key, _ = mx.random.split(s.key)
             s.key, sub = mx.random.split(s.key)
-            if not n:
+            if not n or n == forced:
                 uniforms.append(mx.zeros((width,)))
                 gumbel.append(mx.random.gumbel(shape=(self.vocab,), key=sub))
                 continue
