@@ -45,6 +45,9 @@ class ParsedRequest:
     speculation: dict | None  # the request's own {"method", "num_speculative_tokens"}
     n: int = 1  # choices, each its own request (they share the prompt's prefill through the prefix cache)
     response_format: dict | None = None  # a JSON schema ({} for any JSON object) the output must match
+    # where the request set it and its schema, as errors name them
+    format_field: str = "response_format"
+    schema_field: str = "response_format.json_schema.schema"
 
 
 def number_field(body: dict, key: str, lo: float, hi: float, default: float) -> float:
@@ -81,13 +84,13 @@ def speculation_for(engine: ServingEngine, asked: dict | None) -> SpeculationCon
 
 
 def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn | None) -> str | None:
-    """The grammar the output must match: a forced tool call, or ``response_format``'s JSON."""
+    """The grammar the output must match: a forced tool call, or the requested JSON (``response_format``)."""
     forced = turn is not None and turn.forced
     if forced and parsed.response_format is not None:
-        raise bad_request("'response_format' cannot constrain a required tool call", "response_format")
+        raise bad_request(f"'{parsed.format_field}' cannot constrain a required tool call", parsed.format_field)
     if not forced and parsed.response_format is None:
         return None
-    where = "tools" if forced else "response_format.json_schema.schema"
+    where = "tools" if forced else parsed.schema_field
     try:
         if forced:
             grammar = call_grammar(engine.tokenizer, turn.tools, turn.parallel)

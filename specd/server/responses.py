@@ -7,7 +7,8 @@ template's conversation; function ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` mean what they mean in chat, a forced call enforced
 by the same grammar; ``text.format`` is enforced through the grammar as
 ``response_format`` is; ``reasoning.effort`` is the template's
-``reasoning_effort``.  The output is split into ``reasoning``, ``message``
+``reasoning_effort`` (``reasoning.summary`` is accepted: the reasoning comes
+back whole, as the item's content).  The output is split into ``reasoning``, ``message``
 and ``function_call`` items, whole or as the events the SDK's
 ``responses.stream()`` parses.
 
@@ -184,6 +185,9 @@ def _text_format(body: dict) -> dict | None:
         return None
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise bad_request("'text' may hold 'format' (and 'verbosity')", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise bad_request("'text.verbosity' other than medium is not supported: a template has no such setting",
+                          "text.verbosity")
     fmt = text.get("format") or {"type": "text"}
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
@@ -224,6 +228,8 @@ def _checked(body: Any) -> dict:
         if value not in INCLUDES:
             raise bad_request(f"include[{i}]: {str(value)[:64]!r} is not supported; specd can include "
                               f"{sorted(INCLUDES)}", f"include[{i}]")
+    if not isinstance(body.get("metadata", {}), dict):
+        raise bad_request("'metadata' must be an object", "metadata")
     for key in ("store", "stream", "parallel_tool_calls"):
         if not isinstance(body.get(key, True), bool):
             raise bad_request(f"'{key}' must be a boolean", key)
@@ -236,7 +242,7 @@ def _parse(body: dict) -> ParsedRequest:
     params = SamplingParams(temperature=number_field(body, "temperature", 0.0, 2.0, 1.0),
                             top_p=number_field(body, "top_p", 0.0, 1.0, 1.0) or 1.0)
     return ParsedRequest(body["model"], body.get("stream", False), False, integer_field(body, "max_output_tokens", 1),
-                         (), params, None, 1, _text_format(body))
+                         (), params, None, 1, _text_format(body), "text.format", "text.format.schema")
 
 
 def _turn(engine, body: dict, earlier: list[dict]) -> tuple[ChatTurn, list[dict]]:
