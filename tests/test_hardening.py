@@ -457,6 +457,8 @@ def test_fuzzed_raw_bytes_never_5xx(daemon, raw):
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
                                                 "content": JSON_VALUES}), max_size=3),
     "system": JSON_VALUES, "tools": JSON_VALUES, "tool_choice": JSON_VALUES, "thinking": JSON_VALUES,
+    "output_config": JSON_VALUES | st.fixed_dictionaries({}, optional={"effort": JSON_VALUES}),
+    "context_management": JSON_VALUES | st.fixed_dictionaries({}, optional={"edits": JSON_VALUES}),
     "stop_sequences": JSON_VALUES, "stream": JSON_VALUES, "temperature": JSON_VALUES, "junk": JSON_VALUES}))
 def test_fuzzed_anthropic_bodies_never_5xx(daemon, body):
     status, raw = send_fuzzed(daemon.url + "/v1/messages", body)
@@ -473,7 +475,8 @@ def test_fuzzed_anthropic_bodies_never_5xx(daemon, body):
         optional={"content": JSON_VALUES, "call_id": JSON_VALUES, "name": JSON_VALUES, "arguments": JSON_VALUES,
                   "output": JSON_VALUES, "encrypted_content": JSON_VALUES}), max_size=3),
     "instructions": JSON_VALUES, "tools": JSON_VALUES, "tool_choice": JSON_VALUES, "text": JSON_VALUES,
-    "reasoning": JSON_VALUES, "include": JSON_VALUES, "store": JSON_VALUES, "previous_response_id": JSON_VALUES,
+    "reasoning": JSON_VALUES | st.fixed_dictionaries({}, optional={"effort": JSON_VALUES, "summary": JSON_VALUES}),
+    "include": JSON_VALUES | st.lists(JSON_VALUES, max_size=2), "store": JSON_VALUES, "previous_response_id": JSON_VALUES,
     "stream": JSON_VALUES, "temperature": JSON_VALUES, "junk": JSON_VALUES}))
 def test_fuzzed_responses_bodies_never_5xx(daemon, body):
     status, raw = send_fuzzed(daemon.url + "/v1/responses", body)

@@ -393,6 +393,7 @@ def test_anthropic_streams_report_cache_reads(claude):
     ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"output_config": {"effort": ["high"]}}, "output_config.effort"),
     ({"output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
     ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management.edits.0.type"),
     ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": 3}]}},

@@ -185,7 +185,7 @@ def _template_kwargs(body: dict) -> dict:
             if key != "effort":
                 where = f"output_config.{str(key)[:64]}"
                 raise bad_request(f"{where}: not supported by specd (it implements output_config.effort)", where)
-        if config.get("effort") not in EFFORTS:
+        if not isinstance(config.get("effort"), str) or config["effort"] not in EFFORTS:
             raise bad_request("output_config.effort: must be low, medium, high or max", "output_config.effort")
         kwargs["reasoning_effort"] = EFFORTS[config["effort"]]
     return kwargs

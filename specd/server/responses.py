@@ -208,7 +208,7 @@ def _template_kwargs(body: dict) -> dict:
     effort = reasoning.get("effort")
     if effort is None:
         return {}
-    if effort not in EFFORTS:
+    if not isinstance(effort, str) or effort not in EFFORTS:
         raise bad_request("'reasoning.effort' must be minimal, low, medium or high", "reasoning.effort")
     return {"reasoning_effort": EFFORTS[effort]}
 
@@ -225,7 +225,7 @@ def _checked(body: Any) -> dict:
     if not isinstance(include, list):
         raise bad_request("'include' must be a list", "include")
     for i, value in enumerate(include):
-        if value not in INCLUDES:
+        if not isinstance(value, str) or value not in INCLUDES:
             raise bad_request(f"include[{i}]: {str(value)[:64]!r} is not supported; specd can include "
                               f"{sorted(INCLUDES)}", f"include[{i}]")
     if not isinstance(body.get("metadata", {}), dict):
