@@ -447,7 +447,7 @@ def test_fuzzed_completion_bodies_never_5xx(daemon, prompt, extra):
 @FUZZ
 @given(raw=st.binary(max_size=200) | text(200).map(lambda t: t.encode("utf-8", "surrogatepass")))
 def test_fuzzed_raw_bytes_never_5xx(daemon, raw):
-    for route in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"):
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings"):
         status, body, _ = post(daemon.url + route, raw)
         assert 400 <= status < 500, (route, status, body[:200])
 
@@ -483,6 +483,17 @@ def test_fuzzed_responses_bodies_never_5xx(daemon, body):
     assert status < 500, (status, raw[:300])
     if status >= 400:
         assert "error" in json.loads(raw)
+
+
+@FUZZ
+@given(body=st.fixed_dictionaries({"model": st.sampled_from(["tiny", "nope"]) | JSON_VALUES}, optional={
+    "input": JSON_VALUES | st.lists(text(20) | st.lists(st.integers(-3, 2000), max_size=4), max_size=3),
+    "encoding_format": JSON_VALUES, "dimensions": JSON_VALUES, "user": JSON_VALUES, "junk": JSON_VALUES}))
+def test_fuzzed_embeddings_bodies_never_5xx(daemon, body):
+    """``tiny`` generates: every body that parses is refused for its model (a 400 naming it)."""
+    status, raw = send_fuzzed(daemon.url + "/v1/embeddings", body)
+    assert 400 <= status < 500, (status, raw[:300])
+    assert "error" in json.loads(raw)
 
 
 MANIFESTS = st.fixed_dictionaries({

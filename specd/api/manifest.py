@@ -21,6 +21,7 @@ NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label,
 MAX_ALIASES = 64  # YAML aliases one manifest may use: enough for shared blocks, never a "billion laughs"
 MAX_EXPANDED_NODES = 100_000  # nodes one document may stand for, aliases expanded (a real one has hundreds)
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+TASKS = ("generate", "embed")  # what a Model serves: completions (chat, Messages, Responses) | /v1/embeddings
 
 
 class ManifestError(ValueError):
@@ -44,6 +45,7 @@ class ModelSpec:
     max_context: int | None = None
     prefill_step_tokens: int = 512
     prefix_cache_max_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
+    task: str = "generate"  # one of TASKS: what the Model serves
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,13 @@ def _optional_str(obj: dict, key: str, path: str) -> str | None:
 
 def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     keys = {"source", "revision", "topologyRef", "maxBatchSize", "maxWaiting", "maxContext",
-            "prefillStepTokens", "prefixCache"}
+            "prefillStepTokens", "prefixCache", "task"}
     _fields(spec, path, keys, {"source"})
+    task = spec.get("task", "generate")
+    if not isinstance(task, str) or task not in TASKS:
+        raise ManifestError(f"must be one of {', '.join(TASKS)}, got {shown(task)}", f"{path}.task")
+    if task == "embed" and "topologyRef" in spec:
+        raise ManifestError("an embedding model runs on one host: it takes no topologyRef", f"{path}.topologyRef")
     prefix_cache = _fields(spec.get("prefixCache", {}), f"{path}.prefixCache", {"maxBytes"})
     source = _optional_str(spec, "source", path)
     defaults = ModelSpec(source=source)
@@ -124,6 +131,7 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         max_context=_positive_int(spec, "maxContext", path, None),
         prefill_step_tokens=_positive_int(spec, "prefillStepTokens", path, defaults.prefill_step_tokens),
         prefix_cache_max_bytes=_byte_size(prefix_cache, "maxBytes", f"{path}.prefixCache"),
+        task=task,
     )
 
 

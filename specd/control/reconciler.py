@@ -105,6 +105,8 @@ class Reconciler:
             served = self.registry.models.get(name)
             if served is not None and served.engine is not None:
                 self._note_faults(served)
+                if served.spec.task == "embed":  # speculation is for generation
+                    continue
                 if spec.topology_ref is None:  # a group's pairing is part of its placement
                     self._reconcile_pairing(served, pairing)
                 self._reconcile_policy(served, obj, policy_specs)
@@ -208,7 +210,8 @@ class Reconciler:
         served.phase, served.reason, served.loading_generation = Phase.READY, "", None
         served.placement, served.retry_at, served.faults_seen = placement, None, 0
         served.load_seconds, served.weight_bytes = time.monotonic() - started, built.weight_bytes
-        served.pairing, served.pairing_error, served.policy = pairing, built.pairing_error, None
+        served.pairing = pairing if spec.task == "generate" else None
+        served.pairing_error, served.policy = built.pairing_error, None
         if built.pairing_error:
             self.store.record_event("DraftPairing", pairing.name, "Warning", "DraftLoadFailed", built.pairing_error)
         self.metrics.model_ready.labels(served.name).set(1)
@@ -294,7 +297,8 @@ class Reconciler:
             self.store.set_status("DraftPairing", name, self._pairing_status(obj, by_target))
         for policy in policy_specs:
             name, obj, spec = policy.name, policies[policy.name], policy.spec
-            selected = sorted(n for n, m in models.items() if spec.selects(m.labels))
+            selected = sorted(n for n, m in models.items()
+                              if spec.selects(m.labels) and m.spec.get("task", "generate") == "generate")
             applied = sorted(n for n, s in self.registry.models.items() if s.policy and s.policy.name == name)
             ok = applied == selected
             self.store.set_status("SpecPolicy", name, {
@@ -342,7 +346,10 @@ class Reconciler:
                                     "mode": served.policy.spec.mode,
                                     "maxSpeculativeTokens": served.policy.spec.max_speculative_tokens,
                                     "enabled": served.policy.spec.enabled}
-        if served.engine is not None:
+        if served.engine is not None and served.spec.task == "embed":
+            status["embedding"] = {"dimensions": served.engine.dimensions, "pooling": served.engine.pooling.mode,
+                                   "normalized": served.engine.pooling.normalize}
+        elif served.engine is not None:
             spec_status = dict(served.engine.speculation_status())
             spec_status.pop("acceptanceRate", None)  # the DraftPairing's status carries it
             status["speculation"] = spec_status
@@ -375,6 +382,8 @@ class Reconciler:
             ok, reason, message = False, "Conflict", f'Model "{spec.target_ref}" already has DraftPairing "{chosen.name}"'
         elif served is None:
             ok, reason, message = False, "TargetNotFound", f'Model "{spec.target_ref}" does not exist (yet)'
+        elif served.spec.task == "embed":
+            ok, reason, message = False, "TargetServesEmbeddings", f'Model "{spec.target_ref}" generates nothing to speculate on'
         elif served.engine is None:
             ok, reason, message = False, "TargetNotReady", f'Model "{spec.target_ref}" is {served.phase.value}'
         elif served.pairing_error and served.pairing and served.pairing.name == obj.name:

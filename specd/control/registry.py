@@ -17,7 +17,8 @@ import structlog
 from mlx.utils import tree_flatten
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
-from ..core.loader import load_model
+from ..core.loader import context_window, load_embedding_model, load_model
+from ..engine.embedder import Embedder, EmbedderConfig
 from ..engine.engine import Engine, load_drafter
 from ..engine.interface import ServingEngine
 from ..engine.scheduler import EngineConfig
@@ -73,7 +74,7 @@ class ServedModel:
     spec: ModelSpec
     phase: Phase = Phase.PENDING
     reason: str = ""
-    engine: ServingEngine | None = None
+    engine: ServingEngine | Embedder | None = None  # an Embedder when spec.task is embed
     load_seconds: float | None = None
     weight_bytes: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -99,6 +100,10 @@ class ModelNotReady(Exception):
     pass
 
 
+class WrongTask(Exception):
+    """The model serves another task (spec.task) than the route asks of it."""
+
+
 @dataclass
 class Built:
     engine: ServingEngine
@@ -111,7 +116,10 @@ def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing 
     """Load weights (and the pairing's drafter) and build an engine ready to start.
 
     A drafter that fails to load or does not match fails the pairing, not the model.
+    An embedding model takes no pairing.
     """
+    if spec.task == "embed":
+        return build_embedder(name, spec, metrics, on_fault)
     model, tokenizer = load_model(spec.source, spec.revision)
     config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
@@ -126,6 +134,16 @@ def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing 
         return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights,
                      f"{type(exc).__name__}: {exc}")
     return Built(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter, on_fault), weights)
+
+
+def build_embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[], None] | None) -> Built:
+    model, tokenizer, pooling = load_embedding_model(spec.source, spec.revision)
+    window = context_window(model, tokenizer)
+    config = EmbedderConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
+                            max_context=min(spec.max_context or window, window),
+                            chunk_tokens=spec.prefill_step_tokens)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return Built(Embedder(name, model, tokenizer, pooling, config, metrics, on_fault), weights)
 
 
 async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairing: Pairing | None,
@@ -148,16 +166,25 @@ class ModelRegistry:
         self.models: dict[str, ServedModel] = {}
 
     def engine(self, name: str) -> ServingEngine:
-        """The engine serving ``name``; raises ModelNotFound or ModelNotReady."""
+        """The engine generating for ``name``; raises ModelNotFound, ModelNotReady or WrongTask."""
+        return self._serving(name, "generate")
+
+    def embedder(self, name: str) -> Embedder:
+        """The embedder serving ``name``; raises ModelNotFound, ModelNotReady or WrongTask."""
+        return self._serving(name, "embed")
+
+    def _serving(self, name: str, task: str):
         served = self.models.get(name)
         if served is None:
             raise ModelNotFound(name)
+        if served.spec.task != task:
+            raise WrongTask(f"model {name!r} serves spec.task {served.spec.task}, not {task}")
         if served.engine is None:
             detail = f": {served.reason}" if served.reason else ""
             raise ModelNotReady(f"model {name!r} is {served.phase.value}{detail}")
         return served.engine
 
-    def engines(self) -> list[ServingEngine]:
+    def engines(self) -> list[ServingEngine | Embedder]:
         return [m.engine for m in self.models.values() if m.engine is not None]
 
     def not_ready(self) -> dict[str, str]:

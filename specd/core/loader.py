@@ -10,6 +10,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
+from .embedding import Pooling, read_pooling
+
 
 def is_local_source(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~")) or Path(source).exists()
@@ -93,6 +95,15 @@ def load_tokenizer(source: str, revision: str | None = None):
                      allow_patterns=["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"])
     config = json.loads((path / "config.json").read_text())
     return mlx_lm_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+def load_embedding_model(source: str, revision: str | None = None) -> tuple[nn.Module, object, Pooling]:
+    """An embedding checkpoint: the model, its tokenizer and its pooling
+    (read from the sentence-transformers files beside the weights)."""
+    from mlx_lm.utils import _download
+
+    model, tokenizer = load_model(source, revision)
+    return model, tokenizer, read_pooling(_download(resolve_source(source), revision))
 
 
 def load_draft_model(source: str, target: nn.Module, target_tokenizer, pairing: str) -> nn.Module:

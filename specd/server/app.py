@@ -14,7 +14,7 @@ from ..control.reconciler import Reconciler
 from ..control.watcher import ManifestDirectory
 from ..dist.group import with_engine_metrics
 from ..engine.engine import return_freed_memory
-from . import admin, anthropic, openai, responses
+from . import admin, anthropic, embeddings, openai, responses
 from .access import api_access, cors_headers
 from .errors import APIError
 from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, REGISTRY, RESPONSES, STARTED, STORE
@@ -117,6 +117,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
     app.add_routes(openai.routes)
     app.add_routes(anthropic.routes)
     app.add_routes(responses.routes)
+    app.add_routes(embeddings.routes)
     app.add_routes(admin.routes)
 
     async def control_plane(app: web.Application):

@@ -15,10 +15,11 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from aiohttp import web
 
-from ..control.registry import ModelNotFound, ModelNotReady
+from ..control.registry import ModelNotFound, ModelNotReady, WrongTask
 from ..core.grammar import GrammarError, check_grammar, grammar_tokenizer, json_schema_grammar
 from ..core.request import GenerationRequest, SpeculationConfig, StepOutput
 from ..core.sampling import SamplingParams
+from ..engine.embedder import Embedder
 from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
 from ..engine.scheduler import RequestRejected
@@ -109,13 +110,24 @@ async def off_loop(fn: Callable[[], T]) -> T:
 
 
 def engine_named(request: web.Request, name: str) -> ServingEngine:
-    registry = request.app[REGISTRY]
+    """The engine generating for the Model ``name``, else the API error that says why not."""
+    return _serving(request.app[REGISTRY].engine, name)
+
+
+def embedder_named(request: web.Request, name: str) -> Embedder:
+    """The embedder of the Model ``name``, else the API error that says why not."""
+    return _serving(request.app[REGISTRY].embedder, name)
+
+
+def _serving(lookup: Callable[[str], T], name: str) -> T:
     try:
-        return registry.engine(name)
+        return lookup(name)
     except ModelNotFound:
         raise model_not_found(name) from None
     except ModelNotReady as err:
         raise unavailable(str(err)) from None
+    except WrongTask as err:
+        raise bad_request(str(err), "model") from None
 
 
 async def read_json(request: web.Request) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from ..api.manifest import MAX_SPECULATIVE_TOKENS
+from ..control.registry import ServedModel
 from ..engine.interface import ServingEngine
 from ..core.sampling import SamplingParams
 from ..core.request import Method, StepOutput, TokenLogprob
@@ -413,9 +414,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
-    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "specd",
-             "status": m.phase.value} for m in registry.models.values()]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_entry(m) for m in registry.models.values()]})
+
+
+def _model_entry(m: ServedModel) -> dict:
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": "specd", "status": m.phase.value,
+            "task": m.spec.task}
 
 
 @routes.get("/v1/models/{name}")
@@ -424,5 +428,4 @@ async def get_model(request: web.Request) -> web.Response:
     m = registry.models.get(request.match_info["name"])
     if m is None:
         raise model_not_found(request.match_info["name"])
-    return web.json_response({"id": m.name, "object": "model", "created": m.created, "owned_by": "specd",
-                              "status": m.phase.value})
+    return web.json_response(_model_entry(m))
