@@ -77,7 +77,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
              objects=len(store.list()))
     app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
                      cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
-                     stored_responses=ResponseStore(args.state_dir / "responses.db"))
+                     stored_responses=ResponseStore(args.state_dir / "responses.db"),
+                     drop_hosted_tools=args.drop_hosted_tools)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
 
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="let browsers on ORIGIN (or *) call the inference routes; repeatable")
     daemon.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
                         help="largest request body accepted (larger: 413)")
+    daemon.add_argument("--drop-hosted-tools", action="store_true",
+                        help="leave hosted tools (web_search, file_search, ...) out of /v1/responses requests "
+                             "instead of answering 400 (Codex CLI sends web_search by default)")
     daemon.set_defaults(func=_daemon)
 
     sub.add_parser("rank", help="one rank of a tensor-parallel group (started by the daemon)").set_defaults(

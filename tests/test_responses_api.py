@@ -73,6 +73,52 @@ def test_forced_function_calls_validate_whole_and_streamed(client, choice):
         c.arguments for c in streamed.output if c.type == "function_call"]
 
 
+NAMESPACED = [{"type": "namespace", "name": "forecast", "description": "Weather tools.", "tools": RESPONSE_TOOLS}]
+
+
+def test_namespaced_tools_are_called_by_name_and_namespace_and_come_back_into_the_prompt(client, chat_models):
+    """Codex's ``namespace`` tools: the template sees ``forecast.get_weather``; a call
+    names its function and its namespace, whole and streamed, and goes back as such."""
+    kwargs = dict(model="hermes", input=QUESTION, tools=NAMESPACED, max_output_tokens=160, temperature=0,
+                  tool_choice={"type": "function", "name": "get_weather", "namespace": "forecast"})
+    whole = client.responses.create(**kwargs)
+    streamed = streamed_events(client, kwargs)[-1].response
+    for response in (whole, streamed):
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert calls and all((c.name, c.namespace) == ("get_weather", "forecast") for c in calls)
+        jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
+    call = next(item for item in whole.output if item.type == "function_call")
+    again = client.responses.create(model="hermes", tools=NAMESPACED, max_output_tokens=2, temperature=0, input=[
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "namespace": call.namespace,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    tokenizer = load_tokenizer(chat_models["hermes"])
+    qualified = [{"type": "function", "function": {**t["function"], "name": f"forecast.{t['function']['name']}",
+                                                   "description": f"Weather tools. {t['function']['description']}"}}
+                 for t in TOOLS]
+    prompt = rendered(tokenizer, [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": "forecast.get_weather", "arguments": json.loads(call.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "name": "forecast.get_weather", "content": "sunny"}], qualified)
+    assert again.usage.input_tokens == len(prompt)
+
+
+def test_hosted_tools_are_left_out_only_when_the_daemon_says_so():
+    from specd.server.chat import parse_tools
+    from specd.server.errors import APIError
+
+    tools = [{"type": "web_search", "external_web_access": False}, RESPONSE_TOOLS[0]]
+    assert [t.name for t in parse_tools(tools, flat=True, drop_hosted=True)] == [RESPONSE_TOOLS[0]["name"]]
+    with pytest.raises(APIError) as err:
+        parse_tools(tools, flat=True)
+    assert err.value.param == "tools[0].type"
+    with pytest.raises(APIError) as err:  # a client-run tool of another kind is still refused by name
+        parse_tools([{"type": "custom", "name": "apply_patch"}], flat=True, drop_hosted=True)
+    assert err.value.param == "tools[0].type"
+
+
 def test_function_call_output_reaches_the_prompt(client, chat_models):
     def turn(result: str):
         return client.responses.create(model="hermes", tools=RESPONSE_TOOLS, max_output_tokens=4, temperature=0,
@@ -156,6 +202,10 @@ def test_encrypted_reasoning_comes_back_into_the_prompt(client):
     ({"truncation": "auto"}, "truncation"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"tools": [{"type": "namespace", "name": "a.b", "tools": []}]}, "tools[0].name"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]}, "tools[0].tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "a.b"}]}]},
+     "tools[0].tools[0].name"),
 ])
 def test_what_specd_cannot_do_is_refused_by_name(client, body, param):
     with pytest.raises(openai.BadRequestError) as err:

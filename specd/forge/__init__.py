@@ -4,7 +4,10 @@ No model hub is reachable, so ``forge`` makes its own models: a byte-level
 BPE tokenizer trained on the Python standard library's sources, and two
 mlx_lm-loadable float32 Llama models sharing it, written to
 ``OUT_DIR/target`` and ``OUT_DIR/draft`` with a summary in
-``OUT_DIR/forge.json``.
+``OUT_DIR/forge.json``; ``OUT_DIR/agent`` is the target with a chat
+template that renders tools (Hermes conventions) and a window wide enough
+for an agent client's prompt, so Claude Code, Codex and OpenCode can be
+tried against it offline.
 
 Presets: ``test`` (random, tiny, deterministic, seconds) and ``demo``
 (trained for about nine minutes; cached by recipe hash).
@@ -24,6 +27,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import llama
+from .chat import chat_variant
 from .presets import BUDGET_ENV, PRESETS, Recipe, get_recipe
 from .tokenizer import EOS, IM_END, save_tokenizer, spread, stdlib_sources, train_tokenizer
 from .train import encode_corpus, evaluate, train, windows
@@ -32,6 +36,8 @@ __all__ = ["forge", "add_arguments", "run", "PRESETS", "BUDGET_ENV"]
 
 MANIFEST = "forge.json"
 MODELS = ("target", "draft")
+AGENT = "agent"
+AGENT_CONTEXT = 65536  # tokens: an agent client's system prompt and tools fit several times over
 
 Log = Callable[[str], None]
 
@@ -54,6 +60,8 @@ def forge(
     digest = recipe.digest(seed)
     if not force and (cached := _load_cached(out_dir, digest)) is not None:
         log(f"forge: {out_dir} already holds {preset} seed {seed} ({digest[:12]}), reusing")
+        if not (out_dir / AGENT / "config.json").is_file():
+            _write_agent(out_dir)
         return _with_paths(cached, out_dir)
 
     start = time.monotonic()
@@ -69,6 +77,7 @@ def forge(
         for name in MODELS:
             shutil.rmtree(out_dir / name, ignore_errors=True)
             (staging / name).rename(out_dir / name)
+        _write_agent(out_dir)
         # Written last: its presence marks a complete forge.
         (out_dir / MANIFEST).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     finally:
@@ -134,6 +143,11 @@ def _build(recipe: Recipe, seed: int, staging: Path, log: Log) -> dict:
     return info
 
 
+def _write_agent(out_dir: Path) -> None:
+    shutil.rmtree(out_dir / AGENT, ignore_errors=True)
+    chat_variant(out_dir / "target", out_dir / AGENT, "hermes", context=AGENT_CONTEXT)
+
+
 def _copy_shared(target: llama.Model, draft: llama.Model) -> None:
     """Give ``draft`` the target's weights of the same names (a layer-skip draft)."""
     src = dict(tree_flatten(target.parameters()))
@@ -160,6 +174,7 @@ def _with_paths(info: dict, out_dir: Path) -> dict:
         "out_dir": str(out_dir),
         "target_path": str(out_dir / "target"),
         "draft_path": str(out_dir / "draft"),
+        "agent_path": str(out_dir / AGENT),
     }
 
 

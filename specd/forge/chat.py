@@ -119,8 +119,11 @@ STYLES: dict[str, tuple[str, tuple[str, ...], bool, tuple[str, ...]]] = {
 }
 
 
-def chat_variant(source: Path | str, out_dir: Path | str, style: str) -> Path:
-    """Copy the forged model at ``source`` with the ``style`` family's chat conventions."""
+def chat_variant(source: Path | str, out_dir: Path | str, style: str, context: int | None = None) -> Path:
+    """Copy the forged model at ``source`` with the ``style`` family's chat conventions;
+    ``context`` widens its declared window (RoPE positions have no trained limit) to
+    hold an agent client's prompt, whose system prompt and tools run to tens of
+    thousands of tokens."""
     template, markers, special, ends = STYLES[style]
     source, out_dir = Path(source), Path(out_dir)
     shutil.copytree(source, out_dir, dirs_exist_ok=True)
@@ -143,9 +146,11 @@ def chat_variant(source: Path | str, out_dir: Path | str, style: str) -> Path:
     config["chat_template"] = template
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+    model_config = json.loads((out_dir / "config.json").read_text())
     if ends:
-        model_config = json.loads((out_dir / "config.json").read_text())
         eos = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == EOS)
         model_config["eos_token_id"] = [eos] + [ids[e] for e in ends]
-        (out_dir / "config.json").write_text(json.dumps(model_config, indent=1))
+    if context is not None:
+        model_config["max_position_embeddings"] = context
+    (out_dir / "config.json").write_text(json.dumps(model_config, indent=1))
     return out_dir

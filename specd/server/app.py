@@ -17,7 +17,7 @@ from ..engine.engine import return_freed_memory
 from . import admin, anthropic, embeddings, openai, responses
 from .access import api_access, cors_headers
 from .errors import APIError
-from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, REGISTRY, RESPONSES, STARTED, STORE
+from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, DROP_HOSTED_TOOLS, REGISTRY, RESPONSES, STARTED, STORE
 from .response_store import ResponseStore
 
 log = structlog.get_logger(__name__)
@@ -97,11 +97,12 @@ async def return_freed_memory_every(seconds: float) -> None:
 def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = None,
                admin_token: str | None = None, drain_grace: float = 30.0, api_keys: tuple[bytes, ...] = (),
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
-               stored_responses: ResponseStore | None = None) -> web.Application:
+               stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False) -> web.Application:
     """App factory.  The reconciler starts after the server listens, so
     ``/healthz`` and ``/readyz`` answer while weights load.  Stored Responses
     live in ``stored_responses`` (the daemon's is in its state directory;
-    without one they last as long as the app)."""
+    without one they last as long as the app). ``drop_hosted_tools`` leaves
+    hosted tools (web search, ...) out of Responses requests instead of refusing them."""
     app = web.Application(middlewares=[request_context, api_access, admin.admin_guard],
                           client_max_size=max_body_bytes)
     app[REGISTRY] = reconciler.registry
@@ -109,6 +110,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
     app[RESPONSES] = stored_responses if stored_responses is not None else ResponseStore()
     app[API_KEYS] = api_keys
     app[CORS_ORIGINS] = cors_origins
+    app[DROP_HOSTED_TOOLS] = drop_hosted_tools
     app.on_response_prepare.append(cors_headers)
     if admin_token is not None:
         app[ADMIN_TOKEN] = admin_token

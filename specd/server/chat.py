@@ -31,11 +31,24 @@ HERMES = "json_tools"
 FORCEABLE = ("json_tools", "mistral", "llama3", "harmony")  # formats a grammar can force natively
 
 
+# Tools a provider runs itself (Responses API types): specd cannot, so they are refused by name, or
+# dropped where the daemon runs with --drop-hosted-tools (Codex sends web_search by default)
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "computer", "computer_use_preview",
+                          "code_interpreter", "image_generation", "mcp", "tool_search"})
+NAMESPACE_SEPARATOR = "."  # a namespaced tool reaches the template as "namespace.name"
+
+
 @dataclass(frozen=True)
 class Tool:
-    name: str
+    name: str  # as the template renders it and a call names it ("namespace.name" inside a namespace)
     parameters: dict  # a JSON schema
     description: str = ""
+    namespace: str = ""  # the Responses API namespace tool that holds it
+
+    @property
+    def short_name(self) -> str:
+        """The name within its namespace (a Responses function_call's ``name``)."""
+        return self.name.removeprefix(self.namespace + NAMESPACE_SEPARATOR) if self.namespace else self.name
 
 
 @dataclass(frozen=True)
@@ -78,11 +91,13 @@ def forced_format(tokenizer) -> str:
 # -- reading a request -------------------------------------------------------------
 
 
-def parse_tools(value: Any, flat: bool = False) -> list[Tool]:
+def parse_tools(value: Any, flat: bool = False, drop_hosted: bool = False) -> list[Tool]:
     """Function tools, each with a JSON-schema ``parameters``: chat's
     ``{"type": "function", "function": {...}}``, or (``flat``) the Responses
-    API's ``{"type": "function", "name": ...}``.  Other types (hosted tools
-    such as web search) are refused by name: only a client can run them."""
+    API's ``{"type": "function", "name": ...}`` and its ``namespace`` tools
+    that group such functions.  Other types (hosted tools such as web search)
+    are refused by name, since only their provider can run them; with
+    ``drop_hosted`` the hosted ones are left out instead."""
     if value is None:
         return []
     if not isinstance(value, list):
@@ -91,25 +106,63 @@ def parse_tools(value: Any, flat: bool = False) -> list[Tool]:
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if drop_hosted and isinstance(kind, str) and kind in HOSTED_TOOLS:
+            continue
+        if flat and kind == "namespace":
+            tools += _namespace_tools(tool, where)
+            continue
         if kind != "function":
             raise bad_request(f"tools of type {str(kind)[:64]!r} are not supported: specd runs function tools "
                               "(hosted tools such as web search are the client's to run)", f"{where}.type")
         function = tool if flat else tool.get("function")
         if not isinstance(function, dict):
             raise bad_request("each tool must be {\"type\": \"function\", \"function\": {...}}", where)
-        at = where if flat else f"{where}.function"
-        name = function.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64:
-            raise bad_request("a function needs a 'name' of 1 to 64 characters", f"{at}.name")
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise bad_request("'parameters' must be a JSON schema object", f"{at}.parameters")
-        description = function.get("description") or ""
-        if not isinstance(description, str):
-            raise bad_request("'description' must be a string", f"{at}.description")
-        tools.append(Tool(name, parameters, description))
+        tools.append(_function_tool(function, where if flat else f"{where}.function"))
     if len({t.name for t in tools}) < len(tools):
         raise bad_request("tool names must be unique", "tools")
+    return tools
+
+
+def _tool_name(value: Any, where: str, namespace: str = "") -> str:
+    if not isinstance(value, str) or not value or len(value) > 64:
+        raise bad_request("a function needs a 'name' of 1 to 64 characters", where)
+    if namespace and NAMESPACE_SEPARATOR in value:
+        raise bad_request(f"a namespaced name may not hold {NAMESPACE_SEPARATOR!r}", where)
+    return f"{namespace}{NAMESPACE_SEPARATOR}{value}" if namespace else value
+
+
+def _function_tool(function: dict, at: str, namespace: str = "") -> Tool:
+    name = _tool_name(function.get("name"), f"{at}.name", namespace)
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise bad_request("'parameters' must be a JSON schema object", f"{at}.parameters")
+    description = function.get("description") or ""
+    if not isinstance(description, str):
+        raise bad_request("'description' must be a string", f"{at}.description")
+    return Tool(name, parameters, description, namespace)
+
+
+def _namespace_tools(tool: dict, where: str) -> list[Tool]:
+    """A Responses namespace's functions, each named ``namespace.name`` (its description leads each one's)."""
+    namespace = tool.get("name")
+    if not isinstance(namespace, str) or not namespace or len(namespace) > 64 or NAMESPACE_SEPARATOR in namespace:
+        raise bad_request(f"a namespace needs a 'name' of 1 to 64 characters without {NAMESPACE_SEPARATOR!r}",
+                          f"{where}.name")
+    inner = tool.get("tools")
+    if not isinstance(inner, list):
+        raise bad_request("a namespace's 'tools' must be a list of function tools", f"{where}.tools")
+    summary = tool.get("description") or ""
+    if not isinstance(summary, str):
+        raise bad_request("'description' must be a string", f"{where}.description")
+    tools = []
+    for j, function in enumerate(inner):
+        at = f"{where}.tools[{j}]"
+        kind = function.get("type") if isinstance(function, dict) else None
+        if kind != "function":
+            raise bad_request(f"a namespace holds function tools here, not {str(kind)[:64]!r}", f"{at}.type")
+        found = _function_tool(function, at, namespace)
+        tools.append(Tool(found.name, found.parameters, " ".join(filter(None, (summary, found.description))),
+                          namespace))
     return tools
 
 

@@ -17,3 +17,4 @@ API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference route
 CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call the inference routes from
 STARTED = web.AppKey("started", asyncio.Event)
 RESPONSES = web.AppKey("responses", ResponseStore)  # stored Responses (previous_response_id)
+DROP_HOSTED_TOOLS = web.AppKey("drop_hosted_tools", bool)  # leave hosted tools out of Responses requests

@@ -33,10 +33,10 @@ from aiohttp import web
 
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
-from .chat import ChatTurn, Delta, Tool, parse_tools, render_chat
+from .chat import NAMESPACE_SEPARATOR, ChatTurn, Delta, Tool, parse_tools, render_chat
 from .completion import EngineRun, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
 from .errors import APIError, bad_request
-from .keys import RESPONSES
+from .keys import DROP_HOSTED_TOOLS, RESPONSES
 
 routes = web.RouteTableDef()
 # what /v1/responses reads; ``metadata``, ``user``, ``prompt_cache_key`` (the prefix cache needs no key),
@@ -129,9 +129,14 @@ def conversation(instructions: Any, items: list[dict]) -> list[dict]:
             messages.append(message)
         elif kind == "function_call":
             name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
+            namespace = item.get("namespace")
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, str):
                 raise bad_request("a function_call needs a 'name', a 'call_id' and 'arguments' (a JSON string)",
                                   where)
+            if namespace is not None:
+                if not isinstance(namespace, str):
+                    raise bad_request("'namespace' must be a string", f"{where}.namespace")
+                name = f"{namespace}{NAMESPACE_SEPARATOR}{name}"
             try:
                 parsed = json.loads(arguments or "{}")
             except json.JSONDecodeError:
@@ -169,7 +174,7 @@ def _tool_choice(value: Any, tools: list[Tool]) -> tuple[list[Tool], bool]:
             raise bad_request("'tool_choice' is 'required' but there are no 'tools'", "tool_choice")
         return tools, True
     if isinstance(value, dict) and value.get("type") == "function":
-        chosen = [t for t in tools if t.name == value.get("name")]
+        chosen = [t for t in tools if (t.short_name, t.namespace) == (value.get("name"), value.get("namespace") or "")]
         if not chosen:
             raise bad_request(f"'tool_choice' names function {value.get('name')!r}, which is not in 'tools'",
                               "tool_choice.name")
@@ -245,12 +250,12 @@ def _parse(body: dict) -> ParsedRequest:
                          (), params, None, 1, _text_format(body), "text.format", "text.format.schema")
 
 
-def _turn(engine, body: dict, earlier: list[dict]) -> tuple[ChatTurn, list[dict]]:
+def _turn(engine, body: dict, earlier: list[dict], drop_hosted: bool) -> tuple[ChatTurn, list[dict]]:
     """The prompt, and every input item it renders (``earlier`` ones first)."""
     items = earlier + _items(body)
     if not items:
         raise bad_request("'input' must hold at least one item", "input")
-    tools = parse_tools(body.get("tools"), flat=True)
+    tools = parse_tools(body.get("tools"), flat=True, drop_hosted=drop_hosted)
     callable_tools, forced = _tool_choice(body.get("tool_choice"), tools)
     messages = conversation(body.get("instructions"), items)
     prompt = render_chat(engine.tokenizer, engine.name, messages, tools, _template_kwargs(body))
@@ -273,23 +278,30 @@ def _message_item(text: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _call_item(call) -> dict:
-    return {"type": "function_call", "id": _new_id("fc"), "call_id": call.id, "name": call.name,
+def _call_item(call, tools: dict[str, Tool]) -> dict:
+    """A ``function_call`` item; a call of a namespaced tool names its function and its namespace."""
+    tool = tools.get(call.name)
+    item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.id,
+            "name": tool.short_name if tool is not None else call.name,
             "arguments": json.dumps(call.arguments, ensure_ascii=False), "status": "completed"}
+    if tool is not None and tool.namespace:
+        item["namespace"] = tool.namespace
+    return item
 
 
-def _output(delta: Delta, sealed: bool) -> list[dict]:
+def _output(delta: Delta, sealed: bool, tools: dict[str, Tool]) -> list[dict]:
     out = [_reasoning_item(delta.reasoning, sealed)] if delta.reasoning else []
     if delta.content.strip() or not delta.tool_calls:
         out.append(_message_item(delta.content))
-    return out + [_call_item(call) for call in delta.tool_calls]
+    return out + [_call_item(call, tools) for call in delta.tool_calls]
 
 
 class _Response:
     """The response object, from its creation to its last output."""
 
-    def __init__(self, run: EngineRun, body: dict, prompt: int, previous: str | None):
-        self.run, self.body, self.prompt = run, body, prompt
+    def __init__(self, run: EngineRun, body: dict, turn: ChatTurn, previous: str | None):
+        self.run, self.body, self.prompt = run, body, len(turn.prompt)
+        self.tools = {tool.name: tool for tool in turn.tools}
         self.sealed = "reasoning.encrypted_content" in (body.get("include") or [])
         self.object = {
             "id": run.id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
@@ -320,8 +332,8 @@ class _Events:
     """The streamed output items: an item opens when the kind of output
     changes (reasoning, text, a function call) and is done before the next."""
 
-    def __init__(self, send, sealed: bool):
-        self.send, self.sealed = send, sealed
+    def __init__(self, send, sealed: bool, tools: dict[str, Tool]):
+        self.send, self.sealed, self.tools = send, sealed, tools
         self.items: list[dict] = []
         self.open: str | None = None
         self.called = False
@@ -334,7 +346,7 @@ class _Events:
         for call in delta.tool_calls:
             await self.close()
             self.called = True
-            item = _call_item(call)
+            item = _call_item(call, self.tools)
             self.items.append(item)
             index = len(self.items) - 1
             await self.send("response.output_item.added", {"output_index": index, "item": {
@@ -392,7 +404,7 @@ async def _stream(request: web.Request, run: EngineRun, response: _Response,
         sequence += 1
         await http.write(f"event: {event}\ndata: {payload}\n\n".encode())
 
-    events, splitter = _Events(send, response.sealed), run.splitters[0]
+    events, splitter = _Events(send, response.sealed, response.tools), run.splitters[0]
     try:
         await send("response.created", {"response": response.object})
         await send("response.in_progress", {"response": response.object})
@@ -433,16 +445,18 @@ async def create(request: web.Request) -> web.StreamResponse:
             raise APIError(404, f"no stored response with id {str(previous)[:80]!r} (it may have expired, or been "
                            "created with store: false)", "invalid_request_error", "previous_response_id")
         earlier = found[1] + found[0]["output"]
-    turn, items = await off_loop(lambda: _turn(engine, body, earlier))
+    drop_hosted = request.app[DROP_HOSTED_TOOLS]
+    turn, items = await off_loop(lambda: _turn(engine, body, earlier, drop_hosted))
     run = await off_loop(lambda: EngineRun(engine, parsed, turn.prompt, turn, _new_id("resp")))
-    response = _Response(run, body, len(turn.prompt), previous)
+    response = _Response(run, body, turn, previous)
     if parsed.stream:
         return await _stream(request, run, response, store, items)
     text, last = [], None
     async for _, out in run.merged():
         text.append(out.text)
         last = out
-    done = response.finish(last, _output(run.splitters[0].feed("".join(text), finished=True), response.sealed))
+    output = _output(run.splitters[0].feed("".join(text), finished=True), response.sealed, response.tools)
+    done = response.finish(last, output)
     if done["store"]:
         store.put(done, items)
     return web.json_response(done)
