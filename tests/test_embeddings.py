@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from mlx_lm import load
+from mlx_lm.utils import _get_classes, load_tokenizer
 
 from conftest import model_manifest, start_daemon
 
@@ -25,8 +25,11 @@ def embedding_models(forged, tmp_path_factory):
     from specd.forge.embedding import build_embedding
 
     root = tmp_path_factory.mktemp("embedding")
+    # "embed" has the weights as Qwen ships Qwen3-Embedding (no model. prefix, no LM head); "embed-mean"
+    # as an mlx_lm conversion has them
     return {"embed": build_embedding(root / "last", forged / "target", "lasttoken", seed=1),
-            "embed-mean": build_embedding(root / "mean", forged / "target", "mean_tokens", normalize=False, seed=2)}
+            "embed-mean": build_embedding(root / "mean", forged / "target", "mean_tokens", normalize=False, seed=2,
+                                          as_shipped=False)}
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +57,20 @@ def embed_client(embed_daemon):
     return openai.OpenAI(base_url=embed_daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def decoder_and_tokenizer(model_dir):
+    """mlx-lm's decoder for the checkpoint, its weights loaded strictly by hand (either layout)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    model_class, args_class = _get_classes(config)
+    inner = model_class(args_class.from_dict(config)).model
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    inner.load_weights([(k.removeprefix("model."), v) for k, v in weights.items() if not k.startswith("lm_head.")])
+    return inner, load_tokenizer(model_dir)
+
+
 def direct(model_dir, text: str, pooling: str, normalize: bool) -> np.ndarray:
     """The embedding computed with the model's own modules: token embedding, each decoder
     layer under a causal mask, the final norm; then the checkpoint's pooling."""
-    model, tokenizer = load(str(model_dir))
-    inner = model.model
+    inner, tokenizer = decoder_and_tokenizer(model_dir)
     h = inner.embed_tokens(mx.array([tokenizer.encode(text)]))
     for layer in inner.layers:
         h = layer(h, "causal", None)
@@ -92,7 +104,7 @@ def test_batched_and_concurrent_requests_equal_single_ones(embed_client):
 
 
 def test_token_id_inputs_equal_their_text(embed_client, embedding_models):
-    _, tokenizer = load(str(embedding_models["embed"]))
+    tokenizer = load_tokenizer(embedding_models["embed"])
     ids = [tokenizer.encode(t) for t in TEXTS[:2]]
     by_text = embed_client.embeddings.create(model="embed", input=TEXTS[:2]).data
     by_ids = embed_client.embeddings.create(model="embed", input=ids).data

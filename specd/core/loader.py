@@ -98,12 +98,38 @@ def load_tokenizer(source: str, revision: str | None = None):
 
 
 def load_embedding_model(source: str, revision: str | None = None) -> tuple[nn.Module, object, Pooling]:
-    """An embedding checkpoint: the model, its tokenizer and its pooling
-    (read from the sentence-transformers files beside the weights)."""
-    from mlx_lm.utils import _download
+    """An embedding checkpoint: the model (without an LM head if it ships none), its
+    tokenizer and its pooling (read from the sentence-transformers files beside the weights)."""
+    from mlx_lm.utils import _download, load_model as mlx_lm_model
+    from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
 
-    model, tokenizer = load_model(source, revision)
-    return model, tokenizer, read_pooling(_download(resolve_source(source), revision))
+    path = _download(resolve_source(source), revision)
+    model, config = mlx_lm_model(path, get_model_classes=_embedding_classes)
+    materialize(model)
+    tokenizer = mlx_lm_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer, read_pooling(path)
+
+
+def _embedding_classes(config: dict) -> tuple[type, type]:
+    """mlx-lm's classes for the checkpoint's family, reading the layout embedding checkpoints
+    ship in: Qwen's Qwen3-Embedding stores the decoder's weights without its ``model.`` prefix,
+    and its 8B has no LM head although its config is untied (an embedder never reads the head,
+    so a checkpoint without one loads without one)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+
+    class EmbeddingCheckpoint(model_class):
+        def sanitize(self, weights: dict) -> dict:
+            if not any(key.startswith("model.") for key in weights):
+                weights = {f"model.{key}": value for key, value in weights.items()}
+            if hasattr(model_class, "sanitize"):
+                weights = model_class.sanitize(self, weights)
+            if "lm_head" in self and not any(key.startswith("lm_head.") for key in weights):
+                del self["lm_head"]
+            return weights
+
+    return EmbeddingCheckpoint, args_class
 
 
 def load_draft_model(source: str, target: nn.Module, target_tokenizer, pairing: str) -> nn.Module:

@@ -1,11 +1,14 @@
 """A forged embedding checkpoint, laid out as Qwen3-Embedding's are: a
-Qwen3 decoder that ``mlx_lm.load`` loads, with the sentence-transformers
-files that say how its hidden states are pooled."""
+Qwen3 decoder with the sentence-transformers files that say how its hidden
+states are pooled; its weights as Qwen ships them (the decoder's keys without
+the ``model.`` prefix, no LM head) or as an ``mlx_lm`` conversion has them."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import mlx.core as mx
 
 from ..core.embedding import POOLING_MODES, ST_NORMALIZE, ST_POOLING
 from .families import build, family_config
@@ -15,11 +18,17 @@ QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages t
 
 
 def build_embedding(out_dir: Path | str, tokenizer_dir: Path | str, pooling: str = "lasttoken",
-                    normalize: bool = True, seed: int = 0) -> Path:
-    """Write a tiny random Qwen3 embedding model to ``out_dir``; returns ``out_dir``."""
+                    normalize: bool = True, seed: int = 0, as_shipped: bool = True) -> Path:
+    """Write a tiny random Qwen3 embedding model to ``out_dir``; returns ``out_dir``.
+    ``as_shipped``: its weights in Qwen's layout, else in ``mlx_lm``'s."""
     if pooling not in POOLING_MODES:
         raise ValueError(f"pooling must be one of {', '.join(POOLING_MODES)}")
     out_dir = build("qwen3", out_dir, tokenizer_dir, seed=seed)
+    if as_shipped:
+        weights_file = out_dir / "model.safetensors"
+        weights = mx.load(str(weights_file))
+        mx.save_safetensors(str(weights_file), {key.removeprefix("model."): value for key, value in weights.items()
+                                                if not key.startswith("lm_head.")}, metadata={"format": "mlx"})
     modules = [{"idx": 0, "name": "0", "path": "", "type": ST_TRANSFORMER},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_POOLING}]
     if normalize:
