@@ -57,7 +57,8 @@ def run_client(argv: list[str], cwd: Path, home: Path, env: dict[str, str]) -> s
     """A client in a fresh home, its traffic to anything but loopback sent to a dead proxy."""
     home.mkdir(parents=True, exist_ok=True)
     base = {key: value for key, value in os.environ.items() if key in ("PATH", "LANG", "TERM", "USER")}
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=CLIENT_TIMEOUT, stdin=subprocess.DEVNULL,
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=CLIENT_TIMEOUT,
+                          stdin=subprocess.DEVNULL,
                           env={**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
                                "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache"),
                                "HTTP_PROXY": DEAD_PROXY, "HTTPS_PROXY": DEAD_PROXY, "ALL_PROXY": DEAD_PROXY,

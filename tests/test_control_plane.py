@@ -165,8 +165,8 @@ BAD = {
                                    "spec: {source: /x, prefixCache: {maxBytes: -1}}\n", "spec.prefixCache.maxBytes"),
     "unknown prefix cache field": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
                                    "spec: {source: /x, prefixCache: {disk: true}}\n", "spec.prefixCache.disk"),
-    "unknown task": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /x, task: [embed]}\n",
-                     "spec.task"),
+    "unknown task": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                     "spec: {source: /x, task: [embed]}\n", "spec.task"),
     "embedding across hosts": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
                                "spec: {source: /x, task: embed, topologyRef: t}\n", "spec.topologyRef"),
     "bad name": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: Not OK}\nspec: {source: /x}\n",

@@ -476,7 +476,8 @@ def test_fuzzed_anthropic_bodies_never_5xx(daemon, body):
                   "output": JSON_VALUES, "encrypted_content": JSON_VALUES}), max_size=3),
     "instructions": JSON_VALUES, "tools": JSON_VALUES, "tool_choice": JSON_VALUES, "text": JSON_VALUES,
     "reasoning": JSON_VALUES | st.fixed_dictionaries({}, optional={"effort": JSON_VALUES, "summary": JSON_VALUES}),
-    "include": JSON_VALUES | st.lists(JSON_VALUES, max_size=2), "store": JSON_VALUES, "previous_response_id": JSON_VALUES,
+    "include": JSON_VALUES | st.lists(JSON_VALUES, max_size=2), "store": JSON_VALUES,
+    "previous_response_id": JSON_VALUES,
     "stream": JSON_VALUES, "temperature": JSON_VALUES, "junk": JSON_VALUES}))
 def test_fuzzed_responses_bodies_never_5xx(daemon, body):
     status, raw = send_fuzzed(daemon.url + "/v1/responses", body)

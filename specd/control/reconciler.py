@@ -383,7 +383,8 @@ class Reconciler:
         elif served is None:
             ok, reason, message = False, "TargetNotFound", f'Model "{spec.target_ref}" does not exist (yet)'
         elif served.spec.task == "embed":
-            ok, reason, message = False, "TargetServesEmbeddings", f'Model "{spec.target_ref}" generates nothing to speculate on'
+            ok, reason = False, "TargetServesEmbeddings"
+            message = f'Model "{spec.target_ref}" generates nothing to speculate on'
         elif served.engine is None:
             ok, reason, message = False, "TargetNotReady", f'Model "{spec.target_ref}" is {served.phase.value}'
         elif served.pairing_error and served.pairing and served.pairing.name == obj.name:

@@ -28,7 +28,8 @@ from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import ChatTurn, Delta, Tool, render_chat
 from .errors import APIError, bad_request
-from .completion import EngineRun, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
+from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, integer_field, model_request,
+                         number_field, off_loop, read_json)
 
 routes = web.RouteTableDef()
 # what /v1/messages reads (``seed`` is specd's extension); anything else gets a 400 that names it
@@ -241,18 +242,6 @@ def _turn(engine, body: dict) -> tuple[ChatTurn, dict | None]:
                                      "cleared_input_tokens": len(whole) - len(prompt)}]}
 
 
-def _checked(body: Any, fields: set[str]) -> dict:
-    """The body, if it is an object that names a model and holds only ``fields``."""
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise bad_request("model: a model name is required", "model")
-    for key in body:
-        if key not in fields:
-            raise bad_request(f"{str(key)[:64]}: extra inputs are not permitted", str(key)[:64])
-    return body
-
-
 def _parse(body: dict) -> ParsedRequest:
     model = body["model"]
     max_tokens = integer_field(body, "max_tokens", 1)
@@ -302,7 +291,7 @@ def _tool_use(call) -> dict:
 
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
-    body = _checked(await read_json(request), FIELDS)
+    body = model_request(await read_json(request), FIELDS, ANTHROPIC_WORDING)
     parsed = _parse(body)
     engine = engine_named(request, parsed.model)
     turn, edits = await off_loop(lambda: _turn(engine, body))
@@ -402,7 +391,7 @@ async def _stream(request: web.Request, completion: EngineRun, message: dict, pr
 
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
-    body = _checked(await read_json(request), COUNT_FIELDS)
+    body = model_request(await read_json(request), COUNT_FIELDS, ANTHROPIC_WORDING)
     engine = engine_named(request, body["model"])
     turn, edits = await off_loop(lambda: _turn(engine, body))
     return web.json_response({"input_tokens": len(turn.prompt), **({} if edits is None else

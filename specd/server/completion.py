@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Collection, TypeVar
 
 from aiohttp import web
 
@@ -49,6 +49,23 @@ class ParsedRequest:
     # where the request set it and its schema, as errors name them
     format_field: str = "response_format"
     schema_field: str = "response_format.json_schema.schema"
+
+
+# How each API words a missing model and a field it does not know
+OPENAI_WORDING = ("'model' is required and must be a string", "unrecognized request argument supplied: {}")
+ANTHROPIC_WORDING = ("model: a model name is required", "{}: extra inputs are not permitted")
+
+
+def model_request(body: Any, fields: Collection[str], wording: tuple[str, str] = OPENAI_WORDING) -> dict:
+    """The body, if it is a JSON object that names a model and holds only ``fields``."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise bad_request(wording[0], "model")
+    for key in body:
+        if key not in fields:
+            raise bad_request(wording[1].format(str(key)[:64]), str(key)[:64])
+    return body
 
 
 def number_field(body: dict, key: str, lo: float, hi: float, default: float) -> float:

@@ -20,7 +20,7 @@ from aiohttp import web
 from ..engine.embedder import Embedder, EmbeddingFailed
 from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.scheduler import RequestRejected
-from .completion import embedder_named, integer_field, off_loop, read_json
+from .completion import embedder_named, integer_field, model_request, off_loop, read_json
 from .errors import APIError, bad_request, overloaded, unavailable
 
 routes = web.RouteTableDef()
@@ -59,13 +59,7 @@ def _tokenized(embedder: Embedder, inputs: list[str | list[int]]) -> list[list[i
 
 
 def _checked(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise bad_request("'model' is required and must be a string", "model")
-    for key in body:
-        if key not in FIELDS:
-            raise bad_request(f"unrecognized request argument supplied: {str(key)[:64]}", str(key)[:64])
+    model_request(body, FIELDS)
     if body.get("encoding_format", "float") not in ENCODINGS:
         raise bad_request("'encoding_format' must be float or base64", "encoding_format")
     if not isinstance(body.get("user", ""), str):

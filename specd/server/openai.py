@@ -15,7 +15,8 @@ from ..engine.interface import ServingEngine
 from ..core.sampling import SamplingParams
 from ..core.request import Method, StepOutput, TokenLogprob
 from .chat import ChatTurn, Delta, parse_tool_choice, parse_tools, render_chat, template_kwargs, template_tool_calls
-from .completion import EngineRun, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
+from .completion import (EngineRun, ParsedRequest, engine_named, integer_field, model_request, number_field,
+                         off_loop, read_json)
 from .errors import APIError, bad_request, model_not_found
 from .keys import REGISTRY
 
@@ -58,18 +59,10 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def parse_common(body: Any, chat: bool) -> ParsedRequest:
     """Validate the fields chat and text completions share."""
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a string", "model")
+    model_request(body, (CHAT_FIELDS if chat else COMPLETION_FIELDS) | UNSUPPORTED.keys())
     for key, no_op in UNSUPPORTED.items():
         if key in body and not no_op(body[key]):
             raise bad_request(f"'{key}' is not supported yet", key)
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for key in body:
-        if key not in known and key not in UNSUPPORTED:
-            raise bad_request(f"unrecognized request argument supplied: {str(key)[:64]}", str(key)[:64])
     if not isinstance(body.get("user", ""), str):
         raise bad_request("'user' must be a string", "user")
     stream = body.get("stream", False)
@@ -105,7 +98,7 @@ def parse_common(body: Any, chat: bool) -> ParsedRequest:
         frequency_penalty=number_field(body, "frequency_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=number_field(body, "repetition_penalty", 0.01, 2.0, 1.0),
     )
-    return ParsedRequest(model, stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
+    return ParsedRequest(body["model"], stream, bool(options.get("include_usage")), max_tokens, _stop(body), params,
                          _speculation(body), integer_field(body, "n", 1, MAX_CHOICES) or 1, _response_format(body))
 
 

@@ -34,7 +34,8 @@ from aiohttp import web
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import NAMESPACE_SEPARATOR, ChatTurn, Delta, Tool, parse_tools, render_chat
-from .completion import EngineRun, ParsedRequest, engine_named, integer_field, number_field, off_loop, read_json
+from .completion import (EngineRun, ParsedRequest, engine_named, integer_field, model_request, number_field, off_loop,
+                         read_json)
 from .errors import APIError, bad_request
 from .keys import DROP_HOSTED_TOOLS, RESPONSES
 
@@ -219,13 +220,7 @@ def _template_kwargs(body: dict) -> dict:
 
 
 def _checked(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise bad_request("'model' is required and must be a string", "model")
-    for key in body:
-        if key not in FIELDS:
-            raise bad_request(f"unrecognized request argument supplied: {str(key)[:64]}", str(key)[:64])
+    model_request(body, FIELDS)
     include = body.get("include") or []
     if not isinstance(include, list):
         raise bad_request("'include' must be a list", "include")
