@@ -202,6 +202,7 @@ def test_encrypted_reasoning_comes_back_into_the_prompt(client):
     ({"truncation": "auto"}, "truncation"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}]}, "input"),
     ({"tools": [{"type": "namespace", "name": "a.b", "tools": []}]}, "tools[0].name"),
     ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]}, "tools[0].tools[0].type"),
     ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "a.b"}]}]},

@@ -28,8 +28,8 @@ from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import ChatTurn, Delta, Tool, render_chat
 from .errors import APIError, bad_request
-from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, integer_field, model_request,
-                         number_field, off_loop, read_json)
+from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, event_stream, integer_field,
+                         model_request, number_field, off_loop, read_json)
 
 routes = web.RouteTableDef()
 # what /v1/messages reads (``seed`` is specd's extension); anything else gets a 400 that names it
@@ -355,37 +355,29 @@ async def _stream(request: web.Request, completion: EngineRun, message: dict, pr
     cached tokens, known once the request is admitted), each content block's
     start, deltas and stop, message_delta (stop reason, the whole usage, the
     context edits applied), message_stop."""
-    outputs = completion.merged()
-    first = await anext(outputs)  # admission errors surface as a plain HTTP error
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    async with event_stream(request, completion) as (response, first, outputs):
+        async def send(event: str, data: dict) -> None:
+            await response.write(f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n".encode())
 
-    async def send(event: str, data: dict) -> None:
-        await response.write(f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n".encode())
-
-    blocks, splitter = _Blocks(send), completion.splitters[0]
-    try:
-        last = first[1]
-        await send("message_start", {"message": {**message, "content": [], "stop_reason": None,
-                                                 "stop_sequence": None, "usage": _usage(last, prompt)}})
-        await blocks.add(splitter.feed(last.text, finished=last.finish_reason is not None))
-        async for _, out in outputs:
-            await blocks.add(splitter.feed(out.text, finished=out.finish_reason is not None))
-            last = out
-        if blocks.index < 0:  # an empty output still has its text block
-            await blocks.start("text", {"type": "text", "text": ""})
-        await blocks.close()
-        reason, sequence = _stop(last, blocks.called)
-        await send("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                     "usage": _usage(last, prompt), **managed})
-        await send("message_stop", {})
-        await response.write_eof()
-    except APIError as err:
-        await send("error", {"error": err.anthropic_body()["error"]})
-    except ConnectionResetError:
-        pass  # the client left; closing ``outputs`` frees its batch slot
-    finally:
-        await outputs.aclose()
+        blocks, splitter = _Blocks(send), completion.splitters[0]
+        try:
+            last = first[1]
+            await send("message_start", {"message": {**message, "content": [], "stop_reason": None,
+                                                     "stop_sequence": None, "usage": _usage(last, prompt)}})
+            await blocks.add(splitter.feed(last.text, finished=last.finish_reason is not None))
+            async for _, out in outputs:
+                await blocks.add(splitter.feed(out.text, finished=out.finish_reason is not None))
+                last = out
+            if blocks.index < 0:  # an empty output still has its text block
+                await blocks.start("text", {"type": "text", "text": ""})
+            await blocks.close()
+            reason, sequence = _stop(last, blocks.called)
+            await send("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                         "usage": _usage(last, prompt), **managed})
+            await send("message_stop", {})
+            await response.write_eof()
+        except APIError as err:
+            await send("error", {"error": err.anthropic_body()["error"]})
     return response
 
 

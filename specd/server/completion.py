@@ -9,6 +9,7 @@ field means the same thing under every API.
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Collection, TypeVar
@@ -223,3 +224,21 @@ class EngineRun:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+@asynccontextmanager
+async def event_stream(request: web.Request, run: EngineRun) -> AsyncIterator[
+        tuple[web.StreamResponse, tuple[int, StepOutput], AsyncIterator[tuple[int, StepOutput]]]]:
+    """A run's outputs as server-sent events: the stream opens once the first output
+    came (an admission error is still a plain HTTP error); a client that leaves ends
+    it quietly, and closing the outputs frees the run's batch slots."""
+    outputs = run.merged()
+    first = await anext(outputs)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        yield response, first, outputs
+    except ConnectionResetError:
+        pass
+    finally:
+        await outputs.aclose()

@@ -15,8 +15,8 @@ from ..engine.interface import ServingEngine
 from ..core.sampling import SamplingParams
 from ..core.request import Method, StepOutput, TokenLogprob
 from .chat import ChatTurn, Delta, parse_tool_choice, parse_tools, render_chat, template_kwargs, template_tool_calls
-from .completion import (EngineRun, ParsedRequest, engine_named, integer_field, model_request, number_field,
-                         off_loop, read_json)
+from .completion import (EngineRun, ParsedRequest, engine_named, event_stream, integer_field, model_request,
+                         number_field, off_loop, read_json)
 from .errors import APIError, bad_request, model_not_found
 from .keys import REGISTRY
 
@@ -344,37 +344,28 @@ class Completion(EngineRun):
         return self.envelope([choice], chunk=True)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        outputs = self.merged()
-        first = await anext(outputs)  # admission errors surface as a plain HTTP error
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        async with event_stream(request, self) as (response, first, outputs):
+            async def send(obj: dict) -> None:
+                await response.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        async def send(obj: dict) -> None:
-            await response.write(f"data: {json.dumps(obj)}\n\n".encode())
-
-        last: list[StepOutput | None] = [None] * self.parsed.n
-        try:
-            if self.chat:
-                for index in range(self.parsed.n):
-                    await send(self.chunk(None, first=True, index=index))
-            index, out = first
-            await send(self.chunk(out, first=False, index=index))
-            last[index] = out
-            async for index, out in outputs:
+            last: list[StepOutput | None] = [None] * self.parsed.n
+            try:
+                if self.chat:
+                    for index in range(self.parsed.n):
+                        await send(self.chunk(None, first=True, index=index))
+                index, out = first
                 await send(self.chunk(out, first=False, index=index))
                 last[index] = out
-            if self.parsed.include_usage:
-                await send(self.envelope([], self.usage(last), chunk=True))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except APIError as err:
-            await send(err.body())
-            await response.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:
-            pass  # the client left; closing ``outputs`` frees its batch slots
-        finally:
-            await outputs.aclose()
+                async for index, out in outputs:
+                    await send(self.chunk(out, first=False, index=index))
+                    last[index] = out
+                if self.parsed.include_usage:
+                    await send(self.envelope([], self.usage(last), chunk=True))
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+            except APIError as err:
+                await send(err.body())
+                await response.write(b"data: [DONE]\n\n")
         return response
 
 

@@ -34,8 +34,8 @@ from aiohttp import web
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import NAMESPACE_SEPARATOR, ChatTurn, Delta, Tool, parse_tools, render_chat
-from .completion import (EngineRun, ParsedRequest, engine_named, integer_field, model_request, number_field, off_loop,
-                         read_json)
+from .completion import (EngineRun, ParsedRequest, engine_named, event_stream, integer_field, model_request,
+                         number_field, off_loop, read_json)
 from .errors import APIError, bad_request
 from .keys import DROP_HOSTED_TOOLS, RESPONSES
 
@@ -253,6 +253,8 @@ def _turn(engine, body: dict, earlier: list[dict], drop_hosted: bool) -> tuple[C
     tools = parse_tools(body.get("tools"), flat=True, drop_hosted=drop_hosted)
     callable_tools, forced = _tool_choice(body.get("tool_choice"), tools)
     messages = conversation(body.get("instructions"), items)
+    if not messages:  # reasoning items alone: nothing to answer
+        raise bad_request("'input' must hold a message or a function call", "input")
     prompt = render_chat(engine.tokenizer, engine.name, messages, tools, _template_kwargs(body))
     return ChatTurn(prompt, callable_tools, forced, body.get("parallel_tool_calls", True)), items
 
@@ -387,42 +389,35 @@ class _Events:
 
 async def _stream(request: web.Request, run: EngineRun, response: _Response,
                   store: Any, items: list[dict]) -> web.StreamResponse:
-    outputs = run.merged()
-    first = await anext(outputs)  # admission errors surface as a plain HTTP error
-    http = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await http.prepare(request)
-    sequence = 0
+    async with event_stream(request, run) as (http, first, outputs):
+        sequence = 0
 
-    async def send(event: str, data: dict) -> None:
-        nonlocal sequence
-        payload = json.dumps({"type": event, "sequence_number": sequence, **data})
-        sequence += 1
-        await http.write(f"event: {event}\ndata: {payload}\n\n".encode())
+        async def send(event: str, data: dict) -> None:
+            nonlocal sequence
+            payload = json.dumps({"type": event, "sequence_number": sequence, **data})
+            sequence += 1
+            await http.write(f"event: {event}\ndata: {payload}\n\n".encode())
 
-    events, splitter = _Events(send, response.sealed, response.tools), run.splitters[0]
-    try:
-        await send("response.created", {"response": response.object})
-        await send("response.in_progress", {"response": response.object})
-        last = first[1]
-        await events.add(splitter.feed(last.text, finished=last.finish_reason is not None))
-        async for _, out in outputs:
-            await events.add(splitter.feed(out.text, finished=out.finish_reason is not None))
-            last = out
-        if not events.called and not any(item["type"] == "message" for item in events.items):
-            await events._text("message", "")  # as whole: an output without calls has its message
-        await events.close()
-        done = response.finish(last, events.items)
-        if done["store"]:
-            store.put(done, items)
-        await send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
-                   {"response": done})
-        await http.write_eof()
-    except APIError as err:
-        await send("error", {"code": err.code or err.type, "message": err.message, "param": err.param})
-    except ConnectionResetError:
-        pass  # the client left; closing ``outputs`` frees its batch slot
-    finally:
-        await outputs.aclose()
+        events, splitter = _Events(send, response.sealed, response.tools), run.splitters[0]
+        try:
+            await send("response.created", {"response": response.object})
+            await send("response.in_progress", {"response": response.object})
+            last = first[1]
+            await events.add(splitter.feed(last.text, finished=last.finish_reason is not None))
+            async for _, out in outputs:
+                await events.add(splitter.feed(out.text, finished=out.finish_reason is not None))
+                last = out
+            if not events.called and not any(item["type"] == "message" for item in events.items):
+                await events._text("message", "")  # as whole: an output without calls has its message
+            await events.close()
+            done = response.finish(last, events.items)
+            if done["store"]:
+                store.put(done, items)
+            await send("response.incomplete" if done["status"] == "incomplete" else "response.completed",
+                       {"response": done})
+            await http.write_eof()
+        except APIError as err:
+            await send("error", {"code": err.code or err.type, "message": err.message, "param": err.param})
     return http
 
 
