@@ -159,22 +159,28 @@ class Embedder:
     def _run(self) -> None:
         while (jobs := self._take()) is not None:
             try:
-                self._embed(jobs)
+                vectors = self._embed(jobs)
             except Exception as exc:  # a fault fails the batch's requests, not the daemon
                 log.exception("embedding batch failed", model=self.name)
+                vectors = None
                 self.fault, self.faults = f"{type(exc).__name__}: {exc}", self.faults + 1
                 self.metrics.engine_faults.labels(self.name).inc()
-                for job in jobs:
+            # the embedder's state is settled before the batch's requests hear of it
+            recovered = vectors is not None and self.fault is not None
+            if recovered:
+                self.fault = None
+            with self._cv:
+                self._running = 0
+            if vectors is None or recovered:
+                self._notify()
+            for i, job in enumerate(jobs):
+                if vectors is None:
                     self.metrics.request_failure.labels(self.name, "engine_error").inc()
                     job.done(None, EmbeddingFailed(f"engine error: {self.fault}"))
-                self._notify()
-            else:
-                if self.fault is not None:
-                    self.fault = None
-                    self._notify()
-            finally:
-                with self._cv:
-                    self._running = 0
+                else:
+                    self.metrics.prompt_tokens.labels(self.name).inc(sum(len(r) for r in job.rows))
+                    self.metrics.request_success.labels(self.name, "embedded").inc()
+                    job.done(vectors[i], None)
         with self._cv:
             left, self._queue = list(self._queue), deque()
         for job in left:
@@ -184,9 +190,9 @@ class Embedder:
         if self._on_fault is not None:
             self._on_fault()
 
-    def _embed(self, jobs: list[_Job]) -> None:
-        """Short rows share forwards of at most ``max_batch_size`` rows; a row
-        longer than ``chunk_tokens`` runs alone, in chunks."""
+    def _embed(self, jobs: list[_Job]) -> list[np.ndarray]:
+        """Each job's vectors. Short rows share forwards of at most ``max_batch_size``
+        rows; a row longer than ``chunk_tokens`` runs alone, in chunks."""
         pieces = [(job, i) for job in jobs for i in range(len(job.rows))]
         short = [p for p in pieces if len(p[0].rows[p[1]]) <= self.config.chunk_tokens]
         for job, i in pieces:
@@ -199,12 +205,9 @@ class Embedder:
             vectors = embed_rows(self.model, [job.rows[i] for job, i in group], self.pooling)
             for row, (job, i) in enumerate(group):
                 job.vectors[i] = vectors[row]
-        for job in jobs:
-            stacked = mx.stack(job.vectors)
-            mx.eval(stacked)
-            self.metrics.prompt_tokens.labels(self.name).inc(sum(len(r) for r in job.rows))
-            self.metrics.request_success.labels(self.name, "embedded").inc()
-            job.done(np.array(stacked, dtype=np.float32), None)
+        stacked = [mx.stack(job.vectors) for job in jobs]
+        mx.eval(stacked)
+        return [np.array(rows, dtype=np.float32) for rows in stacked]
 
 
 def _settle(result: asyncio.Future, vectors: np.ndarray | None, error: Exception | None) -> None:
