@@ -2,8 +2,11 @@
 CLI and OpenCode from npm, each pointed at a daemon on loopback (any other
 traffic goes to a dead proxy), each running one non-interactive task.
 
-The forge's ``agent`` model answers: random weights, so its text is
-nonsense, but the protocol may not be. Each client must exit 0 and report
+The model answering is the forge's draft in the ``agent`` model's chat
+conventions (tools in Hermes style, a 64k window): random weights, so its
+text is nonsense, but the protocol may not be. One layer rather than the
+target's four, since prefilling a client's prompt (27k to 37k tokens of
+system prompt and tools) is most of a run on the CPU backend. Each client must exit 0 and report
 its turn finished, and every request it made must have had a 2xx answer
 (a stream the client abandoned is logged 499).
 """
@@ -45,9 +48,12 @@ def clients() -> Path:
 
 @pytest.fixture(scope="module")
 def agent_daemon(forged, tmp_path_factory):
-    daemon = start_daemon(tmp_path_factory.mktemp("agent-daemon"),
-                          {"agent.yaml": model_manifest("agent", forged / "agent", maxBatchSize=4,
-                                                        prefillStepTokens=2048)},
+    from specd.forge import AGENT_CONTEXT
+    from specd.forge.chat import chat_variant
+
+    root = tmp_path_factory.mktemp("agent-daemon")
+    agent = chat_variant(forged / "draft", root / "agent", "hermes", context=AGENT_CONTEXT)
+    daemon = start_daemon(root, {"agent.yaml": model_manifest("agent", agent, maxBatchSize=4)},
                           True, "--drop-hosted-tools")
     yield daemon
     daemon.stop()

@@ -59,6 +59,18 @@ def test_layout(pair: dict) -> None:
     assert manifest["target"]["params"] > manifest["draft"]["params"] > 0
 
 
+def test_the_agent_model_is_the_target_with_tools_and_a_wide_window(pair: dict) -> None:
+    """``agent``: the target's weights, a template that renders tools, a window for an agent client's prompt."""
+    root = Path(pair["agent_path"])
+    assert (root / "model.safetensors").read_bytes() == (Path(pair["target_path"]) / "model.safetensors").read_bytes()
+    assert json.loads((root / "config.json").read_text())["max_position_embeddings"] == 65536
+    model, tokenizer = load(str(root))
+    tool = {"type": "function", "function": {"name": "list_files", "description": "Lists files.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool], tokenize=False)
+    assert "<tools>" in text and "list_files" in text
+
+
 def test_deterministic_cached_and_forced(pair: dict, tmp_path: Path) -> None:
     logs: list[str] = []
     again = forge(tmp_path / "again", preset="test", seed=0, log=logs.append)

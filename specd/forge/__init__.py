@@ -32,7 +32,7 @@ from .presets import BUDGET_ENV, PRESETS, Recipe, get_recipe
 from .tokenizer import EOS, IM_END, save_tokenizer, spread, stdlib_sources, train_tokenizer
 from .train import encode_corpus, evaluate, train, windows
 
-__all__ = ["forge", "add_arguments", "run", "PRESETS", "BUDGET_ENV"]
+__all__ = ["forge", "add_arguments", "run", "PRESETS", "BUDGET_ENV", "AGENT_CONTEXT"]
 
 MANIFEST = "forge.json"
 MODELS = ("target", "draft")
