@@ -122,7 +122,8 @@ def _embedding_classes(config: dict) -> tuple[type, type]:
     class EmbeddingCheckpoint(model_class):
         def sanitize(self, weights: dict) -> dict:
             if not any(key.startswith("model.") for key in weights):
-                weights = {f"model.{key}": value for key, value in weights.items()}
+                weights = {key if key.startswith("lm_head.") else f"model.{key}": value
+                           for key, value in weights.items()}
             if hasattr(model_class, "sanitize"):
                 weights = model_class.sanitize(self, weights)
             if "lm_head" in self and not any(key.startswith("lm_head.") for key in weights):

@@ -203,6 +203,7 @@ class Embedder:
         for start in range(0, len(short), size):
             group = short[start:start + size]
             vectors = embed_rows(self.model, [job.rows[i] for job, i in group], self.pooling)
+            mx.eval(vectors)  # one forward's activations at a time
             for row, (job, i) in enumerate(group):
                 job.vectors[i] = vectors[row]
         stacked = [mx.stack(job.vectors) for job in jobs]

@@ -131,7 +131,8 @@ def _tool_name(value: Any, where: str, namespace: str = "") -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{value}" if namespace else value
 
 
-def _function_tool(function: dict, at: str, namespace: str = "") -> Tool:
+def _function_tool(function: dict, at: str, namespace: str = "", lead: str = "") -> Tool:
+    """A function tool; ``lead`` (its namespace's description) leads its own description."""
     name = _tool_name(function.get("name"), f"{at}.name", namespace)
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
@@ -139,11 +140,11 @@ def _function_tool(function: dict, at: str, namespace: str = "") -> Tool:
     description = function.get("description") or ""
     if not isinstance(description, str):
         raise bad_request("'description' must be a string", f"{at}.description")
-    return Tool(name, parameters, description, namespace)
+    return Tool(name, parameters, " ".join(filter(None, (lead, description))), namespace)
 
 
 def _namespace_tools(tool: dict, where: str) -> list[Tool]:
-    """A Responses namespace's functions, each named ``namespace.name`` (its description leads each one's)."""
+    """A Responses namespace's functions, each named ``namespace.name``."""
     namespace = tool.get("name")
     if not isinstance(namespace, str) or not namespace or len(namespace) > 64 or NAMESPACE_SEPARATOR in namespace:
         raise bad_request(f"a namespace needs a 'name' of 1 to 64 characters without {NAMESPACE_SEPARATOR!r}",
@@ -160,9 +161,7 @@ def _namespace_tools(tool: dict, where: str) -> list[Tool]:
         kind = function.get("type") if isinstance(function, dict) else None
         if kind != "function":
             raise bad_request(f"a namespace holds function tools here, not {str(kind)[:64]!r}", f"{at}.type")
-        found = _function_tool(function, at, namespace)
-        tools.append(Tool(found.name, found.parameters, " ".join(filter(None, (summary, found.description))),
-                          namespace))
+        tools.append(_function_tool(function, at, namespace, summary))
     return tools
 
 
