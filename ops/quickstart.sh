@@ -32,8 +32,9 @@ specd forge models/demo --preset demo
 mkdir -p state
 stop_previous_daemon
 echo "==> starting specd daemon on http://127.0.0.1:$PORT (log: state/daemon.log)"
+# --drop-hosted-tools: Codex CLI sends OpenAI's hosted web_search tool by default (docs/clients.md)
 nohup specd daemon --manifests manifests/demo --state-dir state --port "$PORT" --pid-file "$PIDFILE" \
-  >state/daemon.log 2>&1 &
+  --drop-hosted-tools >state/daemon.log 2>&1 &
 DAEMON=$!
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$PORT/readyz" >/dev/null && break
