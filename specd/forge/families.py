@@ -763,6 +763,7 @@ FAMILIES: dict[str, dict] = {
 
 # The sizes a generated tiny model takes, by the names mlx-lm's ModelArgs use for them.
 TINY = {
+    "num_vocab": VOCAB_SIZE,  # Phixtral's name for vocab_size (which _COMMON sets)
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "hidden_dim": 64, "model_dim": 64,
     "intermediate_size": 128, "ffn_hidden_size": 128, "n_inner": 128, "ff_intermediate_size": 128,
     "moe_intermediate_size": 64, "expert_ffn_hidden_size": 64, "shared_expert_intermediate_size": 64,
@@ -987,6 +988,10 @@ def build(
     config = family_config(family)
     _check_vocab(config, Path(tokenizer_dir))
     model = make_model(config, seed)
+    width = model(mx.array([[0]])).shape[-1]  # a shape: known without running the forward
+    if width != _text(config)["vocab_size"]:
+        raise ValueError(f"{family}: the model has {width} logits for a {_text(config)['vocab_size']}-token "
+                         "tokenizer (its ModelArgs names its vocabulary size otherwise)")
     if quantization is not None:
         with contextlib.redirect_stdout(io.StringIO()):  # its bits-per-weight line
             model, config = quantize_model(
