@@ -102,8 +102,8 @@ def _remove_pid_file(path: Path) -> None:
 
 def _rank(args: argparse.Namespace) -> int:
     """One rank of a tensor-parallel group; the daemon starts these (SPECD_GROUP)."""
-    from .dist import rank
-    from .dist.topology import GroupPlan
+    from .parallel import rank
+    from .parallel.topology import GroupPlan
 
     plan = os.environ.get("SPECD_GROUP")
     if not plan:

@@ -18,8 +18,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, model_manifest, start_daemon
-from specd.spec.eagle.checkpoint import save_head
-from specd.spec.eagle.head import EagleConfig, EagleHead
+from specd.speculation.eagle.checkpoint import save_head
+from specd.speculation.eagle.head import EagleConfig, EagleHead
 
 
 def specd(daemon, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from specd.spec.acceptance import AcceptanceEstimate, AcceptanceHistory
-from specd.spec.config import PolicySettings
-from specd.spec.controller import GoodputController, Row, StaticController, make_controller
-from specd.spec.costs import CostModel
-from specd.spec.exploration import Realised
+from specd.speculation.acceptance import AcceptanceEstimate, AcceptanceHistory
+from specd.speculation.config import PolicySettings
+from specd.speculation.controller import GoodputController, Row, StaticController, make_controller
+from specd.speculation.costs import CostModel
+from specd.speculation.exploration import Realised
 
 
 def costs(fixed: float, per_token: float, draft_fixed: float = 0.0, draft_per_row: float = 0.0) -> CostModel:

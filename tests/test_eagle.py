@@ -19,8 +19,8 @@ from conftest import code_sample, run_engine
 from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest
 from specd.core.request import SpeculationConfig
-from specd.spec.eagle.checkpoint import load_head, save_head
-from specd.spec.eagle.head import EagleConfig, EagleHead
+from specd.speculation.eagle.checkpoint import load_head, save_head
+from specd.speculation.eagle.head import EagleConfig, EagleHead
 
 GREEDY = SamplingParams(temperature=0)
 _ids = itertools.count()
@@ -122,7 +122,7 @@ def test_rows_that_sit_out_keep_their_features_and_draft_later(target, prompts):
     """Under a policy that stops speculation while 3 or more requests decode,
     EAGLE rows start drafting only when the batch shrinks: the head must then
     have every feature of their context (each request drafts), and output stays identical."""
-    from specd.spec.config import PolicySettings
+    from specd.speculation.config import PolicySettings
 
     model, tokenizer = target
     head = head_for(model, 1)
@@ -159,8 +159,8 @@ def test_a_row_that_has_not_drafted_yet_keeps_its_features_while_others_draft(ta
     from specd.core.cache import make_row_cache
     from specd.core.prefix import RowPrefixes
     from specd.core.sequence import Sequence
-    from specd.spec.eagle.proposer import EagleProposer
-    from specd.spec.proposer import Outcome, Round
+    from specd.speculation.eagle.proposer import EagleProposer
+    from specd.speculation.proposer import Outcome, Round
 
     model, tokenizer = target
     proposer = EagleProposer(head_for(model, 1), model, RowPrefixes(None, []))

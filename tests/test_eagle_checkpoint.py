@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from specd.spec.eagle.checkpoint import default_feature_layers, load_head, save_head
+from specd.speculation.eagle.checkpoint import default_feature_layers, load_head, save_head
 from specd.core.model_parts import target_parts
 
 # The forged test target: hidden 64, 4 heads, 2 KV heads, 4 layers, vocab 1024.

@@ -12,8 +12,8 @@ from mlx_lm import load
 
 from specd.forge.eagle import CHAIN_DEPTH, train_eagle
 from specd.forge.tokenizer import stdlib_root
-from specd.spec.eagle.capture import FeatureCapture
-from specd.spec.eagle.checkpoint import load_head
+from specd.speculation.eagle.capture import FeatureCapture
+from specd.speculation.eagle.checkpoint import load_head
 from specd.core.model_parts import target_parts
 
 CORPUS = ("textwrap.py", "shlex.py", "string.py")

@@ -13,7 +13,7 @@ from conftest import code_sample, run_engine
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.engine.engine import Engine, EngineOverloaded
-from specd.spec.hooks import hook, unhook
+from specd.speculation.hooks import hook, unhook
 
 GREEDY = SamplingParams(temperature=0)
 _ids = itertools.count()

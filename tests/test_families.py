@@ -27,7 +27,7 @@ from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
 from specd.forge.families import (FAMILIES, METAL_ONLY, NOT_SERVED, SHAPES, UNFORGEABLE, model_types,
                                    served_families)
-from specd.spec.hooks import hook, unhook
+from specd.speculation.hooks import hook, unhook
 
 GREEDY = SamplingParams(temperature=0)
 NGRAM = SpeculationConfig("ngram", 4, 1, 3)
@@ -348,8 +348,8 @@ def test_eagle_heads_on_sliding_nested_and_recurrent_families(family, version, f
     targets of other families: chains everywhere, trees where the cache can
     keep one branch (attention only); greedy output stays mlx-lm's."""
     from specd.core.loader import text_config, vocab_size
-    from specd.spec.eagle.checkpoint import load_head, save_head
-    from specd.spec.eagle.head import EagleConfig, EagleHead
+    from specd.speculation.eagle.checkpoint import load_head, save_head
+    from specd.speculation.eagle.head import EagleConfig, EagleHead
 
     path = family_models(family)
     model, tokenizer = load_model(str(path))

@@ -15,9 +15,9 @@ SPECD = Path(__file__).resolve().parents[1] / "specd"
 # Lowest first; a unit may import units of its own layer's predecessors only.
 LAYERS = [
     {"api", "core", "metrics", "logs"},
-    {"spec"},
+    {"speculation"},
     {"engine"},
-    {"dist"},
+    {"parallel"},
     {"control", "forge"},
     {"server", "client", "service"},
     {"doctor"},

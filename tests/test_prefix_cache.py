@@ -123,7 +123,7 @@ def models(forged, tmp_path_factory):
 
 
 def eagle_head(model):
-    from specd.spec.eagle.head import EagleConfig, EagleHead
+    from specd.speculation.eagle.head import EagleConfig, EagleHead
 
     hidden = text_config(model)["hidden_size"]
     mx.random.seed(0)
@@ -218,7 +218,7 @@ def test_conversations_are_identical_with_and_without_the_cache(family, models):
 def test_draft_models_and_eagle_heads_keep_their_own_cached_prefixes(method, models):
     """The draft model's and the EAGLE head's caches start from their own
     cached prefixes; output is unchanged and every EAGLE row still drafts."""
-    from specd.spec.eagle.proposer import EagleProposer
+    from specd.speculation.eagle.proposer import EagleProposer
 
     model, tokenizer = models("target")
     drafter = models("draft")[0] if method == "draft" else eagle_head(model)

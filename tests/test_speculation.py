@@ -18,7 +18,7 @@ from conftest import code_sample, run_engine, two_sample_chi2
 from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest
 from specd.core.request import SpeculationConfig
-from specd.spec.config import PolicySettings
+from specd.speculation.config import PolicySettings
 
 GREEDY = SamplingParams(temperature=0)
 NGRAM = SpeculationConfig("ngram", 4, 1, 4)

@@ -31,9 +31,9 @@ from specd.api.manifest import SPEC_PARSERS
 from specd.core.grammar import json_schema_grammar
 from specd.core.request import NO_SPECULATION, GenerationRequest
 from specd.core.sampling import SamplingParams
-from specd.dist import wire
-from specd.dist.group import GroupClient
-from specd.dist.topology import group_ports, mlx_environment
+from specd.parallel import wire
+from specd.parallel.group import GroupClient
+from specd.parallel.topology import group_ports, mlx_environment
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n", "x = [1, 2, 3]\n", "def main():\n    args = parse()\n"]
@@ -195,7 +195,7 @@ from types import SimpleNamespace
 from specd.core.grammar import json_schema_grammar
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
-from specd.dist.rank import GroupRank, _join_group, load_shard
+from specd.parallel.rank import GroupRank, _join_group, load_shard
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specd.spec.tree import DraftTree, accept, layout
+from specd.speculation.tree import DraftTree, accept, layout
 
 V = 6
 ROWS = 30000
@@ -97,7 +97,7 @@ def test_a_tree_forward_gives_every_path_the_logits_of_decoding_it_alone(forged)
     from mlx_lm import load
 
     from specd.core.cache import make_row_cache
-    from specd.spec.tree import TreePositions, verifying
+    from specd.speculation.tree import TreePositions, verifying
 
     target, _ = load(str(forged / "target"))
     positions = TreePositions(target)

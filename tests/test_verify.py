@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specd.core.sampling import SamplingParams, transform_logprobs
-from specd.spec.verify import accept_sampled, point_mass, verify
+from specd.speculation.verify import accept_sampled, point_mass, verify
 
 GREEDY = SamplingParams(temperature=0)
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 35: 66.62}

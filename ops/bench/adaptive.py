@@ -36,7 +36,7 @@ from mlx_lm import load
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig
 from specd.core.request import Method, SpeculationConfig
-from specd.spec.config import PolicySettings
+from specd.speculation.config import PolicySettings
 
 from spec_decode import (CODE_PROMPTS, RESULTS, closed_loop, machine_info, rewrite_prompts, serve_clients,
                          write_result)

@@ -30,7 +30,7 @@ from mlx_lm import load
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig
 from specd.core.request import Method, SpeculationConfig
-from specd.spec.eagle.checkpoint import load_head
+from specd.speculation.eagle.checkpoint import load_head
 
 from spec_decode import CODE_PROMPTS, RESULTS, closed_loop, machine_info, serve_clients, write_result
 

@@ -24,7 +24,7 @@ from ..engine.interface import ServingEngine
 from ..engine.scheduler import EngineConfig
 from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
-from ..spec.config import PolicySettings
+from ..speculation.config import PolicySettings
 
 log = structlog.get_logger(__name__)
 
@@ -149,7 +149,7 @@ def build_embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Calla
 async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairing: Pairing | None,
                       on_failure: Callable[[], None]) -> Built:
     """Start a tensor-parallel group for the model; the pairing's draft is replicated on every rank."""
-    from ..dist.group import start_group
+    from ..parallel.group import start_group
 
     if pairing is not None and pairing.method == Method.EAGLE:
         client = await start_group(name, spec, topology, on_failure, NO_SPECULATION, None)

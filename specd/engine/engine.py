@@ -22,8 +22,8 @@ from ..core.request import GenerationRequest, StepOutput
 from ..core.sequence import Sequence
 from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
-from ..spec.config import PolicySettings
-from ..spec.eagle.checkpoint import load_head
+from ..speculation.config import PolicySettings
+from ..speculation.eagle.checkpoint import load_head
 from .scheduler import EngineConfig, Scheduler, StepInputs, check_request
 
 log = structlog.get_logger(__name__)

@@ -1,7 +1,7 @@
 """What serves a Model, as the control plane and the HTTP routes see it.
 
 A local ``Engine`` (one process) and a tensor-parallel group's client
-(``dist.group.GroupClient``, whose engine runs in rank processes) both
+(``parallel.group.GroupClient``, whose engine runs in rank processes) both
 implement it; the registry, the reconciler and the server use nothing else.
 """
 
@@ -13,7 +13,7 @@ import mlx.nn as nn
 
 from ..core.request import GenerationRequest, StepOutput
 from ..core.request import Method, SpeculationConfig
-from ..spec.config import PolicySettings
+from ..speculation.config import PolicySettings
 
 
 class ServingEngine(Protocol):

@@ -32,7 +32,7 @@ from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
 from ..core.request import Method, SpeculationConfig
-from ..spec.speculator import Speculator
+from ..speculation.speculator import Speculator
 
 
 @dataclass(frozen=True)

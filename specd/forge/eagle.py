@@ -42,10 +42,10 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..spec.eagle.capture import FeatureCapture
-from ..spec.eagle.checkpoint import default_feature_layers, save_head
+from ..speculation.eagle.capture import FeatureCapture
+from ..speculation.eagle.checkpoint import default_feature_layers, save_head
 from ..core.model_parts import final_norm, target_parts
-from ..spec.eagle.head import EagleConfig, EagleHead
+from ..speculation.eagle.head import EagleConfig, EagleHead
 from .tokenizer import stdlib_sources
 from .train import TrainConfig, encode_corpus, lr_at, windows
 

@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..control.reconciler import Reconciler
 from ..control.watcher import ManifestDirectory
-from ..dist.group import with_engine_metrics
+from ..parallel.group import with_engine_metrics
 from ..engine.engine import return_freed_memory
 from . import admin, anthropic, embeddings, openai, responses
 from .access import api_access, cors_headers

@@ -31,7 +31,7 @@ from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
 from ..engine.scheduler import check_request
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
-from ..spec.config import PolicySettings
+from ..speculation.config import PolicySettings
 from . import wire
 from .topology import (
     GroupPlan,

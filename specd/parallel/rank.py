@@ -38,7 +38,7 @@ from ..engine.engine import Engine
 from ..engine.scheduler import EngineConfig, StepInputs
 from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
-from ..spec.config import PolicySettings
+from ..speculation.config import PolicySettings
 from . import wire
 from .topology import GroupPlan
 
