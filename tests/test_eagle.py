@@ -101,12 +101,12 @@ def test_requests_asking_for_eagle_need_a_head(target, prompts):
 def test_draft_steps_see_the_context_and_their_own_ancestors_only(target, version):
     """Siblings share a position, and a node's output is the head's causal
     output over the context followed by its own branch."""
-    from specd.core.kv import SpeculativeKVCache
+    from specd.core.kv import RowKV
 
     head = head_for(target[0], version)
     H = head.config.hidden_size
     hidden, embeds = mx.random.normal((1, 8, H), key=mx.random.key(1)), mx.random.normal((1, 8, H), key=mx.random.key(2))
-    cache = SpeculativeKVCache([0])
+    cache = RowKV([0])
     head(hidden[:, :5], embeds[:, :5], cache)
     siblings, nodes = head.draft_step(hidden[:, 5:7], embeds[:, 5:7], cache, 1, None, mx.eye(2, dtype=mx.bool_)[None])
     child, _ = head.draft_step(hidden[:, 7:8], embeds[:, 7:8], cache, 2, nodes, mx.array([[[False, True, True]]]))

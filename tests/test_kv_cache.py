@@ -1,4 +1,10 @@
-"""SpeculativeKVCache: per-row rollback leaves exactly the accepted tokens."""
+"""RowKV: each row holds exactly its kept tokens, and each new token attends to
+exactly what it may see, through rollbacks, draft trees, windows, evictions,
+padding, joins and leaves.
+
+Keys are all zero, so a query weighs every column it sees alike, and values
+are one-hot token ids: ``attend``'s output names the tokens each query sees.
+"""
 
 from __future__ import annotations
 
@@ -6,121 +12,176 @@ import random
 
 import mlx.core as mx
 import numpy as np
+from hypothesis import given, settings, strategies as st
 
 from specd.core.cache import BatchRowCache
-from specd.core.kv import SpeculativeKVCache
+from specd.core.kv import STEP, RowKV
+
+D = 1024  # token ids are below this
 
 
-def live_keys(cache: SpeculativeKVCache, row: int) -> np.ndarray:
-    """The keys row ``row`` can attend to, in order (what the mask lets through)."""
-    mask = np.array(cache.make_mask(1, return_array=True))[row, 0, 0, :-1]
-    keys = np.array(cache.keys[row, 0, : cache._idx, 0])
-    return keys[mask]
+def onehot(tokens: list[list[int]]) -> tuple[mx.array, mx.array]:
+    """Keys and values (B, 1, N, D) for rows of token ids (0: padding)."""
+    values = np.zeros((len(tokens), 1, len(tokens[0]), D), dtype=np.float32)
+    for b, row in enumerate(tokens):
+        for j, t in enumerate(row):
+            values[b, 0, j, t] = 1.0
+    return mx.zeros(values.shape), mx.array(values)
 
 
-def test_random_rollbacks_match_a_reference_of_kept_tokens():
+def write(cache: RowKV, tokens: list[list[int]]) -> list[list[list[int]]]:
+    """Write one forward's columns; returns what each new token of each row sees."""
+    keys, values = onehot(tokens)
+    cache.update_and_fetch(keys, values)
+    out = np.array(cache.attend(mx.zeros(keys.shape), scale=1.0))
+    return [[np.flatnonzero(out[b, 0, j] > 1e-6).tolist() for j in range(len(row))] for b, row in enumerate(tokens)]
+
+
+def held(cache: RowKV, b: int) -> list[int]:
+    """The token ids row b holds, in order."""
+    first = cache.positions[b] - cache.held[b]
+    _, values = cache.columns(b, first, cache.positions[b])
+    return np.argmax(np.array(values[0, 0]), axis=-1).tolist()
+
+
+def test_rollbacks_trees_joins_and_leaves_leave_each_row_exactly_its_kept_tokens():
     rng = random.Random(0)
-    lengths = [3, 7, 1]
-    cache = SpeculativeKVCache([7 - n for n in lengths])
     counter = iter(range(1, 10**6))
-    kept: list[list[float]] = [[] for _ in lengths]
-
-    def write(tokens_per_row: list[list[float]], width: int):
-        block = np.zeros((3, 1, width, 1), dtype=np.float32)
-        for b, toks in enumerate(tokens_per_row):
-            block[b, 0, width - len(toks):, 0] = toks  # prompts are left-padded
-        cache.update_and_fetch(mx.array(block), mx.array(block))
-
-    prompts = [[float(next(counter)) for _ in range(n)] for n in lengths]
-    write(prompts, 7)
+    lengths = [3, 7, 1]
+    cache = RowKV([7 - n for n in lengths])
+    prompts = [[next(counter) for _ in range(n)] for n in lengths]
+    seen = write(cache, [[0] * (7 - len(p)) + p for p in prompts])
+    kept = [list(p) for p in prompts]
     for b, p in enumerate(prompts):
-        kept[b] += p
-    for step in range(60):
+        assert seen[b][7 - len(p):] == [sorted(p[: j + 1]) for j in range(len(p))]
+    for step in range(80):
         width = rng.randint(1, 5)
-        new = [[float(next(counter)) for _ in range(width)] for _ in lengths]
-        block = np.array(new, dtype=np.float32)[:, None, :, None]
-        cache.update_and_fetch(mx.array(block), mx.array(block))
-        rejected = [rng.randint(0, width - 1) for _ in lengths]
-        BatchRowCache([cache]).rollback(rejected)
-        for b, r in enumerate(rejected):
-            kept[b] += new[b][: width - r]
-        for b in range(3):
-            assert live_keys(cache, b).tolist() == kept[b], step
+        new = [[next(counter) for _ in range(width)] for _ in kept]
+        seen = write(cache, new)
+        for b in range(len(kept)):
+            assert seen[b] == [sorted(kept[b] + new[b][: j + 1]) for j in range(width)], step
+        drop = np.array([[rng.random() < 0.4 for _ in range(width)] for _ in kept])
+        BatchRowCache([cache]).forget(drop)
+        for b in range(len(kept)):
+            kept[b] += [t for t, d in zip(new[b], drop[b]) if not d]
+            assert held(cache, b) == kept[b], step
         assert np.array(cache.offset).tolist() == [len(k) for k in kept]
-        if step % 17 == 16:
-            cache.filter(mx.array([0, 1, 2]))  # compacts: holes become left padding
-            assert cache.valid is None
-    cache.compact()
-    for b in range(3):
-        lp = int(np.array(cache.left_padding)[b])
-        assert np.array(cache.keys[b, 0, lp: cache._idx, 0]).tolist() == kept[b]
+        if step % 9 == 8:  # one row leaves, the others reorder; a fresh row joins
+            order = rng.sample(range(len(kept)), len(kept) - 1)
+            cache.select(order)
+            kept = [kept[i] for i in order]
+            fresh, prompt = RowKV([0]), [next(counter) for _ in range(rng.randint(1, 4))]
+            write(fresh, [prompt])
+            cache.extend(fresh)
+            kept.append(prompt)
+    assert all(cache.keys[b].shape[2] == -(-cache.held[b] // STEP) * STEP for b in range(len(kept)))
+
+
+def test_draft_trees_see_the_context_and_their_ancestors_within_the_window():
+    """Tree verification: each node sees its row's context and its own ancestors,
+    both limited to the window in the node's own position (its depth)."""
+    rng = random.Random(2)
+    counter = iter(range(1, 10**6))
+    window = 5
+    cache = RowKV([0], window=window)
+    kept = [[next(counter) for _ in range(9)]]
+    write(cache, kept)
+    for _ in range(20):
+        n = rng.randint(1, 6)
+        parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+        ancestry = np.zeros((1, n, n), dtype=bool)
+        for j, p in enumerate(parents):
+            if p >= 0:
+                ancestry[0, j] = ancestry[0, p]
+            ancestry[0, j, j] = True
+        new = [next(counter) for _ in range(n)]
+        cache.tree = mx.array(ancestry)
+        seen = write(cache, [new])[0]
+        cache.tree = None
+        for j in range(n):
+            path = [new[i] for i in range(n) if ancestry[0, j, i]]
+            assert seen[j] == sorted((kept[0] + path)[-window:])
+        branch = [i for i in range(n) if ancestry[0, n - 1, i]]
+        cache.forget(np.array([[i not in branch for i in range(n)]]))
+        kept[0] += [new[i] for i in branch]
+        assert held(cache, 0) == kept[0][-cache.held[0]:]
 
 
 def test_sliding_window_sees_the_last_positions_through_rollbacks_and_evictions():
-    """A windowed cache: after any mix of rejected tails (holes) and
-    evictions, each new token sees exactly the ``window`` newest kept tokens
-    of its row, itself included, and memory stays bounded."""
+    """A windowed cache: after any mix of rejected tails and evictions, each
+    new token sees exactly the ``window`` newest kept tokens of its row,
+    itself included, and memory stays bounded."""
     rng = random.Random(1)
-    window, lengths = 6, [2, 9, 5]
-    cache = SpeculativeKVCache([9 - n for n in lengths], window=window)
-    rows = BatchRowCache([cache])
     counter = iter(range(1, 10**6))
-    kept: list[list[float]] = [[] for _ in lengths]
-    prompts = [[float(next(counter)) for _ in range(n)] for n in lengths]
-    block = np.zeros((3, 1, 9, 1), dtype=np.float32)
-    for b, p in enumerate(prompts):
-        block[b, 0, 9 - len(p):, 0] = p
-        kept[b] += p
-    cache.update_and_fetch(mx.array(block), mx.array(block))
+    window, lengths = 6, [2, 9, 5]
+    cache = RowKV([9 - n for n in lengths], window=window)
+    prompts = [[next(counter) for _ in range(n)] for n in lengths]
+    write(cache, [[0] * (9 - len(p)) + p for p in prompts])
+    kept = [list(p) for p in prompts]
     widest = 0
     for step in range(120):
         if cache.needs_eviction():
             cache.evict()
         width = rng.randint(1, 4)
-        mask = np.array(cache.make_mask(width, return_array=True))  # (B, 1, width, _idx + width)
-        keys = np.array(cache.keys[:, 0, : cache._idx, 0])
-        new = [[float(next(counter)) for _ in range(width)] for _ in lengths]
-        for b in range(3):
-            for j in range(width):
-                seen = keys[b][mask[b, 0, j, : cache._idx]].tolist() + [new[b][i] for i in range(width)
-                                                                         if mask[b, 0, j, cache._idx + i]]
-                assert seen == (kept[b] + new[b][: j + 1])[-window:], (step, b, j)
-        cache.update_and_fetch(mx.array(np.array(new, dtype=np.float32)[:, None, :, None]),
-                               mx.array(np.array(new, dtype=np.float32)[:, None, :, None]))
+        new = [[next(counter) for _ in range(width)] for _ in lengths]
+        seen = write(cache, new)
+        for b in range(len(lengths)):
+            assert seen[b] == [sorted((kept[b] + new[b][: j + 1])[-window:]) for j in range(width)], (step, b)
         rejected = [rng.randint(0, width - 1) for _ in lengths]
-        rows.rollback(rejected)
+        BatchRowCache([cache]).rollback(rejected)
         for b, r in enumerate(rejected):
             kept[b] += new[b][: width - r]
-        widest = max(widest, cache._idx)
-    assert widest <= 2 * window + SpeculativeKVCache.EVICT_SLACK + 4
+        widest = max(widest, *cache.held)
+    assert widest <= 2 * window + RowKV.EVICT_SLACK + 4
 
 
-def test_a_windowed_prefill_group_keeps_the_padding_of_prompts_that_start_in_a_later_chunk():
+def test_a_prefill_group_stores_no_padding_and_its_rows_see_their_own_window():
     """A short prompt prefilled beside a much longer one is all padding for
-    the first chunks; evicting between chunks (the long row outgrows the
-    window) must keep the short row's padding still to be written, or its
-    own tokens would attend to those padding columns."""
+    the first chunks: none of it is stored, evictions between chunks keep
+    what is still to come, and each real token sees its own row's window."""
     window, chunk, lengths = 4, 5, [40, 3, 12]
     width = max(lengths)
-    cache = SpeculativeKVCache([width - n for n in lengths], window=window)
+    cache = RowKV([width - n for n in lengths], window=window)
     counter = iter(range(1, 10**6))
-    prompts = [[0.0] * (width - n) + [float(next(counter)) for _ in range(n)] for n in lengths]
+    prompts = [[0] * (width - n) + [next(counter) for _ in range(n)] for n in lengths]
     evicted = False
     for start in range(0, width, chunk):
         if cache.needs_eviction():
             cache.evict()
             evicted = True
         end = min(width, start + chunk)
-        mask = np.array(cache.make_mask(end - start, return_array=True))  # (B, 1, N, _idx + N)
-        keys = np.array(cache.keys[:, 0, : cache._idx, 0]) if cache.keys is not None else np.zeros((3, 0))
-        block = np.array([p[start:end] for p in prompts], dtype=np.float32)
+        seen = write(cache, [p[start:end] for p in prompts])
         for b, n in enumerate(lengths):
-            for j in range(end - start):
-                position = start + j
-                if position < width - n:
-                    continue  # a padding query: what it sees is never read
-                seen = keys[b][mask[b, 0, j, : cache._idx]].tolist() + [
-                    block[b][i] for i in range(end - start) if mask[b, 0, j, cache._idx + i]]
-                assert seen == prompts[b][width - n: position + 1][-window:], (start, b, j)
-        cache.update_and_fetch(mx.array(block[:, None, :, None]), mx.array(block[:, None, :, None]))
+            for j, position in enumerate(range(start, end)):
+                if position >= width - n:
+                    assert seen[b][j] == sorted(prompts[b][width - n: position + 1][-window:]), (start, b, j)
     assert evicted
+    assert cache.positions == lengths
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=12))
+def test_rows_joining_and_leaving_in_any_order_keep_their_own_tokens(events):
+    """Hypothesis-generated arrivals (prompt length) and departures (which row):
+    every row still holds exactly its own tokens and sees only them."""
+    counter = iter(range(1, 10**6))
+    cache, kept = None, []
+    for length, leave in events:
+        prompt = [next(counter) for _ in range(length)]
+        fresh = RowKV([0])
+        write(fresh, [prompt])
+        if cache is None:
+            cache = fresh
+        else:
+            cache.extend(fresh)
+        kept.append(prompt)
+        if leave < len(kept) and len(kept) > 1:
+            rows = [i for i in range(len(kept)) if i != leave]
+            cache.select(rows)
+            kept = [kept[i] for i in rows]
+        new = [[next(counter)] for _ in kept]
+        seen = write(cache, new)
+        for b in range(len(kept)):
+            kept[b] += new[b]
+            assert seen[b] == [sorted(kept[b])]
+            assert held(cache, b) == kept[b]

@@ -10,7 +10,9 @@ rows are selected and merged as sequences leave and join.
 ``BatchRowCache`` implements it over a model's own layer caches, batched:
 
 - attention (``KVCache``) and sliding-window attention (``RotatingKVCache``)
-  become ``SpeculativeKVCache`` rows (``core.kv``): rollback hides columns;
+  become ``RowKV`` layers (``core.kv``): each row's keys and values in its own
+  buffer, attended row by row, so rollback shortens a row and rows join and
+  leave without copying the others;
 - recurrent state (``ArraysCache``: Mamba SSM and conv states, gated delta
   nets, short convs) stays mlx-lm's ``ArraysCache``, which batches and masks
   padding itself but has no columns to hide: the state before a provisional
@@ -37,10 +39,11 @@ from typing import Iterator, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, _BaseCache,
+                                  make_prompt_cache)
 from mlx_lm.models.deepseek_v41 import LayerCache as CompressedLayerCache
 
-from .kv import SpeculativeKVCache
+from .kv import RowKV, route_attention
 from .prefix import Columns, PrefixStore, RowPrefix, RowPrefixes, Snapshot
 
 
@@ -58,9 +61,8 @@ class RowCache(Protocol):
       keeps one path of its nodes; ``chains_only`` caches cannot);
     - ``select(rows)`` keeps and reorders rows, ``merge(other)`` appends
       another cache's rows (a sequence leaves or joins between steps);
-    - ``compact()`` squeezes out what rollback only hid, ``settle()``
-      evaluates what rollback left lazy so the step that rolled back pays
-      for it;
+    - ``settle()`` evaluates what rollback left lazy so the step that rolled
+      back pays for it;
     - ``tree_attention(ancestry)`` restricts the next forward's new columns
       to their ancestors (draft trees).
     """
@@ -81,8 +83,6 @@ class RowCache(Protocol):
 
     def merge(self, other: "RowCache") -> None: ...
 
-    def compact(self) -> None: ...
-
     def settle(self) -> None: ...
 
     def tree_attention(self, ancestry: mx.array): ...
@@ -95,9 +95,9 @@ class BatchRowCache:
     def __init__(self, layers: list, padding: int = 0):
         self.layers = layers
         leaves = list(_leaves(layers))
-        by_window: dict[int | None, list[SpeculativeKVCache]] = {}
+        by_window: dict[int | None, list[RowKV]] = {}
         for leaf in leaves:
-            if isinstance(leaf, SpeculativeKVCache):
+            if isinstance(leaf, RowKV):
                 by_window.setdefault(leaf.window, []).append(leaf)
         # layers of one window hold the same columns: the model builds one mask for all of them
         self.attention = list(by_window.values())
@@ -140,8 +140,8 @@ class BatchRowCache:
             self._journal, self._saved = [], []
         if not drop.any():
             return
-        for group in self.attention:
-            _forget(group, drop)
+        for leaf in self._attention():
+            leaf.forget(drop)
 
     def _readvance(self, drop: np.ndarray) -> np.ndarray:
         """Restore the recurrent states from before the provisional forwards
@@ -156,9 +156,8 @@ class BatchRowCache:
         keep = kept + (written - drop.shape[1])  # per row, of all the provisional columns
         for leaf, saved in zip(self.recurrent, self._saved):
             leaf.cache = list(saved)
-        for group in self.attention:
-            for leaf in group:
-                leaf.trim(written)
+        for leaf in self._attention():
+            leaf.trim(written)
         chosen = [list(saved) for saved in self._saved]
         done = 0
         for end in sorted(set(keep.tolist())):
@@ -175,22 +174,18 @@ class BatchRowCache:
         return np.arange(done)[None, :] >= keep[:, None]
 
     def select(self, rows: list[int]) -> None:
-        idx = mx.array(rows)
-        for leaf in self._all():
-            leaf.filter(idx)
+        for leaf in self._attention():
+            leaf.select(rows)
+        for leaf in self.recurrent:
+            leaf.filter(mx.array(rows))
 
     def merge(self, other: "BatchRowCache") -> None:
-        for mine, theirs in zip(self._all(), other._all()):
+        for mine, theirs in zip(self._attention() + self.recurrent, other._attention() + other.recurrent):
             mine.extend(theirs)
 
-    def compact(self) -> None:
-        for group in self.attention:
-            for leaf in group:
-                leaf.compact()
-
     def settle(self) -> None:
-        """Evaluate what rolling back left lazy (hole masks, offsets, a
-        compaction's gather, re-advanced states), so that the step that
+        """Evaluate what rolling back left lazy (a tree's closed-up columns,
+        re-advanced states), so that the step that
         rolled back pays for it: the controller compares whole steps' times,
         and deferred work would be billed to the next step, which during a
         try from plain decoding is a plain one, making speculation look
@@ -199,28 +194,26 @@ class BatchRowCache:
 
     @property
     def state(self) -> list:
-        arrays = []
-        for group in self.attention:
-            for leaf in group:
-                arrays += [leaf.keys, leaf.values, leaf.offset, leaf.left_padding, leaf.valid]
-        for leaf in self.recurrent:
-            arrays += leaf.cache
-        return [a for a in arrays if a is not None]
+        arrays = [a for leaf in self._attention() for a in leaf.arrays]
+        return arrays + [a for leaf in self.recurrent for a in leaf.cache if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the attention layers' row buffers take."""
+        return sum(leaf.nbytes for leaf in self._attention())
 
     @contextmanager
     def tree_attention(self, ancestry: mx.array) -> Iterator[None]:
-        for group in self.attention:
-            for leaf in group:
-                leaf.tree = ancestry
+        for leaf in self._attention():
+            leaf.tree = ancestry
         try:
             yield
         finally:
-            for group in self.attention:
-                for leaf in group:
-                    leaf.tree = None
+            for leaf in self._attention():
+                leaf.tree = None
 
-    def _all(self) -> list:
-        return [leaf for group in self.attention for leaf in group] + self.recurrent
+    def _attention(self) -> list[RowKV]:
+        return [leaf for group in self.attention for leaf in group]
 
     # -- prefix caching: rows out of and into the cache ----------------------------
 
@@ -231,23 +224,15 @@ class BatchRowCache:
 
     def row_columns(self, b: int, length: int, start: int, end: int) -> Columns | None:
         """Row b's keys and values of positions [start, end) in every
-        attention layer, when row b holds ``length`` positions; None if a
-        sliding window already evicted some of them."""
+        attention layer (``length``: the positions the caller knows the row
+        to hold, at least ``end``); None if a sliding window already evicted
+        some of them."""
         out = []
-        for group in self.attention:
-            lead = group[0]
-            if lead.valid is None:
-                held = lead._idx - int(lead.left_padding[b].item())
-                first = lead._idx - length
-                index = slice(first + start, first + end)
-            else:
-                live = np.flatnonzero(np.array(lead._live()[b]))
-                held = len(live)
-                index = mx.array(live[start - (length - held): end - (length - held)])
-            if start < length - held:
+        for leaf in self._attention():
+            pair = leaf.columns(b, start, end)
+            if pair is None:
                 return None
-            for leaf in group:
-                out.append((leaf.keys[b:b + 1, :, index, :], leaf.values[b:b + 1, :, index, :]))
+            out.append(pair)
         return out
 
     def row_snapshot(self, b: int) -> Snapshot:
@@ -255,27 +240,12 @@ class BatchRowCache:
         return [[None if a is None else a[b:b + 1] for a in leaf.cache] for leaf in self.recurrent]
 
     def restore(self, prefixes: list[RowPrefix | None]) -> None:
-        """Start the (fresh) rows from cached prefixes, right-aligned before
-        the columns still to come; a row's own left padding stays in front."""
-        leaves = [leaf for group in self.attention for leaf in group]
-        for i, leaf in enumerate(leaves):
-            held = [p.columns[i] if p is not None else None for p in prefixes]
-            width = max((k.shape[2] for k, _ in filter(None, held)), default=0)
-            if not width:
-                continue
-            k0, v0 = next(filter(None, held))
-            keys, values = [], []
-            for pair in held:
-                k, v = pair if pair is not None else (k0[..., :0, :], v0[..., :0, :])
-                pad = [(0, 0), (0, 0), (width - k.shape[2], 0), (0, 0)]
-                keys.append(mx.pad(k, pad))
-                values.append(mx.pad(v, pad))
-            padding = leaf.left_padding
-            n = mx.array([0 if pair is None else pair[0].shape[2] for pair in held])
-            leaf.keys, leaf.values = mx.concatenate(keys), mx.concatenate(values)
-            leaf.left_padding = padding + width - n
-            leaf.offset = mx.array([p.length if p is not None else 0 for p in prefixes]) - padding
-            leaf._idx = width
+        """Start the (fresh) rows from cached prefixes; the columns still to
+        come (a row's own left padding first) follow them."""
+        for i, leaf in enumerate(self._attention()):
+            for b, prefix in enumerate(prefixes):
+                if prefix is not None:
+                    leaf.restore(b, *prefix.columns[i], prefix.length)
         for j, leaf in enumerate(self.recurrent):
             states = [p.snapshot[j] if p is not None and p.snapshot else None for p in prefixes]
             template = next(filter(None, states), None)
@@ -283,28 +253,6 @@ class BatchRowCache:
                 continue
             leaf.cache = [None if t is None else mx.concatenate(
                 [s[e] if s is not None else mx.zeros_like(t) for s in states]) for e, t in enumerate(template)]
-
-
-def _forget(group: list[SpeculativeKVCache], drop: np.ndarray) -> None:
-    """Forget ``drop``'s columns in layers that hold the same columns: the
-    ones every row drops at the end are trimmed, the others become holes."""
-    width = drop.shape[1]
-    shared = 0
-    while shared < width and drop[:, width - 1 - shared].all():
-        shared += 1
-    inner = drop[:, : width - shared]
-    if inner.any():
-        end = group[0]._idx
-        hole = np.zeros((drop.shape[0], end), dtype=bool)
-        hole[:, end - width: end - shared] = inner
-        kept, hidden = mx.array(~hole), inner.sum(axis=1)
-        for leaf in group:
-            leaf.hide(kept, hidden)
-    for leaf in group:
-        leaf.trim(shared)
-    if group[0].needs_compaction():
-        for leaf in group:
-            leaf.compact()
 
 
 def _kept_prefix(drop: np.ndarray) -> np.ndarray:
@@ -331,28 +279,28 @@ ROWWISE_KINDS = (ChunkedKVCache, CompressedLayerCache)
 class RowwiseCache:
     """``RowCache`` as one mlx-lm cache list per row, the model run row by
     row: for models whose forward reads one position for the whole batch.
-    Prompt padding is skipped, not fed. Rollback trims each row's caches
-    where they can be trimmed; otherwise (DeepSeek V4's compressed groups
-    and evicted window rows cannot be restored) the caches as they were
-    before the provisional forwards are kept, as shallow copies (these
-    kinds replace their arrays, never write into them), and a row that
-    rejected columns gets them back and runs its kept columns again."""
+    Prompt padding is skipped, not fed. Rollback trims a row's caches where
+    they can be trimmed when its provisional forwards start; otherwise
+    (DeepSeek V4's compressed groups, a sliding window that has wrapped) the
+    row's caches as they were before are kept, as copies whose arrays no
+    in-place write reaches, and a row that rejected columns gets them back
+    and runs its kept columns again."""
 
     chains_only = True
 
     def __init__(self, model: nn.Module, left_padding: list[int]):
         self.rows = [make_prompt_cache(model) for _ in left_padding]
         self.padding = list(left_padding)  # per row: padding columns still to come
-        self.trimmable = all(layer.is_trimmable() for layer in self.rows[0])
         self._model: nn.Module | None = None
         self._journal: list[mx.array] = []  # inputs of the provisional forwards since the last rollback
-        self._saved: list[list] = []  # each row's caches before them
+        self._saved: list[list | None] = []  # each row's caches before them (None: the row trims)
 
     def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array:
-        if provisional and not self.trimmable:
+        if provisional:
             if not self._journal:
                 self._model = model
-                self._saved = [[copy.copy(layer) for layer in cache] for cache in self.rows]
+                self._saved = [None if all(layer.is_trimmable() for layer in cache) else
+                               _detached(cache) for cache in self.rows]
             self._journal.append(inputs)
         width = inputs.shape[1]
         outs = []
@@ -365,19 +313,19 @@ class RowwiseCache:
                                mx.pad(o, [(0, 0), (width - o.shape[1], 0), (0, 0)]) for o in outs])
 
     def rollback(self, rejected: list[int]) -> None:
-        if self._journal:
-            inputs = self._journal[0] if len(self._journal) == 1 else mx.concatenate(self._journal, axis=1)
-            for b, r in enumerate(rejected):
-                if r:
-                    self.rows[b] = self._saved[b]
-                    if inputs.shape[1] > r:
-                        self._model(inputs[b: b + 1, : inputs.shape[1] - r], cache=self.rows[b])
-            self._journal, self._saved = [], []
-            return
-        for cache, r in zip(self.rows, rejected):
-            if r:
-                for layer in cache:
+        written = sum(inputs.shape[1] for inputs in self._journal)
+        for b, r in enumerate(rejected):
+            if not r:
+                continue
+            if self._journal and self._saved[b] is not None:
+                self.rows[b] = self._saved[b]
+                if written > r:
+                    inputs = mx.concatenate([inputs[b: b + 1] for inputs in self._journal], axis=1)
+                    self._model(inputs[:, : written - r], cache=self.rows[b])
+            else:
+                for layer in self.rows[b]:
                     layer.trim(r)
+        self._journal, self._saved = [], []
 
     def forget(self, drop: np.ndarray) -> None:
         self.rollback((drop.shape[1] - _kept_prefix(drop)).tolist())
@@ -390,9 +338,6 @@ class RowwiseCache:
         self.rows += other.rows
         self.padding += other.padding
 
-    def compact(self) -> None:
-        """Nothing is hidden: rollback trims."""
-
     def settle(self) -> None:
         mx.eval(self.state)
 
@@ -402,6 +347,20 @@ class RowwiseCache:
 
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")
+
+
+def _detached(value):
+    """A copy of an mlx-lm cache (or what it holds) that later in-place writes to it do not reach."""
+    if isinstance(value, mx.array):
+        return mx.array(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, _BaseCache):
+        saved = copy.copy(value)
+        for name, held in vars(value).items():
+            setattr(saved, name, _detached(held))
+        return saved
+    return value
 
 
 def make_row_cache(model: nn.Module, left_padding: list[int],
@@ -422,12 +381,15 @@ def make_row_cache(model: nn.Module, left_padding: list[int],
 
 def runs_row_by_row(model: nn.Module) -> bool:
     """Whether ``model``'s rows must run one at a time: its caches are of a kind whose
-    forward reads one position for the whole batch, or two rows of different lengths
-    decoded together do not give the logits each gives alone (Gemma 2, AFM 7 and
-    StarCoder's ``gpt_bigcode`` read positions from the batch's width, not each row's).
-    Decided once, at the model's first cache, and remembered on the model."""
+    forward reads one position for the whole batch, its attention does not come
+    through ``core.kv.attention`` (OLMo calls MLX's kernel itself), or two rows of
+    different lengths decoded together do not give the logits each gives alone
+    (Gemma 2, AFM 7 and StarCoder's ``gpt_bigcode`` read positions from the batch's
+    width, not each row's). Decided once, at the model's first cache, and
+    remembered on the model."""
     decided = getattr(model, "_specd_row_by_row", None)
     if decided is None:
+        route_attention(model)
         caches = make_prompt_cache(model)
         decided = any(isinstance(c, ROWWISE_KINDS) for c in caches) or not _decodes_rows_exactly(model)
         model._specd_row_by_row = decided
@@ -436,25 +398,31 @@ def runs_row_by_row(model: nn.Module) -> bool:
 
 def _decodes_rows_exactly(model: nn.Module) -> bool:
     """Two prompts prefilled apart, merged into one batch as the scheduler merges rows, then
-    one decoding step: within float noise of each row's step alone (a tenth of the logits'
+    one decoding step: every attention layer attended through ``RowKV`` and the logits are
+    within float noise of each row's under mlx-lm's own caches (a tenth of the logits'
     spread; a model that reads the wrong positions is off by about the spread itself)."""
     prompts = ([2, 3, 4, 5, 6, 7, 8], [9, 10, 11])
 
-    def step(rows: tuple[list[int], ...]) -> mx.array:
-        caches = []
-        for prompt in rows:
+    def alone(prompt: list[int]) -> mx.array:
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt]), cache=cache)
+        return model(mx.array([[1]]), cache=cache)[:, -1]
+
+    reference = mx.concatenate([alone(prompt) for prompt in prompts])
+    caches = []
+    try:
+        for prompt in prompts:
             cache = BatchRowCache([_batched(c, [0]) for c in make_prompt_cache(model)])
             cache.forward(model, mx.array([prompt]))
             caches.append(cache)
         for other in caches[1:]:
             caches[0].merge(other)
-        return caches[0].forward(model, mx.array([[1]] * len(rows)))[:, -1]
-    alone = mx.concatenate([step((prompt,)) for prompt in prompts])
-    try:
-        together = step(prompts)
-    except (ValueError, RuntimeError):  # a forward that cannot take rows at different positions at all
+        together = caches[0].forward(model, mx.array([[1]] * len(prompts)))[:, -1]
+    except Exception:  # a forward that cannot take these caches at all (reads what RowKV does not keep)
         return False
-    return mx.abs(together - alone).max().item() <= 0.1 * mx.std(alone).item()
+    if not all(leaf.attends for leaf in caches[0]._attention()):
+        return False
+    return mx.abs(together - reference).max().item() <= 0.1 * mx.std(reference).item()
 
 
 def padding_leaks(model: nn.Module) -> bool:
@@ -473,11 +441,11 @@ def padding_leaks(model: nn.Module) -> bool:
 
 def _batched(cache, padding: list[int]):
     if type(cache) is KVCache:
-        return SpeculativeKVCache(padding)
+        return RowKV(padding)
     if type(cache) is RotatingKVCache:
         if cache.keep:
             raise ValueError(f"a sliding window that keeps {cache.keep} sink tokens cannot batch")
-        return SpeculativeKVCache(padding, window=cache.max_size)
+        return RowKV(padding, window=cache.max_size)
     if isinstance(cache, ArraysCache):
         return ArraysCache(len(cache.cache), left_padding=padding if any(padding) else None)
     if isinstance(cache, CacheList):

@@ -1,164 +1,247 @@
-"""Batched attention caches with exact per-row rollback.
+"""Attention keys and values held per row: no padding, no whole-batch copies.
 
-Rows are left-padded (mlx-lm's ``BatchKVCache`` convention): the newest token
-of every sequence sits at the same column, the mask hides each row's padding,
-and RoPE positions come from each row's own offset.  A row's rejected tail is
-hidden from attention and positions at once, and squeezed out into left
-padding later (``SpeculativeKVCache``).  A sliding window is the same cache
-with a window applied in each row's own positions and the columns no future
-token can see evicted now and then, so a rejected proposal never evicts
-anything its replacement still needs.
+Each row of a batch keeps its own keys and values for every attention layer,
+in a buffer that grows ``STEP`` columns at a time, so a row holds memory for
+its own tokens only, never for the longest row's.  A row that joins or
+leaves the batch touches only its own buffers, and rolling back a row's
+rejected tokens is a change of its length (a draft tree's discarded
+branches: a gather within the row's newest columns).
+
+mlx-lm's attention modules write through ``cache.update_and_fetch`` and then
+call ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` with the
+same cache.  ``route_attention`` points a model's modules at ``attention``
+here instead, which hands a ``RowKV`` layer's queries to ``RowKV.attend``:
+each row's queries over its own keys, one exact SDPA per row (no gather into
+a padded batch, which would need the longest row's memory for every row
+again, in every layer).  Every other cache goes to mlx-lm's own function
+unchanged.  A model whose attention does not come through here, or that
+reads the keys it fetched for anything else, is found at load (``attends``
+stays 0, or its logits are wrong) and runs row by row.
 """
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models import base
+from mlx_lm.models.base import create_causal_mask
+
+STEP = 64  # columns a row's buffer grows by: a short row wastes little, a long one regrows rarely
 
 
-class SpeculativeKVCache(BatchKVCache):
-    """``BatchKVCache`` with exact per-row rollback that copies nothing.
+class RowKV:
+    """One attention layer's cache for a batch, one buffer per row.
 
-    Rolling every row's rejected tail into left padding rewrites the whole
-    cache each step, a large part of a small model's step.  Instead the
-    write index is rewound by the smallest rejection (free), and the rest of
-    each row's rejected tail becomes a *hole*: still stored, never attended
-    to (the mask hides it) and skipped by RoPE positions (``offset``).  When
-    holes pile up they are squeezed out in one gather that turns them into
-    left padding, which is the roll done once instead of every step.
-
-    ``valid`` (B, _idx) marks the columns a row may attend to beyond its left
-    padding; it is None while there are no holes.  ``holes`` counts each
-    row's on the host, so deciding to compact costs no device sync.  While a
-    draft tree is verified, ``tree`` restricts the new tokens to their
-    ancestors, and ``forget`` keeps the accepted path's columns (the rest
-    become holes).
+    Per row b: ``keys[b]``/``values[b]`` (1, kv heads, capacity, D) hold its
+    ``held[b]`` newest columns, the positions ``positions[b] - held[b]`` up to
+    ``positions[b]``; ``pending[b]`` columns of left padding are still to come
+    in the inputs of a prefill group, and are never stored.
 
     ``window`` (sliding-window attention, mlx-lm's ``RotatingKVCache``): a
     token sees the ``window`` most recent positions of its row, itself
-    included.  Columns are kept until ``evict`` drops those no future token
-    can see, so rollback within a window is as exact as without one.
+    included; ``evict`` drops what no future token can see, only between
+    rounds, so a rejected proposal never evicts what its replacement needs.
+    While a draft tree is verified, ``tree`` (B, N, N) restricts the new
+    tokens to their ancestors.
     """
 
-    COMPACT_FRACTION = 0.25
     EVICT_SLACK = 16  # columns past twice the window before evicting
 
-    def __init__(self, left_padding: list[int], window: int | None = None):
-        super().__init__(left_padding)
+    def __init__(self, padding: list[int], window: int | None = None):
+        self.keys: list[mx.array | None] = [None] * len(padding)
+        self.values: list[mx.array | None] = [None] * len(padding)
+        self.held = [0] * len(padding)
+        self.positions = [0] * len(padding)
+        self.pending = list(padding)
         self.window = window
-        self.valid: mx.array | None = None
-        self.holes: np.ndarray | None = None  # (B,) hidden columns per row, while ``valid`` is set
-        self.tree: mx.array | None = None  # (B, N, N) ancestry of the N tokens being verified as a tree
+        self.tree: mx.array | None = None
+        self.attends = 0  # calls of ``attend``: 0 after a forward means the model's attention bypasses it
+        self._written: list[tuple[int, int]] = []  # per row, the last update's (padding skipped, columns written)
+        self._offset: mx.array | None = None
 
-    def update_and_fetch(self, keys, values):
-        if self.valid is not None:
-            self.valid = mx.concatenate(
-                [self.valid, mx.ones((self.valid.shape[0], keys.shape[2]), dtype=mx.bool_)], axis=1)
-        return super().update_and_fetch(keys, values)
+    @property
+    def offset(self) -> mx.array:
+        """(B,) RoPE offset of each row's next input column (its padding counted in)."""
+        if self._offset is None:
+            self._offset = mx.array([p - q for p, q in zip(self.positions, self.pending)])
+        return self._offset
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs):
-        windows = [w for w in (self.window, window_size) if w]
-        window = min(windows) if windows else None
-        plain = self.valid is None and self.tree is None
-        if (plain and not return_array and window is None and self.left_padding.shape[0] == 1
-                and self.left_padding.item() == 0):
-            return None if N == 1 else "causal"  # a lone unpadded row needs no mask array (a faster path)
-        if plain:  # columns are positions (up to each row's padding): mlx-lm's mask applies the window
-            return super().make_mask(N, return_array=True, window_size=window, **kwargs)
-        mask = super().make_mask(N, return_array=True, **kwargs)
-        live = self._live()
-        if self.valid is not None:
-            mask = mask & mx.concatenate([live, mx.ones((live.shape[0], N), dtype=mx.bool_)], axis=1)[:, None, None]
-        if self.tree is not None:  # each new token sees the context and its own ancestors only
-            mask = mx.concatenate([mask[..., :-N], mask[..., -N:] & self.tree[:, None]], axis=-1)
-        if window is not None:
-            mask = mask & self._window_mask(live, N, window)[:, None]
-        return mask
+    def make_mask(self, *args, **kwargs) -> None:
+        """``attend`` builds each row's mask itself."""
+        return None
 
-    def _live(self) -> mx.array:
-        """(B, _idx): the columns each row holds a token in (not padding, not a hole)."""
-        cols = mx.arange(self._idx)[None, :]
-        live = cols >= self.left_padding[:, None]
-        return live if self.valid is None else live & self.valid
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store each row's new columns (its padding skipped); ``attend`` reads them back.
+        Returns no columns: a model that reads what it fetched itself (layers that
+        share another layer's keys, a sparse-attention indexer, a direct call of
+        MLX's kernel) gets nothing to attend to, fails the load probe and runs row by row."""
+        width = keys.shape[2]
+        self._written = []
+        for b in range(len(self.held)):
+            skip = min(self.pending[b], width)
+            self.pending[b] -= skip
+            if skip < width:
+                self._append(b, keys[b:b + 1, :, skip:, :], values[b:b + 1, :, skip:, :])
+            self._written.append((skip, width - skip))
+        self._offset = None
+        return keys[..., :0, :], values[..., :0, :]
 
-    def _window_mask(self, live: mx.array, N: int, window: int) -> mx.array:
-        """(B, N, _idx + N): which columns each new token's window reaches,
-        counted in the row's own positions, holes skipped; a new token's
-        position is its depth in the draft tree (its index in a chain)."""
+    def _append(self, b: int, keys: mx.array, values: mx.array) -> None:
+        held, n = self.held[b], keys.shape[2]
+        if self.keys[b] is None or held + n > self.keys[b].shape[2]:
+            self.keys[b] = _regrown(None if self.keys[b] is None else self.keys[b][..., :held, :], keys, held + n)
+            self.values[b] = _regrown(None if self.values[b] is None else self.values[b][..., :held, :], values,
+                                      held + n)
+        self.keys[b][..., held:held + n, :] = keys
+        self.values[b][..., held:held + n, :] = values
+        self.held[b] += n
+        self.positions[b] += n
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """The last update's queries (B, heads, N, D), each row over its own keys."""
+        self.attends += 1
+        out = []
+        for b, (skip, n) in enumerate(self._written):
+            if not n:  # a prompt that starts in a later chunk: its padding's output is never read
+                out.append(mx.zeros((1, *queries.shape[1:]), queries.dtype))
+                continue
+            held = self.held[b]
+            row = mx.fast.scaled_dot_product_attention(
+                queries[b:b + 1, :, skip:, :], self.keys[b][..., :held, :], self.values[b][..., :held, :],
+                scale=scale, mask=self._mask(b, n, held), sinks=sinks)
+            out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
+        return out[0] if len(out) == 1 else mx.concatenate(out)
+
+    def attend_with(self, queries: mx.array, scale: float, keys: mx.array, values: mx.array,
+                    ancestry: mx.array) -> mx.array:
+        """Queries (B, heads, n, D) of nodes not stored (a draft tree being
+        grown) over each row's whole context and the nodes' own ``keys`` and
+        ``values`` (B, kv heads, m, D) as ``ancestry`` (B, n, m) allows."""
+        self.attends += 1
+        out = []
+        for b, held in enumerate(self.held):
+            context = mx.ones((queries.shape[2], held), dtype=mx.bool_)
+            out.append(mx.fast.scaled_dot_product_attention(
+                queries[b:b + 1], mx.concatenate([self.keys[b][..., :held, :], keys[b:b + 1]], axis=2),
+                mx.concatenate([self.values[b][..., :held, :], values[b:b + 1]], axis=2),
+                scale=scale, mask=mx.concatenate([context, ancestry[b]], axis=1)))
+        return mx.concatenate(out)
+
+    def _mask(self, b: int, n: int, held: int) -> mx.array | str | None:
+        """What row b's ``n`` new tokens (its last ``held`` columns' tail) may see."""
         if self.tree is None:
-            depth = mx.arange(N)[None, :]
-        else:
-            depth = self.tree.sum(axis=-1) - 1
-        after = _live_after(live)
-        old = (after[:, None, :] + 1 + depth[..., None]) < window  # (B, N, _idx)
-        new = (depth[..., None] - depth[:, None, :]) < window
-        return mx.concatenate([old, mx.broadcast_to(new, (old.shape[0], N, N))], axis=-1)
+            if self.window is None or held <= self.window:
+                return None if n == 1 else "causal"
+            return create_causal_mask(n, held - n, window_size=self.window)
+        tree = self.tree[b]
+        if self.window is None:
+            return mx.concatenate([mx.ones((n, held - n), dtype=mx.bool_), tree], axis=1)
+        depth = tree.sum(axis=-1) - 1  # a node's position is its depth past the context
+        older = held - n
+        old = (depth[:, None] + older - mx.arange(older)[None, :]) < self.window
+        new = tree & ((depth[:, None] - depth[None, :]) < self.window)
+        return mx.concatenate([old, new], axis=1)
 
-    def trim(self, n):
-        n = super().trim(n)
-        if self.valid is not None:
-            self.valid = self.valid[:, : self._idx]
-        return n
+    def trim(self, n: int) -> None:
+        """Drop every row's last ``n`` columns."""
+        self.held = [h - n for h in self.held]
+        self.positions = [p - n for p in self.positions]
+        self._offset = None
 
-    def hide(self, kept: mx.array, hidden: np.ndarray) -> None:
-        """Make holes where ``kept`` (B, _idx) is False, ``hidden`` (B,) of them per row."""
-        self.valid = kept if self.valid is None else self.valid & kept
-        self.holes = hidden if self.holes is None else self.holes + hidden
-        self.offset = self.offset - mx.array(hidden)
-
-    def needs_compaction(self) -> bool:
-        """Whether some row's holes fill more than COMPACT_FRACTION of the cache."""
-        return self.holes is not None and self.holes.max() > self.COMPACT_FRACTION * self._idx
-
-    def compact(self) -> None:
-        """Squeeze the holes out: each row's live tokens move right, in order,
-        and everything before them becomes left padding."""
-        if self.valid is None:
-            return
-        self._gather(self._live())
-        self.valid = self.holes = None
-
-    def _gather(self, live: mx.array) -> None:
-        """Keep each row's ``live`` columns, right-aligned in order, and drop
-        the padding every row has in front.  A row of a prefill group whose
-        prompt starts in a later chunk keeps the padding still to be written."""
-        n = self._idx
-        unwritten = mx.maximum(self.left_padding - n, 0)
-        order = mx.argsort(live.astype(mx.int32) * n + mx.arange(n)[None, :], axis=1)  # dead first, live in order
-        index = order[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., :n, :], index, axis=2)
-        self.values = mx.take_along_axis(self.values[..., :n, :], index, axis=2)
-        self.left_padding = n - live.sum(axis=1) + unwritten
-        front = min(int(self.left_padding.min().item()), n)
-        self.keys, self.values = self.keys[..., front:, :], self.values[..., front:, :]
-        self._idx -= front
-        self.left_padding = self.left_padding - front
+    def forget(self, drop: np.ndarray) -> None:
+        """Forget, in each row b, the last ``drop.shape[1]`` columns where
+        ``drop[b]`` is set; the kept ones close up in order."""
+        width = drop.shape[1]
+        for b in np.flatnonzero(drop.any(axis=1)):
+            kept = np.flatnonzero(~drop[b])
+            start = self.held[b] - width
+            if len(kept) and kept[-1] >= len(kept):  # a kept column after a dropped one: close the gap
+                index = mx.array(kept + start)
+                self.keys[b][..., start:start + len(kept), :] = self.keys[b][..., index, :]
+                self.values[b][..., start:start + len(kept), :] = self.values[b][..., index, :]
+            gone = width - len(kept)
+            self.held[b] -= gone
+            self.positions[b] -= gone
+        self._offset = None
 
     def needs_eviction(self) -> bool:
-        """Whether a window's cache holds so many columns that evicting pays
-        (about one gather per ``window`` steps)."""
-        return self.window is not None and self._idx > 2 * self.window + self.EVICT_SLACK
+        """Whether some row of a window's cache holds so many columns that
+        evicting pays (about one copy of its window per ``window`` steps)."""
+        return self.window is not None and max(self.held, default=0) > 2 * self.window + self.EVICT_SLACK
 
     def evict(self) -> None:
-        """Drop every column no future token can see: each row keeps its
-        ``window - 1`` newest tokens (and its holes go too)."""
-        live = self._live()
-        self._gather(live & (_live_after(live) < self.window - 1))
-        self.valid = self.holes = None
+        """Drop every column no future token can see: each row keeps its ``window - 1`` newest."""
+        keep = self.window - 1
+        for b, held in enumerate(self.held):
+            if held > keep:
+                self.keys[b] = _regrown(self.keys[b][..., held - keep:held, :], self.keys[b], keep)
+                self.values[b] = _regrown(self.values[b][..., held - keep:held, :], self.values[b], keep)
+                self.held[b] = keep
 
-    def filter(self, batch_indices):
-        if self.valid is not None:
-            self.compact()
-        super().filter(batch_indices)
+    def select(self, rows: list[int]) -> None:
+        """Keep and reorder rows: nothing is copied."""
+        for name in ("keys", "values", "held", "positions", "pending"):
+            old = getattr(self, name)
+            setattr(self, name, [old[i] for i in rows])
+        self._offset = None
 
-    def extend(self, other):
-        self.compact()
-        if isinstance(other, SpeculativeKVCache):
-            other.compact()
-        super().extend(other)
+    def extend(self, other: "RowKV") -> None:
+        """Append another cache's rows: nothing is copied."""
+        for name in ("keys", "values", "held", "positions", "pending"):
+            getattr(self, name).extend(getattr(other, name))
+        self._offset = None
+
+    def columns(self, b: int, start: int, end: int) -> tuple[mx.array, mx.array] | None:
+        """Row b's keys and values of positions [start, end); None if a
+        sliding window already evicted some of them."""
+        first = self.positions[b] - self.held[b]
+        if start < first:
+            return None
+        return (self.keys[b][..., start - first:end - first, :], self.values[b][..., start - first:end - first, :])
+
+    def restore(self, b: int, keys: mx.array, values: mx.array, length: int) -> None:
+        """Start the (fresh) row b from a cached prefix of ``length`` positions
+        whose newest columns are ``keys``/``values``: the row reads them as
+        they are, and its first write moves them into a buffer of its own."""
+        self.keys[b], self.values[b] = keys, values
+        self.held[b], self.positions[b] = keys.shape[2], length
+        self._offset = None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.keys + self.values if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rows' buffers take (capacity, not only the columns held)."""
+        return sum(a.nbytes for a in self.arrays)
 
 
-def _live_after(live: mx.array) -> mx.array:
-    """(B, n): how many live columns follow each column in its row."""
-    return live.sum(axis=1, keepdims=True) - mx.cumsum(live.astype(mx.int32), axis=1)
+def _regrown(kept: mx.array | None, like: mx.array, need: int) -> mx.array:
+    """A buffer for ``need`` columns shaped like ``like``, starting with the columns ``kept``."""
+    capacity = -(-need // STEP) * STEP
+    fresh = mx.zeros((1, like.shape[1], capacity, like.shape[3]), dtype=like.dtype)
+    if kept is not None and kept.shape[2]:
+        fresh[..., :kept.shape[2], :] = kept
+    return fresh
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask,
+              sinks: mx.array | None = None) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention``, with ``RowKV`` layers attended row by row."""
+    if isinstance(cache, RowKV):
+        return cache.attend(queries, scale, sinks)
+    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                                             sinks=sinks)
+
+
+def route_attention(model: nn.Module) -> None:
+    """Point every module of ``model`` that calls mlx-lm's attention function at ``attention``
+    (the modules of its family; other caches than ``RowKV`` see no difference)."""
+    for name in {type(module).__module__ for _, module in model.named_modules()}:
+        namespace = sys.modules.get(name)
+        if getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+            namespace.scaled_dot_product_attention = attention

@@ -89,9 +89,12 @@ class EagleAttention(nn.Module):
         return self.rope(q, offset=offset), self.rope(k, offset=offset), v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        B, _, N, _ = out.shape
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
+        return self.output(mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask))
+
+    def output(self, attended: mx.array) -> mx.array:
+        """The heads' outputs (B, heads, N, D) projected back to the hidden size."""
+        B, _, N, _ = attended.shape
+        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, N, -1))
 
 
 class EagleLayer(nn.Module):
@@ -146,20 +149,17 @@ class EagleHead(nn.Module):
         return mx.concatenate([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], axis=-1), hidden
 
     def __call__(self, hidden: mx.array, embeds: mx.array, cache=None) -> mx.array:
-        """Feed pairs at the next positions of ``cache`` (a batched KV cache,
-        left padding and holes respected) or, without one, a causal run from
-        position 0 (training).  Returns the head's output hidden states."""
+        """Feed pairs at the next positions of ``cache`` (a ``RowKV``, left
+        padding skipped) or, without one, a causal run from position 0
+        (training).  Returns the head's output hidden states."""
         x, residual = self._inputs(hidden, embeds)
         attn = self.layer.self_attn
-        N = x.shape[1]
         if cache is None:
             q, k, v = attn.project(x, 0)
-            mask = "causal" if N > 1 else None
-        else:
-            mask = cache.make_mask(N, return_array=True)
-            q, k, v = attn.project(x, cache.offset)
-            k, v = cache.update_and_fetch(k, v)
-        return self.layer.finish(attn.attend(q, k, v, mask), residual)
+            return self.layer.finish(attn.attend(q, k, v, "causal" if x.shape[1] > 1 else None), residual)
+        q, k, v = attn.project(x, cache.offset)
+        cache.update_and_fetch(k, v)
+        return self.layer.finish(attn.output(cache.attend(q, attn.scale)), residual)
 
     def draft_step(self, hidden: mx.array, embeds: mx.array, cache, depth: int,
                    nodes: tuple[mx.array, mx.array] | None, ancestry: mx.array) -> tuple[mx.array, tuple]:
@@ -172,14 +172,7 @@ class EagleHead(nn.Module):
         q, k, v = attn.project(x, cache.offset + depth - 1, siblings=True)
         if nodes is not None:
             k, v = mx.concatenate([nodes[0], k], axis=2), mx.concatenate([nodes[1], v], axis=2)
-        context = cache.make_mask(1, return_array=True)[..., :-1]  # (B, 1, 1, cached columns)
-        n = x.shape[1]
-        mask = mx.concatenate([mx.broadcast_to(context, (*context.shape[:2], n, context.shape[-1])),
-                               ancestry[:, None]], axis=-1)
-        idx = cache._idx
-        keys = mx.concatenate([cache.keys[..., :idx, :], k], axis=2)
-        values = mx.concatenate([cache.values[..., :idx, :], v], axis=2)
-        return self.layer.finish(attn.attend(q, keys, values, mask), residual), (k, v)
+        return self.layer.finish(attn.output(cache.attend_with(q, attn.scale, k, v, ancestry)), residual), (k, v)
 
     def logits(self, out: mx.array, target_head) -> mx.array:
         """Draft logits over the *target's* vocabulary (EAGLE-3: tokens outside

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...core.cache import BatchRowCache
-from ...core.kv import SpeculativeKVCache
+from ...core.kv import RowKV
 from ...core.prefix import RowPrefix, RowPrefixes
 from ...core.sequence import Sequence
 from ...core.request import Method, SpeculationConfig
@@ -153,7 +153,7 @@ class EagleProposer:
         origins = [self.origin.pop(s) for s in new]
         starts = [0 if o is None else o.length for o in origins]
         pairs = [self._pairs(s, n) for s, n in zip(new, starts)]
-        cache = BatchRowCache([SpeculativeKVCache([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
+        cache = BatchRowCache([RowKV([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
         if any(origins):
             cache.restore(origins)
         last = self._feed(pairs, cache, left=True)
