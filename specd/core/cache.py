@@ -39,8 +39,7 @@ from typing import Iterator, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, _BaseCache,
-                                  make_prompt_cache)
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.deepseek_v41 import LayerCache as CompressedLayerCache
 
 from .kv import RowKV, route_attention
@@ -355,7 +354,7 @@ def _detached(value):
         return mx.array(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_detached(v) for v in value)
-    if isinstance(value, _BaseCache):
+    if hasattr(value, "is_trimmable"):  # a cache layer (DeepSeek V4's LayerCache is not a _BaseCache)
         saved = copy.copy(value)
         for name, held in vars(value).items():
             setattr(saved, name, _detached(held))
