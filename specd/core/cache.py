@@ -196,11 +196,6 @@ class BatchRowCache:
         arrays = [a for leaf in self._attention() for a in leaf.arrays]
         return arrays + [a for leaf in self.recurrent for a in leaf.cache if a is not None]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the attention layers' row buffers take."""
-        return sum(leaf.nbytes for leaf in self._attention())
-
     @contextmanager
     def tree_attention(self, ancestry: mx.array) -> Iterator[None]:
         for leaf in self._attention():
@@ -221,11 +216,9 @@ class BatchRowCache:
         """Each attention layer's sliding window (None: full attention), in column order."""
         return [leaf.window for group in self.attention for leaf in group]
 
-    def row_columns(self, b: int, length: int, start: int, end: int) -> Columns | None:
+    def row_columns(self, b: int, start: int, end: int) -> Columns | None:
         """Row b's keys and values of positions [start, end) in every
-        attention layer (``length``: the positions the caller knows the row
-        to hold, at least ``end``); None if a sliding window already evicted
-        some of them."""
+        attention layer; None if a sliding window already evicted some of them."""
         out = []
         for leaf in self._attention():
             pair = leaf.columns(b, start, end)

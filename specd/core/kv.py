@@ -214,11 +214,6 @@ class RowKV:
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the rows' buffers take (capacity, not only the columns held)."""
-        return sum(a.nbytes for a in self.arrays)
-
 
 def _regrown(kept: mx.array | None, like: mx.array, need: int) -> mx.array:
     """A buffer for ``need`` columns shaped like ``like``, starting with the columns ``kept``."""

@@ -441,7 +441,7 @@ class RowPrefixes:
         if lease is None or end <= lease.depth:
             return
         state = cache.row_snapshot(b) if self.tree.stateful and end == held else None
-        self.tree.extend(lease, known, end, lambda lo, hi: cache.row_columns(b, held, lo, hi), state)
+        self.tree.extend(lease, known, end, lambda lo, hi: cache.row_columns(b, lo, hi), state)
 
     def release(self, key: object) -> None:
         lease = self.leases.pop(key, None)
