@@ -60,6 +60,13 @@ class Metrics:
             m, registry=r)
         self.prefix_cache_max_bytes = Gauge(
             "specd_prefix_cache_max_bytes", "The prefix cache's budget (prefixCache.maxBytes).", m, registry=r)
+        self.kv_cache_bytes = Gauge(
+            "specd_kv_cache_bytes", "Bytes the running rows' KV caches hold (target and drafter).", m, registry=r)
+        self.kv_cache_max_bytes = Gauge(
+            "specd_kv_cache_max_bytes", "The KV budget (kvCache.maxBytes).", m, registry=r)
+        self.kv_preemptions = Counter(
+            "specd_kv_preemptions", "Running requests preempted to fit the KV budget (recomputed later).",
+            m, registry=r)
         self.grammar_forced_tokens = Counter(
             "specd_grammar_forced_tokens", "Tokens a grammar forced, verified in the forward that proposed them.",
             m, registry=r)
@@ -133,17 +140,18 @@ class Metrics:
 
     def model_loaded(self, name: str, weight_bytes: int) -> None:
         """A model started serving: record its weights, and start its failure
-        counters at 0 so the first failure shows in rate()/increase() (a
-        series that appears already at 1 does not)."""
+        and preemption counters at 0 so the first one shows in rate()/increase()
+        (a series that appears already at 1 does not)."""
         self.model_weight_bytes.labels(name).set(weight_bytes)
         for reason in FAILURE_REASONS:
             self.request_failure.labels(name, reason)
         self.engine_faults.labels(name)
+        self.kv_preemptions.labels(name)
 
     def forget_model(self, name: str) -> None:
         """A deleted model leaves no readiness or weight series behind (its
         counters and histograms stay, as Prometheus expects of counters)."""
         for gauge in (self.model_ready, self.model_weight_bytes, self.prefix_cache_bytes,
-                      self.prefix_cache_max_bytes):
+                      self.prefix_cache_max_bytes, self.kv_cache_bytes, self.kv_cache_max_bytes):
             with suppress(KeyError):  # older prometheus_client versions raise for unknown labels
                 gauge.remove(name)

@@ -230,3 +230,18 @@ def chat_daemon(chat_models, tmp_path_factory):
     daemon = start_daemon(tmp_path_factory.mktemp("chat-daemon"), {"models.yaml": "---\n".join(manifests)})
     yield daemon
     daemon.stop()
+
+
+def head_for(target, version: int, seed: int = 0):
+    """A random EAGLE head of the target's shape (EAGLE-3 fusing layers 0, 1, 2)."""
+    import mlx.core as mx
+
+    from specd.speculation.eagle.head import EagleConfig, EagleHead
+
+    a = target.args
+    config = EagleConfig(version, a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
+                         a.vocab_size, feature_layers=(0, 1, 2) if version == 3 else ())
+    mx.random.seed(seed)
+    head = EagleHead(config)
+    mx.eval(head.parameters())
+    return head

@@ -15,26 +15,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from conftest import code_sample, run_engine
+from conftest import code_sample, head_for, run_engine
 from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest
 from specd.core.request import SpeculationConfig
 from specd.speculation.eagle.checkpoint import load_head, save_head
-from specd.speculation.eagle.head import EagleConfig, EagleHead
+from specd.speculation.eagle.head import EagleHead
 
 GREEDY = SamplingParams(temperature=0)
 _ids = itertools.count()
-
-
-def head_for(target, version: int, seed: int = 0) -> EagleHead:
-    """A random head of the target's shape (EAGLE-3 fusing layers 0, 1, 2)."""
-    a = target.args
-    config = EagleConfig(version, a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
-                         a.vocab_size, feature_layers=(0, 1, 2) if version == 3 else ())
-    mx.random.seed(seed)
-    head = EagleHead(config)
-    mx.eval(head.parameters())
-    return head
 
 
 def published(head: EagleHead, target, directory: Path) -> EagleHead:

@@ -18,7 +18,7 @@ from specd.core.grammar import json_schema_grammar, lark_grammar
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
-from test_eagle import head_for
+from conftest import head_for
 
 SCHEMA = {"type": "object", "properties": {"identifier": {"type": "string", "maxLength": 6},
                                            "temperature_celsius": {"type": "integer", "minimum": -50, "maximum": 60},

@@ -503,7 +503,7 @@ MANIFESTS = st.fixed_dictionaries({
     "metadata": st.fixed_dictionaries({"name": st.from_regex(r"fz-[a-z0-9-]{0,8}", fullmatch=True) | JSON_VALUES},
                                       optional={"labels": JSON_VALUES}) | JSON_VALUES,
     "spec": st.dictionaries(st.sampled_from(["source", "targetRef", "method", "selector", "backend", "hosts",
-                                             "maxBatchSize", "prefixCache", "numSpeculativeTokens", "x"]),
+                                             "maxBatchSize", "prefixCache", "kvCache", "numSpeculativeTokens", "x"]),
                             JSON_VALUES, max_size=4) | JSON_VALUES})
 
 

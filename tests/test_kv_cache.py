@@ -185,3 +185,15 @@ def test_rows_joining_and_leaving_in_any_order_keep_their_own_tokens(events):
             kept[b] += new[b]
             assert seen[b] == [sorted(kept[b])]
             assert held(cache, b) == kept[b]
+
+
+def test_a_row_of_padding_only_attends_to_nothing_and_keeps_the_values_width():
+    """In a prefill group's first chunks a short prompt is all padding: its rows of
+    the output are zeros as wide as the values (latent attention's keys are wider)."""
+    cache = RowKV([0, 4])
+    keys, values = mx.ones((2, 2, 3, 24)), mx.ones((2, 2, 3, 16))
+    cache.update_and_fetch(keys, values)
+    out = cache.attend(mx.ones((2, 2, 3, 24)), scale=1.0)
+    assert out.shape == (2, 2, 3, 16)
+    assert np.array(out[1]).tolist() == np.zeros((2, 3, 16)).tolist()
+    assert cache.held == [3, 0] and cache.pending == [0, 1]

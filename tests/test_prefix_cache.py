@@ -335,7 +335,8 @@ def test_the_cache_gives_way_under_memory_pressure(models):
 
 def test_cached_tokens_metrics_and_status_over_http(daemon, client, tokenizer):
     """The second turn of a chat reports cached prompt tokens in its usage;
-    /metrics has vLLM's prefix-cache series; describe shows the hit rate."""
+    /metrics has vLLM's prefix-cache series and the KV budget's; describe
+    shows the hit rate and the KV budget."""
     system = code_sample("speculation")[:2000]
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "What does this do?"}]
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
@@ -355,6 +356,8 @@ def test_cached_tokens_metrics_and_status_over_http(daemon, client, tokenizer):
     assert samples[("specd_prefix_cache_hits_total", "tiny")] >= cached
     assert samples[("specd_prefix_cache_queries_total", "tiny")] > samples[("specd_prefix_cache_hits_total", "tiny")]
     assert samples[("specd_prefix_cache_bytes", "tiny")] > 0 and samples[("specd_prefix_cache_max_bytes", "tiny")] > 0
+    assert samples[("specd_kv_cache_max_bytes", "tiny")] > 0 and ("specd_kv_cache_bytes", "tiny") in samples
+    assert ("specd_kv_preemptions_total", "tiny") in samples
 
     deadline = time.monotonic() + 30  # status is written on the reconciler's next pass
     while True:
@@ -363,6 +366,9 @@ def test_cached_tokens_metrics_and_status_over_http(daemon, client, tokenizer):
             break
         time.sleep(0.2)
     assert status["hitRate"] > 0 and 0 < status["bytes"] <= status["maxBytes"]
+    kv = json.loads(daemon.get("/apis/specd.dev/v1alpha1/models/tiny")[1])["status"]["kvCache"]
+    assert kv["maxBytes"] > 0 and 0 < kv["peakBytes"] <= kv["maxBytes"] and kv["tokenBytes"] > 0, kv
     described = subprocess.run([sys.executable, "-m", "specd.cli", "describe", "model", "tiny",
                                 "--server", daemon.url], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert "prefixCache:" in described.stdout and "hitRate:" in described.stdout, described.stdout
+    assert "kvCache:" in described.stdout and "preemptions:" in described.stdout, described.stdout

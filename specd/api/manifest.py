@@ -45,6 +45,7 @@ class ModelSpec:
     max_context: int | None = None
     prefill_step_tokens: int = 512
     prefix_cache_max_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
+    kv_cache_max_bytes: int | None = None  # None: engine.kv_manager.default_max_bytes
     task: str = "generate"  # one of TASKS: what the Model serves
 
 
@@ -112,7 +113,7 @@ def _optional_str(obj: dict, key: str, path: str) -> str | None:
 
 def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     keys = {"source", "revision", "topologyRef", "maxBatchSize", "maxWaiting", "maxContext",
-            "prefillStepTokens", "prefixCache", "task"}
+            "prefillStepTokens", "prefixCache", "kvCache", "task"}
     _fields(spec, path, keys, {"source"})
     task = spec.get("task", "generate")
     if not isinstance(task, str) or task not in TASKS:
@@ -120,6 +121,12 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     if task == "embed" and "topologyRef" in spec:
         raise ManifestError("an embedding model runs on one host: it takes no topologyRef", f"{path}.topologyRef")
     prefix_cache = _fields(spec.get("prefixCache", {}), f"{path}.prefixCache", {"maxBytes"})
+    kv_cache = _fields(spec.get("kvCache", {}), f"{path}.kvCache", {"maxBytes"})
+    if task == "embed" and "kvCache" in spec:
+        raise ManifestError("an embedding model keeps no KV cache between requests", f"{path}.kvCache")
+    if _byte_size(kv_cache, "maxBytes", f"{path}.kvCache") == 0:
+        raise ManifestError("must be positive: a Model needs KV memory for at least one row",
+                            f"{path}.kvCache.maxBytes")
     source = _optional_str(spec, "source", path)
     defaults = ModelSpec(source=source)
     return ModelSpec(
@@ -131,6 +138,7 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         max_context=_positive_int(spec, "maxContext", path, None),
         prefill_step_tokens=_positive_int(spec, "prefillStepTokens", path, defaults.prefill_step_tokens),
         prefix_cache_max_bytes=_byte_size(prefix_cache, "maxBytes", f"{path}.prefixCache"),
+        kv_cache_max_bytes=_byte_size(kv_cache, "maxBytes", f"{path}.kvCache"),
         task=task,
     )
 

@@ -354,6 +354,7 @@ class Reconciler:
             spec_status.pop("acceptanceRate", None)  # the DraftPairing's status carries it
             status["speculation"] = spec_status
             status["prefixCache"] = served.engine.prefix_cache_status()
+            status["kvCache"] = served.engine.kv_cache_status()
         return status
 
     @staticmethod

@@ -72,6 +72,10 @@ class RowCache(Protocol):
     def state(self) -> list:
         """Every array the cache holds (evaluated after a prefill chunk)."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes its rows hold (what counts against the Model's KV budget)."""
+
     def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array: ...
 
     def rollback(self, rejected: list[int]) -> None: ...
@@ -195,6 +199,10 @@ class BatchRowCache:
     def state(self) -> list:
         arrays = [a for leaf in self._attention() for a in leaf.arrays]
         return arrays + [a for leaf in self.recurrent for a in leaf.cache if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
 
     @contextmanager
     def tree_attention(self, ancestry: mx.array) -> Iterator[None]:
@@ -337,6 +345,10 @@ class RowwiseCache:
     def state(self) -> list:
         return [a for cache in self.rows for layer in cache for a in vars(layer).values() if isinstance(a, mx.array)]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for cache in self.rows for layer in cache)
+
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")
 
@@ -443,6 +455,23 @@ def _batched(cache, padding: list[int]):
     if isinstance(cache, CacheList):
         return CacheList(*(_batched(c, padding) for c in cache.caches))
     raise ValueError(f"continuous batching does not support {type(cache).__name__} caches yet")
+
+
+def kv_bytes(model: nn.Module) -> tuple[int, int]:
+    """What one row of ``model`` holds: (bytes per token, its keys and values in
+    every attention layer; bytes of its recurrent state, whatever its length).
+    Read from mlx-lm's own caches after one token, so every family's shapes
+    (grouped heads, latent attention, mixed layer kinds) count as they are."""
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    per_token = state = 0
+    for leaf in _leaves(caches):
+        keys, values = getattr(leaf, "keys", None), getattr(leaf, "values", None)
+        if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+            per_token += sum(a.shape[1] * a.shape[3] * a.itemsize for a in (keys, values))
+        elif isinstance(leaf, ArraysCache):
+            state += sum(a.nbytes for a in leaf.cache if a is not None)
+    return per_token, state
 
 
 def model_prefixes(model: nn.Module, store: PrefixStore, name: str) -> RowPrefixes:

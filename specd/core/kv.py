@@ -103,17 +103,20 @@ class RowKV:
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
         self.attends += 1
-        out = []
+        out: list[mx.array | None] = []
         for b, (skip, n) in enumerate(self._written):
             if not n:  # a prompt that starts in a later chunk: its padding's output is never read
-                out.append(mx.zeros((1, *queries.shape[1:]), queries.dtype))
+                out.append(None)
                 continue
             held = self.held[b]
             row = mx.fast.scaled_dot_product_attention(
                 queries[b:b + 1, :, skip:, :], self.keys[b][..., :held, :], self.values[b][..., :held, :],
                 scale=scale, mask=self._mask(b, n, held), sinks=sinks)
             out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
-        return out[0] if len(out) == 1 else mx.concatenate(out)
+        if len(out) == 1:
+            return out[0]
+        shape = next(row for row in out if row is not None).shape  # values may be narrower than queries
+        return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
 
     def attend_with(self, queries: mx.array, scale: float, keys: mx.array, values: mx.array,
                     ancestry: mx.array) -> mx.array:
@@ -213,6 +216,11 @@ class RowKV:
     @property
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the rows' buffers take (their capacity, not only the columns held)."""
+        return sum(a.nbytes for a in self.arrays)
 
 
 def _regrown(kept: mx.array | None, like: mx.array, need: int) -> mx.array:

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from .memory import host_memory_bytes
 
 if TYPE_CHECKING:
     from .cache import BatchRowCache
@@ -259,12 +260,8 @@ def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int]) -> int:
 
 
 def default_max_bytes() -> int:
-    """A tenth of the host's physical memory (what the prefix cache may hold
-    unless the Model says otherwise)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10
-    except (ValueError, OSError, AttributeError):
-        return 2 << 30
+    """A tenth of the host's memory (what the prefix cache may hold unless the Model says otherwise)."""
+    return host_memory_bytes() // 10
 
 
 def memory_pressure() -> bool:

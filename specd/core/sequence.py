@@ -63,7 +63,9 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cancelled: bool = False
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (at its first prefill)
+    restored_tokens: int = 0  # tokens its latest prefill started from in the prefix cache
+    preemptions: int = 0  # times it left the batch to make room in the KV budget, to be recomputed
     produced: int = 0  # tokens the model produced for it, those after its finish included
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
@@ -82,6 +84,12 @@ class Sequence:
     @property
     def prompt(self) -> list[int]:
         return self.request.prompt_tokens
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What a prefill runs over: the prompt, or, resuming after a preemption,
+        every token it holds but the last (the next step feeds that one)."""
+        return self.prompt + self.tokens[:-1] if self.tokens else self.prompt
 
     @property
     def context_length(self) -> int:

@@ -176,7 +176,8 @@ class Engine:
 
     def check_prompt(self, request: GenerationRequest) -> None:
         """Raise RequestRejected if the request can never be served as asked."""
-        check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
+        check_request(request, self.name, self.drafter, self.max_context, self.vocab_size,
+                      self.scheduler.context_reason)
 
     def speculation_status(self) -> dict:
         """What ``describe`` shows of the model's speculation (read from any thread)."""
@@ -184,6 +185,9 @@ class Engine:
 
     def prefix_cache_status(self) -> dict:
         return self.scheduler.prefix_store.status()
+
+    def kv_cache_status(self) -> dict:
+        return self.scheduler.kv.status()
 
     def group_status(self) -> dict | None:
         return None
@@ -196,7 +200,7 @@ class Engine:
         return load_drafter(method, source, pairing, self.model, self.tokenizer)
 
     def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
-        self.inbox.between_steps(lambda: self.scheduler.speculator.configure(default, drafter))
+        self.inbox.between_steps(lambda: self.scheduler.configure_speculation(default, drafter))
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """Swap in the SpecPolicy's controller (None: speculate as requests ask)."""

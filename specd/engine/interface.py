@@ -68,6 +68,9 @@ class ServingEngine(Protocol):
     def prefix_cache_status(self) -> dict:
         """The prefix cache's budget, bytes held and hit rate (read from any thread)."""
 
+    def kv_cache_status(self) -> dict:
+        """The KV budget, bytes the running rows hold, and preemptions (read from any thread)."""
+
     def group_status(self) -> dict | None:
         """A tensor-parallel group's ranks and progress (None for a local engine)."""
 

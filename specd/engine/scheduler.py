@@ -21,10 +21,12 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..core.batch import RunningBatch
-from ..core.cache import RowCache, make_row_cache, model_prefixes, padding_leaks
+from ..core.cache import RowCache, kv_bytes, make_row_cache, model_prefixes, padding_leaks
 from ..core.loader import context_window, vocab_size
+from ..core.memory import host_memory_bytes
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
 from ..core.grammar import Constraint, grammar_tokenizer, mask_logits
 from ..core.sampling import SamplingParams, adjust_logits
@@ -33,6 +35,7 @@ from ..core.sequence import Sequence, sample_tokens
 from ..metrics import Metrics
 from ..core.request import Method, SpeculationConfig
 from ..speculation.speculator import Speculator
+from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class EngineConfig:
     prefill_step_tokens: int = 512
     max_context: int | None = None
     prefix_cache_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
+    kv_cache_bytes: int | None = None  # None: kv_manager.default_max_bytes
+    host_memory: int | None = None  # what the default KV budget is a share of (None: this host's)
     evict_under_pressure: bool = True  # off where ranks must evict alike (tensor parallelism)
 
 
@@ -59,7 +64,8 @@ class _PrefillGroup:
     """Newcomers whose prompts are being prefilled together, chunk by chunk."""
 
     seqs: list[Sequence]
-    tokens: mx.array  # (B, L) left-padded prompts
+    contexts: list[list[int]]  # what each row prefills: its prompt, or all it holds if it was preempted
+    tokens: mx.array  # (B, L) left-padded contexts
     cache: RowCache
     start: int = 0  # the first column run (cached prefixes end here)
     done: int = 0  # columns already in the cache
@@ -85,6 +91,17 @@ class Scheduler:
         self.prefixes = model_prefixes(model, self.prefix_store, "target")
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
+        self.native_context = self.max_context
+        token_bytes, state_bytes = kv_bytes(model)
+        drafter_token, drafter_state = self.speculator.drafter_row_bytes()
+        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        kv_budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_bytes(
+            config.host_memory or host_memory_bytes(), weights, token_bytes + drafter_token,
+            state_bytes + drafter_state, config.max_batch_size, self.native_context)
+        self.target_row_bytes = (token_bytes, state_bytes)
+        self.kv = KVManager(kv_budget, token_bytes + drafter_token, state_bytes + drafter_state)
+        self.max_context = self.speculator.max_context = min(self.native_context, self.kv.max_tokens)
+        metrics.kv_cache_max_bytes.labels(name).set(kv_budget)
         self._detokenizer = tokenizer.detokenizer
         self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
@@ -98,6 +115,22 @@ class Scheduler:
             constraint = Constraint(request.grammar, tokenizer, self.eos_ids)
         return Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
                         eos_ids=self.eos_ids, max_total_tokens=self.max_context, constraint=constraint)
+
+    def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
+        """Attach, change or detach the pairing; the drafter's rows count against the KV budget."""
+        self.speculator.configure(default, drafter)
+        drafter_token, drafter_state = self.speculator.drafter_row_bytes()
+        self.kv.token_bytes = self.target_row_bytes[0] + drafter_token
+        self.kv.state_bytes = self.target_row_bytes[1] + drafter_state
+        self.max_context = self.speculator.max_context = min(self.native_context, self.kv.max_tokens)
+
+    @property
+    def context_reason(self) -> str:
+        """Why ``max_context`` is below the model's window, when the KV budget is the reason."""
+        if self.max_context >= self.native_context:
+            return ""
+        return (f" (its KV budget, kvCache.maxBytes {self.kv.max_bytes} bytes at {self.kv.token_bytes} "
+                f"bytes a token, holds {self.max_context} of its {self.native_context})")
 
     @property
     def busy(self) -> bool:
@@ -118,6 +151,7 @@ class Scheduler:
         if self.prefill is not None:
             self._prefill_chunk()
         if self.batch:
+            self._make_room()
             self.speculator.round(self.batch, self._emit)
             self._leave(self._keep(lambda s: s.finish_reason is None))
         self._update_gauges()
@@ -155,7 +189,29 @@ class Scheduler:
         and its recurrent state is past what can be named."""
         self.prefixes.record(seq, seq.prompt + seq.tokens, len(seq.prompt) + seq.produced - 1, self.batch.cache, b)
 
+    def _make_room(self) -> None:
+        """Preempt the rows that joined last until every row, and every row
+        still prefilling, fits the KV budget after this round; one row always stays."""
+        prefilling = [len(c) for c in self.prefill.contexts] if self.prefill else []
+        while len(self.batch) > 1 and not self.kv.fits([s.context_length for s in self.batch.seqs] + prefilling):
+            self._preempt(len(self.batch) - 1)
+
+    def _preempt(self, b: int) -> None:
+        """Row b leaves the batch to be recomputed later: what it holds is recorded in the
+        prefix cache (resuming restores it), and its request goes back to the front of the queue."""
+        seq = self.batch.seqs[b]
+        self._record_row(b, seq)
+        self.batch.keep([i for i in range(len(self.batch)) if i != b])
+        self._leave([seq])
+        seq.preemptions += 1
+        self.kv.preemptions += 1
+        self.metrics.kv_preemptions.labels(self.name).inc()
+        self.waiting.appendleft(seq)
+
     def _update_gauges(self) -> None:
+        held = (self.batch.cache.nbytes if self.batch.cache is not None else 0) + self.speculator.drafter_cache_bytes()
+        self.kv.held(held + (self.prefill.cache.nbytes if self.prefill else 0))
+        self.metrics.kv_cache_bytes.labels(self.name).set(self.kv.held_bytes)
         self.metrics.prefix_cache_bytes.labels(self.name).set(self.prefix_store.bytes)
         self.metrics.requests_waiting.labels(self.name).set(len(self.waiting))
         self.metrics.requests_running.labels(self.name).set(
@@ -176,65 +232,83 @@ class Scheduler:
             self.metrics.request_success.labels(self.name, "abort").inc()
 
     def _admit(self) -> None:
-        """Start prefilling as many waiting requests as the batch has room
-        for, each from the longest prefix the cache holds of its prompt.
-        A request that would make the others give up their cached prefixes,
-        or would compute the same uncached prefix as one of them, waits for
-        the next group."""
+        """Start prefilling as many waiting requests as the batch and the KV
+        budget have room for, in order, each from the longest prefix the cache
+        holds of its context. A request that would make the others give up
+        their cached prefixes, or would compute the same uncached prefix as
+        one of them, waits for the next group."""
         room = self.config.max_batch_size - len(self.batch)
         if self.prefill_rows_alone:
             room = min(room, 1)
         if self.prefill is not None or room <= 0 or not self.waiting:
             return
-        seqs, limits, matches, later = [], [], [], deque()
+        running = [s.context_length for s in self.batch.seqs]
+        seqs, contexts, limits, matches, later = [], [], [], [], deque()
         while self.waiting and len(seqs) < room:
             seq = self.waiting.popleft()
+            context = seq.prefill_tokens
+            if (running or seqs) and not self.kv.fits(running + [len(c) for c in contexts] + [len(context)]):
+                self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
+                break
             limit = self.speculator.prefix_limit(seq)
-            match = self.prefixes.match(seq.prompt, limit)
-            if self.prefixes.admissible([s.prompt for s in seqs] + [seq.prompt], matches + [match], limits + [limit]):
+            match = self.prefixes.match(context, limit)
+            if self.prefixes.admissible(contexts + [context], matches + [match], limits + [limit]):
                 seqs.append(seq)
+                contexts.append(context)
                 limits.append(limit)
                 matches.append(match)
             else:
                 later.append(seq)
         self.waiting = later + self.waiting
+        if not seqs:
+            return
         now = time.monotonic()
         for s in seqs:
-            self.metrics.queue_time.labels(self.name).observe(now - s.arrival)
-        run, cached = self.prefixes.plan([s.prompt for s in seqs], limits)
-        width = max(len(s.prompt) for s in seqs)
-        padding = [width - len(s.prompt) for s in seqs]
-        starts = [self.prefixes.start(s, s.prompt, n) for s, n in zip(seqs, cached)]
+            if not s.tokens:
+                self.metrics.queue_time.labels(self.name).observe(now - s.arrival)
+        run, cached = self.prefixes.plan(contexts, limits)
+        width = max(len(c) for c in contexts)
+        starts = [self.prefixes.start(s, c, n) for s, c, n in zip(seqs, contexts, cached)]
         for seq, n in zip(seqs, cached):
-            seq.cached_tokens = n
-        self.prefix_store.record(sum(len(s.prompt) for s in seqs), sum(cached))
-        self.metrics.prefix_cache_queries.labels(self.name).inc(sum(len(s.prompt) for s in seqs))
+            seq.restored_tokens = n
+            if not seq.tokens:
+                seq.cached_tokens = n
+        self.prefix_store.record(sum(map(len, contexts)), sum(cached))
+        self.metrics.prefix_cache_queries.labels(self.name).inc(sum(map(len, contexts)))
         self.metrics.prefix_cache_hits.labels(self.name).inc(sum(cached))
-        tokens = mx.array([[0] * p + s.prompt for p, s in zip(padding, seqs)])
-        cache = make_row_cache(self.model, [max(0, run - len(s.prompt)) for s in seqs], starts)
-        self.prefill = _PrefillGroup(seqs, tokens, cache, start=width - run, done=width - run)
+        tokens = mx.array([[0] * (width - len(c)) + c for c in contexts])
+        cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts)
+        self.prefill = _PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
 
     def _prefill_chunk(self) -> None:
         """Run one bounded chunk of the prefill group; on its last chunk the
-        group samples its first tokens and joins the running batch."""
+        group samples its first tokens and joins the running batch (a row
+        resuming after a preemption samples nothing: its next input is the
+        last token it produced)."""
         group = self.prefill
         width = group.tokens.shape[1]
         chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
         end = min(width, group.done + chunk)
         logits = group.cache.forward(self.model, group.tokens[:, group.done:end])
-        self.speculator.prefilled(group.seqs, group.done, end, [width - len(s.prompt) for s in group.seqs],
+        self.speculator.prefilled(group.seqs, group.done, end, [width - len(c) for c in group.contexts],
                                   first=group.done == group.start)
         group.done = end
         self._record_prefill(group, end)
         if end < width:
             mx.eval(group.cache.state)
             return
-        self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in group.seqs))
-        last = adjust_logits(logits[:, -1:, :], [s.params for s in group.seqs], [s.prompt for s in group.seqs],
-                             [s.tokens for s in group.seqs])
-        last = mask_logits(last, [s.constraint for s in group.seqs], [[] for _ in group.seqs])
-        tokens = sample_tokens(group.seqs, last[:, 0, :])
-        self._emit(group.seqs, last, [[t] for t in tokens])
+        fresh = [i for i, s in enumerate(group.seqs) if not s.tokens]
+        first: dict[int, int] = {}
+        if fresh:
+            seqs = [group.seqs[i] for i in fresh]
+            self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in seqs))
+            rows = logits if len(fresh) == len(group.seqs) else logits[mx.array(fresh)]
+            last = adjust_logits(rows[:, -1:, :], [s.params for s in seqs], [s.prompt for s in seqs],
+                                 [s.tokens for s in seqs])
+            last = mask_logits(last, [s.constraint for s in seqs], [[] for _ in seqs])
+            tokens = sample_tokens(seqs, last[:, 0, :])
+            self._emit(seqs, last, [[t] for t in tokens])
+            first = dict(zip(fresh, tokens))
         self.prefill = None  # only now: until the group joins the batch, a fault must still find it
         keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
         self._leave([s for i, s in enumerate(group.seqs) if i not in keep])
@@ -242,16 +316,17 @@ class Scheduler:
             return
         if len(keep) < len(group.seqs):
             group.cache.select(keep)
-        self.batch.extend([group.seqs[i] for i in keep], group.cache, [tokens[i] for i in keep])
+        self.batch.extend([group.seqs[i] for i in keep], group.cache,
+                          [first[i] if i in first else group.seqs[i].tokens[-1] for i in keep])
 
     def _record_prefill(self, group: _PrefillGroup, end: int) -> None:
-        """Record what each row's prompt has run so far (a later request can
+        """Record what each row's context has run so far (a later request can
         start from it while this group is still prefilling)."""
         width = group.tokens.shape[1]
-        for b, seq in enumerate(group.seqs):
-            held = end - (width - len(seq.prompt))
+        for b, (seq, context) in enumerate(zip(group.seqs, group.contexts)):
+            held = end - (width - len(context))
             if held > 0:
-                self.prefixes.record(seq, seq.prompt, held, group.cache, b)
+                self.prefixes.record(seq, context, held, group.cache, b)
 
     def _emit(self, seqs: list[Sequence], logits: mx.array, emitted: list[list[int]]) -> None:
         """Hand each sequence its new tokens; ``logits[b, j]`` produced ``emitted[b][j]``."""
@@ -288,8 +363,9 @@ class RequestRejected(ValueError):
 
 
 def check_request(request: GenerationRequest, model: str, drafter: Method | None, max_context: int,
-                  vocab: int) -> None:
-    """Raise RequestRejected if the request can never be served as asked."""
+                  vocab: int, context_reason: str = "") -> None:
+    """Raise RequestRejected if the request can never be served as asked
+    (``context_reason``: why the context is shorter than the model's window)."""
     for token, _ in request.params.logit_bias:
         if not 0 <= token < vocab:
             raise RequestRejected(f"logit_bias names token {token}; this model's vocabulary is [0, {vocab})",
@@ -304,7 +380,7 @@ def check_request(request: GenerationRequest, model: str, drafter: Method | None
     if len(request.prompt_tokens) >= max_context:
         raise RequestRejected(
             f"prompt has {len(request.prompt_tokens)} tokens; this model's context "
-            f"window is {max_context} tokens", "prompt")
+            f"window is {max_context} tokens{context_reason}", "prompt")
 
 
 def _report_logprobs(logits: mx.array, emitted: list[list[int]],

@@ -101,6 +101,9 @@ class GroupClient:
     def prefix_cache_status(self) -> dict:
         return self.status.get("prefixCache", {})
 
+    def kv_cache_status(self) -> dict:
+        return self.status.get("kvCache", {})
+
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         self._send(("policy", policy, name))
 

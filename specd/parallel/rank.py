@@ -227,7 +227,7 @@ def _serve(stepper: GroupRank, plan: GroupPlan, info: dict) -> int:
             time.sleep(0.5)
             send(("status", {"steps": stepper.steps, "in_flight": engine.in_flight,
                              "control_bytes": stepper.bytes_sent, "speculation": _status(engine),
-                             "prefixCache": engine.prefix_cache_status(),
+                             "prefixCache": engine.prefix_cache_status(), "kvCache": engine.kv_cache_status(),
                              "metrics": generate_latest(engine.metrics.registry).decode()}))
 
     send(("hello", plan.token, info))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.cache import make_row_cache
+from ..core.cache import kv_bytes, make_row_cache
 from ..core.prefix import RowPrefixes, common_prefix
 from ..core.grammar import Constraint, mask_logits
 from ..core.sampling import SamplingParams, adjust_logits, sample_rows
@@ -40,6 +40,7 @@ class DraftModelProposer:
     def __init__(self, model: nn.Module, prefixes: RowPrefixes):
         self.model = model
         self.prefixes = prefixes  # the draft's own cached prefixes
+        self.row_bytes = kv_bytes(model)  # one row's (bytes per token, recurrent state bytes)
         self.rows: FollowedRows[DraftRow] = FollowedRows()
         self._drafted = 0  # k of the current round (0: the proposer did not run)
         self.caught_up = False

@@ -140,6 +140,15 @@ class Speculator:
         else:
             self.drafter = DraftModelProposer(drafter, model_prefixes(drafter, store, "drafter"))
 
+    def drafter_row_bytes(self) -> tuple[int, int]:
+        """What one row of the drafter's cache holds: (bytes per token, recurrent state bytes)."""
+        return self.drafter.row_bytes if self.drafter is not None else (0, 0)
+
+    def drafter_cache_bytes(self) -> int:
+        """Bytes the drafter's rows hold now."""
+        cache = self.drafter.rows.cache if self.drafter is not None else None
+        return cache.nbytes if cache is not None else 0
+
     @property
     def drafter_module(self) -> nn.Module | None:
         """The attached draft model or EAGLE head (kept when only the pairing's settings change)."""
@@ -199,9 +208,9 @@ class Speculator:
         """The longest cached prefix ``seq`` may start from: an EAGLE head
         needs the target's features of every position it has no cached
         entry for, so the target runs those again."""
-        limit = len(seq.prompt) - 1
+        limit = len(seq.prefill_tokens) - 1
         if isinstance(self.drafter, EagleProposer) and self.spec_for(seq).method == Method.EAGLE:
-            limit = min(limit, self.drafter.cached(seq.prompt))
+            limit = min(limit, self.drafter.cached(seq.prefill_tokens))
         return limit
 
     def release(self, seqs: list[Sequence]) -> None:

@@ -48,6 +48,8 @@ class EagleProposer:
         self.origin: dict[Sequence, RowPrefix | None] = {}  # where a row not in the head's cache yet starts
         self.embed, self.lm_head = target_parts(target)
         self.capture = FeatureCapture(target, head.config.feature_layers)
+        itemsize = head.layer.self_attn.k_proj.weight.itemsize
+        self.row_bytes = (2 * head.config.num_key_value_heads * head.config.head_dim * itemsize, 0)  # one layer
         self.rows: FollowedRows[int] = FollowedRows()  # per row: positions in the head's cache
         self.queued: dict[Sequence, list[mx.array]] = {}  # fused features not fed to the head yet
         self.caught_up = False
@@ -73,7 +75,7 @@ class EagleProposer:
             for s, spec in zip(seqs, specs):
                 if spec.method != self.method:
                     continue
-                self.origin[s] = self.prefixes.start(s, pair_keys(s.prompt), s.cached_tokens)
+                self.origin[s] = self.prefixes.start(s, pair_keys(s.prefill_tokens), s.restored_tokens)
                 self.queued.setdefault(s, [])
         self._observe(seqs, columns)
 
