@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from specd.core.cache import _forget, make_row_cache
+from specd.core.cache import make_row_cache
 from spec_decode import write_result
 from specd.core.loader import load_model
 
@@ -59,8 +59,10 @@ def round_ms(model, batch: int, k: int, rejected: list[int], how: str, rounds: i
             for i, leaf in enumerate(cache.recurrent):  # each row's state after its last kept token
                 leaf.cache = [mx.stack([states[n - 1][i][s][b] for b, n in enumerate(keep)])
                               for s in range(len(leaf.cache))]
+            drop = np.arange(k + 1)[None, :] >= np.array(keep)[:, None]
             for group in cache.attention:  # the attention layers drop the rejected columns as usual
-                _forget(group, np.arange(k + 1)[None, :] >= np.array(keep)[:, None])
+                for leaf in group:
+                    leaf.forget(drop)
         else:
             mx.eval(cache.forward(model, tokens, provisional=how == "readvance"))
             cache.rollback(rejected if how == "readvance" else [0] * batch)

@@ -46,6 +46,8 @@ class ModelSpec:
     prefill_step_tokens: int = 512
     prefix_cache_max_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
     kv_cache_max_bytes: int | None = None  # None: engine.kv_manager.default_max_bytes
+    kv_cache_bits: int | None = None  # keys and values stored quantized (4 or 8 bits), or in the model's dtype
+    kv_cache_group_size: int = 64
     task: str = "generate"  # one of TASKS: what the Model serves
 
 
@@ -121,7 +123,9 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     if task == "embed" and "topologyRef" in spec:
         raise ManifestError("an embedding model runs on one host: it takes no topologyRef", f"{path}.topologyRef")
     prefix_cache = _fields(spec.get("prefixCache", {}), f"{path}.prefixCache", {"maxBytes"})
-    kv_cache = _fields(spec.get("kvCache", {}), f"{path}.kvCache", {"maxBytes"})
+    kv_cache = _fields(spec.get("kvCache", {}), f"{path}.kvCache", {"maxBytes", "bits", "groupSize"})
+    kv_bits = _choice(kv_cache, "bits", f"{path}.kvCache", KV_BITS, None)
+    kv_group_size = _choice(kv_cache, "groupSize", f"{path}.kvCache", KV_GROUP_SIZES, 64)
     if task == "embed" and "kvCache" in spec:
         raise ManifestError("an embedding model keeps no KV cache between requests", f"{path}.kvCache")
     if _byte_size(kv_cache, "maxBytes", f"{path}.kvCache") == 0:
@@ -139,6 +143,8 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         prefill_step_tokens=_positive_int(spec, "prefillStepTokens", path, defaults.prefill_step_tokens),
         prefix_cache_max_bytes=_byte_size(prefix_cache, "maxBytes", f"{path}.prefixCache"),
         kv_cache_max_bytes=_byte_size(kv_cache, "maxBytes", f"{path}.kvCache"),
+        kv_cache_bits=kv_bits,
+        kv_cache_group_size=kv_group_size,
         task=task,
     )
 
@@ -146,6 +152,20 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
 BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
               "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 BYTE_SIZE_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+
+
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def _choice(obj: dict, key: str, path: str, allowed: tuple[int, ...], default: int | None) -> int | None:
+    """An integer that must be one of ``allowed``."""
+    if key not in obj:
+        return default
+    value = obj[key]
+    if isinstance(value, bool) or value not in allowed:
+        raise ManifestError(f"must be one of {', '.join(map(str, allowed))}, got {shown(value)}", f"{path}.{key}")
+    return value
 
 
 def _byte_size(obj: dict, key: str, path: str) -> int | None:

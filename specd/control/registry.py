@@ -123,7 +123,8 @@ def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing 
     model, tokenizer = load_model(spec.source, spec.revision)
     config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
-                          prefix_cache_bytes=spec.prefix_cache_max_bytes, kv_cache_bytes=spec.kv_cache_max_bytes)
+                          prefix_cache_bytes=spec.prefix_cache_max_bytes, kv_cache_bytes=spec.kv_cache_max_bytes,
+                          kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     if pairing is None:
         return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights)

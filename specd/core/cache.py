@@ -42,7 +42,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.deepseek_v41 import LayerCache as CompressedLayerCache
 
-from .kv import RowKV, route_attention
+from .kv import KVQuantization, RowKV, route_attention
 from .prefix import Columns, PrefixStore, RowPrefix, RowPrefixes, Snapshot
 
 
@@ -367,17 +367,19 @@ def _detached(value):
     return value
 
 
-def make_row_cache(model: nn.Module, left_padding: list[int],
-                   prefixes: list[RowPrefix | None] | None = None) -> BatchRowCache | RowwiseCache:
+def make_row_cache(model: nn.Module, left_padding: list[int], prefixes: list[RowPrefix | None] | None = None,
+                   quantization: KVQuantization | None = None) -> BatchRowCache | RowwiseCache:
     """The model's own caches (``make_prompt_cache``), each batched with rows
-    left-padded by ``left_padding`` (and starting from ``prefixes``), or row
-    by row (``runs_row_by_row``); refuses kinds that cannot batch."""
+    left-padded by ``left_padding`` (and starting from ``prefixes``), its
+    attention layers' keys and values stored quantized if asked, or row by row
+    (``runs_row_by_row``: mlx-lm's caches, in full precision); refuses kinds
+    that cannot batch."""
     if runs_row_by_row(model):
         if prefixes and any(prefixes):
             raise ValueError("a row-by-row cache starts from no cached prefix")
         return RowwiseCache(model, left_padding)
     caches = make_prompt_cache(model)
-    cache = BatchRowCache([_batched(c, list(left_padding)) for c in caches], max(left_padding))
+    cache = BatchRowCache([_batched(c, list(left_padding), quantization) for c in caches], max(left_padding))
     if prefixes and any(prefixes):
         cache.restore(prefixes)
     return cache
@@ -443,35 +445,44 @@ def padding_leaks(model: nn.Module) -> bool:
     return not mx.array_equal(*logits).item()
 
 
-def _batched(cache, padding: list[int]):
+def _batched(cache, padding: list[int], quantization: KVQuantization | None = None):
     if type(cache) is KVCache:
-        return RowKV(padding)
+        return RowKV(padding, quantization=quantization)
     if type(cache) is RotatingKVCache:
         if cache.keep:
             raise ValueError(f"a sliding window that keeps {cache.keep} sink tokens cannot batch")
-        return RowKV(padding, window=cache.max_size)
+        return RowKV(padding, window=cache.max_size, quantization=quantization)
     if isinstance(cache, ArraysCache):
         return ArraysCache(len(cache.cache), left_padding=padding if any(padding) else None)
     if isinstance(cache, CacheList):
-        return CacheList(*(_batched(c, padding) for c in cache.caches))
+        return CacheList(*(_batched(c, padding, quantization) for c in cache.caches))
     raise ValueError(f"continuous batching does not support {type(cache).__name__} caches yet")
 
 
-def kv_bytes(model: nn.Module) -> tuple[int, int]:
+def kv_bytes(model: nn.Module, quantization: KVQuantization | None = None) -> tuple[int, int]:
     """What one row of ``model`` holds: (bytes per token, its keys and values in
-    every attention layer; bytes of its recurrent state, whatever its length).
-    Read from mlx-lm's own caches after one token, so every family's shapes
-    (grouped heads, latent attention, mixed layer kinds) count as they are."""
+    every attention layer, quantized if asked; bytes of its recurrent state,
+    whatever its length). Read from mlx-lm's own caches after one token, so
+    every family's shapes (grouped heads, latent attention, mixed layer kinds)
+    count as they are."""
     caches = make_prompt_cache(model)
     model(mx.array([[0]]), cache=caches)
     per_token = state = 0
     for leaf in _leaves(caches):
         keys, values = getattr(leaf, "keys", None), getattr(leaf, "values", None)
         if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-            per_token += sum(a.shape[1] * a.shape[3] * a.itemsize for a in (keys, values))
+            per_token += sum(_token_bytes(a.shape[1], a.shape[3], a.itemsize, quantization) for a in (keys, values))
         elif isinstance(leaf, ArraysCache):
             state += sum(a.nbytes for a in leaf.cache if a is not None)
     return per_token, state
+
+
+def _token_bytes(heads: int, dims: int, itemsize: int, quantization: KVQuantization | None) -> int:
+    """One side (keys or values) of one token in one layer; quantized: packed bits plus a scale and a
+    bias (of the model's dtype) per group."""
+    if quantization is None:
+        return heads * dims * itemsize
+    return heads * (dims * quantization.bits // 8 + 2 * (dims // quantization.group_size) * itemsize)
 
 
 def model_prefixes(model: nn.Module, store: PrefixStore, name: str) -> RowPrefixes:

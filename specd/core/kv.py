@@ -23,13 +23,59 @@ from __future__ import annotations
 
 import sys
 
+from dataclasses import dataclass
+from typing import Union
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import base
-from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
 
 STEP = 64  # columns a row's buffer grows by: a short row wastes little, a long one regrows rarely
+
+# One side (keys or values) of some columns, (1, kv heads, n, D): an array, or the
+# parts ``mx.quantize`` makes of it (packed weights, scales, biases) when the KV is quantized.
+Side = Union[mx.array, tuple[mx.array, ...]]
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """Keys and values stored quantized, as mlx-lm's ``QuantizedKVCache`` stores them."""
+
+    bits: int = 8
+    group_size: int = 64
+
+
+def parts(side: Side) -> tuple[mx.array, ...]:
+    return side if isinstance(side, tuple) else (side,)
+
+
+def _like(side: Side, arrays: list[mx.array]) -> Side:
+    return tuple(arrays) if isinstance(side, tuple) else arrays[0]
+
+
+def side_slice(side: Side, start: int, end: int) -> Side:
+    """Columns [start, end)."""
+    return _like(side, [a[..., start:end, :] for a in parts(side)])
+
+
+def side_concat(sides: list[Side]) -> Side:
+    """Columns of several pieces, in order."""
+    return _like(sides[0], [mx.concatenate(group, axis=2) for group in zip(*map(parts, sides))])
+
+
+def side_columns(side: Side) -> int:
+    return parts(side)[0].shape[2]
+
+
+def side_bytes(side: Side) -> int:
+    return sum(a.nbytes for a in parts(side))
+
+
+def side_copy(side: Side) -> Side:
+    """A copy that shares no buffer with ``side``."""
+    return _like(side, [mx.contiguous(a) for a in parts(side)])
 
 
 class RowKV:
@@ -50,9 +96,10 @@ class RowKV:
 
     EVICT_SLACK = 16  # columns past twice the window before evicting
 
-    def __init__(self, padding: list[int], window: int | None = None):
-        self.keys: list[mx.array | None] = [None] * len(padding)
-        self.values: list[mx.array | None] = [None] * len(padding)
+    def __init__(self, padding: list[int], window: int | None = None, quantization: KVQuantization | None = None):
+        self.keys: list[Side | None] = [None] * len(padding)
+        self.values: list[Side | None] = [None] * len(padding)
+        self.quantization = quantization
         self.held = [0] * len(padding)
         self.positions = [0] * len(padding)
         self.pending = list(padding)
@@ -84,19 +131,25 @@ class RowKV:
             skip = min(self.pending[b], width)
             self.pending[b] -= skip
             if skip < width:
-                self._append(b, keys[b:b + 1, :, skip:, :], values[b:b + 1, :, skip:, :])
+                self._append(b, self._stored(keys[b:b + 1, :, skip:, :]), self._stored(values[b:b + 1, :, skip:, :]))
             self._written.append((skip, width - skip))
         self._offset = None
         return keys[..., :0, :], values[..., :0, :]
 
-    def _append(self, b: int, keys: mx.array, values: mx.array) -> None:
-        held, n = self.held[b], keys.shape[2]
-        if self.keys[b] is None or held + n > self.keys[b].shape[2]:
-            self.keys[b] = _regrown(None if self.keys[b] is None else self.keys[b][..., :held, :], keys, held + n)
-            self.values[b] = _regrown(None if self.values[b] is None else self.values[b][..., :held, :], values,
-                                      held + n)
-        self.keys[b][..., held:held + n, :] = keys
-        self.values[b][..., held:held + n, :] = values
+    def _stored(self, side: mx.array) -> Side:
+        q = self.quantization
+        return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
+
+    def _append(self, b: int, keys: Side, values: Side) -> None:
+        held, n = self.held[b], side_columns(keys)
+        if self.keys[b] is None or held + n > side_columns(self.keys[b]):
+            self.keys[b] = _regrown(None if self.keys[b] is None else side_slice(self.keys[b], 0, held), keys,
+                                    held + n)
+            self.values[b] = _regrown(None if self.values[b] is None else side_slice(self.values[b], 0, held),
+                                      values, held + n)
+        for buffer, new in ((self.keys[b], keys), (self.values[b], values)):
+            for a, x in zip(parts(buffer), parts(new)):
+                a[..., held:held + n, :] = x
         self.held[b] += n
         self.positions[b] += n
 
@@ -109,14 +162,22 @@ class RowKV:
                 out.append(None)
                 continue
             held = self.held[b]
-            row = mx.fast.scaled_dot_product_attention(
-                queries[b:b + 1, :, skip:, :], self.keys[b][..., :held, :], self.values[b][..., :held, :],
-                scale=scale, mask=self._mask(b, n, held), sinks=sinks)
+            row = self._sdpa(queries[b:b + 1, :, skip:, :], side_slice(self.keys[b], 0, held),
+                             side_slice(self.values[b], 0, held), scale, self._mask(b, n, held), sinks)
             out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
         if len(out) == 1:
             return out[0]
         shape = next(row for row in out if row is not None).shape  # values may be narrower than queries
         return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
+
+    def _sdpa(self, queries: mx.array, keys: Side, values: Side, scale: float, mask, sinks) -> mx.array:
+        q = self.quantization
+        if q is None:
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if sinks is not None:
+            raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
+        return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                      group_size=q.group_size, bits=q.bits)
 
     def attend_with(self, queries: mx.array, scale: float, keys: mx.array, values: mx.array,
                     ancestry: mx.array) -> mx.array:
@@ -163,8 +224,8 @@ class RowKV:
             start = self.held[b] - width
             if len(kept) and kept[-1] >= len(kept):  # a kept column after a dropped one: close the gap
                 index = mx.array(kept + start)
-                self.keys[b][..., start:start + len(kept), :] = self.keys[b][..., index, :]
-                self.values[b][..., start:start + len(kept), :] = self.values[b][..., index, :]
+                for a in parts(self.keys[b]) + parts(self.values[b]):
+                    a[..., start:start + len(kept), :] = a[..., index, :]
             gone = width - len(kept)
             self.held[b] -= gone
             self.positions[b] -= gone
@@ -180,8 +241,8 @@ class RowKV:
         keep = self.window - 1
         for b, held in enumerate(self.held):
             if held > keep:
-                self.keys[b] = _regrown(self.keys[b][..., held - keep:held, :], self.keys[b], keep)
-                self.values[b] = _regrown(self.values[b][..., held - keep:held, :], self.values[b], keep)
+                self.keys[b] = _regrown(side_slice(self.keys[b], held - keep, held), self.keys[b], keep)
+                self.values[b] = _regrown(side_slice(self.values[b], held - keep, held), self.values[b], keep)
                 self.held[b] = keep
 
     def select(self, rows: list[int]) -> None:
@@ -197,25 +258,25 @@ class RowKV:
             getattr(self, name).extend(getattr(other, name))
         self._offset = None
 
-    def columns(self, b: int, start: int, end: int) -> tuple[mx.array, mx.array] | None:
+    def columns(self, b: int, start: int, end: int) -> tuple[Side, Side] | None:
         """Row b's keys and values of positions [start, end); None if a
         sliding window already evicted some of them."""
         first = self.positions[b] - self.held[b]
         if start < first:
             return None
-        return (self.keys[b][..., start - first:end - first, :], self.values[b][..., start - first:end - first, :])
+        return side_slice(self.keys[b], start - first, end - first), side_slice(self.values[b], start - first, end - first)
 
-    def restore(self, b: int, keys: mx.array, values: mx.array, length: int) -> None:
+    def restore(self, b: int, keys: Side, values: Side, length: int) -> None:
         """Start the (fresh) row b from a cached prefix of ``length`` positions
         whose newest columns are ``keys``/``values``: the row reads them as
         they are, and its first write moves them into a buffer of its own."""
         self.keys[b], self.values[b] = keys, values
-        self.held[b], self.positions[b] = keys.shape[2], length
+        self.held[b], self.positions[b] = side_columns(keys), length
         self._offset = None
 
     @property
     def arrays(self) -> list[mx.array]:
-        return [a for a in self.keys + self.values if a is not None]
+        return [a for side in self.keys + self.values if side is not None for a in parts(side)]
 
     @property
     def nbytes(self) -> int:
@@ -223,13 +284,14 @@ class RowKV:
         return sum(a.nbytes for a in self.arrays)
 
 
-def _regrown(kept: mx.array | None, like: mx.array, need: int) -> mx.array:
+def _regrown(kept: Side | None, like: Side, need: int) -> Side:
     """A buffer for ``need`` columns shaped like ``like``, starting with the columns ``kept``."""
     capacity = -(-need // STEP) * STEP
-    fresh = mx.zeros((1, like.shape[1], capacity, like.shape[3]), dtype=like.dtype)
-    if kept is not None and kept.shape[2]:
-        fresh[..., :kept.shape[2], :] = kept
-    return fresh
+    fresh = [mx.zeros((1, a.shape[1], capacity, a.shape[3]), dtype=a.dtype) for a in parts(like)]
+    if kept is not None and side_columns(kept):
+        for a, k in zip(fresh, parts(kept)):
+            a[..., :k.shape[2], :] = k
+    return _like(like, fresh)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask,

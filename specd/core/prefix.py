@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .kv import Side, side_bytes, side_columns, side_concat, side_copy, side_slice
 from .memory import host_memory_bytes
 
 if TYPE_CHECKING:
     from .cache import BatchRowCache
 
-Columns = list[tuple[mx.array, mx.array]]  # per attention layer: (1, H, n, D) keys and values
+Columns = list[tuple[Side, Side]]  # per attention layer: (1, H, n, D) keys and values (or their quantized parts)
 Snapshot = list[list]  # per recurrent layer: its state arrays, batch of 1
 
 
@@ -56,7 +57,7 @@ class Node:
 
 
 def _nbytes(columns: Columns, snapshot: Snapshot | None) -> int:
-    n = sum(k.nbytes + v.nbytes for k, v in columns)
+    n = sum(side_bytes(k) + side_bytes(v) for k, v in columns)
     return n + sum(a.nbytes for state in snapshot or [] for a in state if a is not None)
 
 
@@ -138,10 +139,10 @@ class PrefixTree:
             for node, n in path:
                 lo, hi = max(start - pos, 0), n
                 if hi > lo:
-                    keys.append(node.columns[i][0][..., lo:hi, :])
-                    values.append(node.columns[i][1][..., lo:hi, :])
+                    keys.append(side_slice(node.columns[i][0], lo, hi))
+                    values.append(side_slice(node.columns[i][1], lo, hi))
                 pos += n
-            columns.append((mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)))
+            columns.append((side_concat(keys), side_concat(values)))
         return columns, snapshot
 
     # -- leases -------------------------------------------------------------------
@@ -216,11 +217,13 @@ class PrefixTree:
     def _split(self, node: Node, n: int) -> Node:
         """Cut ``node``'s edge after ``n`` tokens; returns the new upper node
         (the lower part keeps the snapshot, the children and the locks)."""
-        upper = Node(node.key[:n], node.parent, _owned([(k[..., :n, :], v[..., :n, :]) for k, v in node.columns]),
+        upper = Node(node.key[:n], node.parent, _owned([(side_slice(k, 0, n), side_slice(v, 0, n))
+                                                        for k, v in node.columns]),
                      locks=node.locks, used=node.used, serial=self.store.tick())
         node.parent.children[int(node.key[0])] = upper
         node.key = node.key[n:]
-        node.columns = _owned([(k[..., n:, :], v[..., n:, :]) for k, v in node.columns])
+        node.columns = _owned([(side_slice(k, n, side_columns(k)), side_slice(v, n, side_columns(v)))
+                               for k, v in node.columns])
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self.store.nodes += 1
@@ -239,7 +242,7 @@ class PrefixTree:
 
 def _owned(columns: Columns) -> Columns:
     """Evaluated copies that share no buffer with a batch cache or another node."""
-    out = [(mx.contiguous(k), mx.contiguous(v)) for k, v in columns]
+    out = [(side_copy(k), side_copy(v)) for k, v in columns]
     mx.eval(out)
     return out
 

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 
 from ..core.batch import RunningBatch
 from ..core.cache import RowCache, kv_bytes, make_row_cache, model_prefixes, padding_leaks
+from ..core.kv import KVQuantization
 from ..core.loader import context_window, vocab_size
 from ..core.memory import host_memory_bytes
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
@@ -46,6 +47,8 @@ class EngineConfig:
     max_context: int | None = None
     prefix_cache_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
     kv_cache_bytes: int | None = None  # None: kv_manager.default_max_bytes
+    kv_bits: int | None = None  # the target's keys and values stored quantized (4 or 8), or not
+    kv_group_size: int = 64
     host_memory: int | None = None  # what the default KV budget is a share of (None: this host's)
     evict_under_pressure: bool = True  # off where ranks must evict alike (tensor parallelism)
 
@@ -76,7 +79,14 @@ class Scheduler:
 
     def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig, metrics: Metrics,
                  speculation: SpeculationConfig, drafter: nn.Module | None):
-        self.prefill_rows_alone = warm_up(model)  # left padding would change such a model's rows
+        self.kv_quantization = KVQuantization(config.kv_bits, config.kv_group_size) if config.kv_bits else None
+        try:
+            self.prefill_rows_alone = warm_up(model, self.kv_quantization)  # left padding would change its rows
+        except ValueError as exc:
+            if self.kv_quantization is None:
+                raise
+            raise ValueError(f"kvCache.bits {config.kv_bits} with kvCache.groupSize {config.kv_group_size} "
+                             f"does not fit this model's attention heads: {exc}") from exc
         self.name = name
         self.model = model
         self.config = config
@@ -92,7 +102,7 @@ class Scheduler:
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
         self.native_context = self.max_context
-        token_bytes, state_bytes = kv_bytes(model)
+        token_bytes, state_bytes = kv_bytes(model, self.kv_quantization)
         drafter_token, drafter_state = self.speculator.drafter_row_bytes()
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         kv_budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_bytes(
@@ -277,7 +287,7 @@ class Scheduler:
         self.metrics.prefix_cache_queries.labels(self.name).inc(sum(map(len, contexts)))
         self.metrics.prefix_cache_hits.labels(self.name).inc(sum(cached))
         tokens = mx.array([[0] * (width - len(c)) + c for c in contexts])
-        cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts)
+        cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts, self.kv_quantization)
         self.prefill = _PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
 
     def _prefill_chunk(self) -> None:
@@ -407,10 +417,11 @@ def _report_logprobs(logits: mx.array, emitted: list[list[int]],
     return out
 
 
-def warm_up(model: nn.Module) -> bool:
+def warm_up(model: nn.Module, quantization: KVQuantization | None = None) -> bool:
     """One token through a batched cache, at load: a model whose caches
-    cannot batch, or whose forward fails on this machine, fails to load with
-    the reason instead of failing its first request. Returns whether its
-    rows must be prefilled one at a time (``padding_leaks``)."""
-    mx.eval(make_row_cache(model, [0]).forward(model, mx.array([[0]])))
+    cannot batch (or be quantized as asked), or whose forward fails on this
+    machine, fails to load with the reason instead of failing its first
+    request. Returns whether its rows must be prefilled one at a time
+    (``padding_leaks``)."""
+    mx.eval(make_row_cache(model, [0], quantization=quantization).forward(model, mx.array([[0]])))
     return padding_leaks(model)
