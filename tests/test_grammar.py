@@ -116,14 +116,14 @@ def test_forced_tokens_cost_no_round_of_their_own(pair):
     steps = 0
 
     def counting(engine):
-        speculator = engine.scheduler.speculator
-        original = speculator.round
+        runner = engine.scheduler.runner
+        original = runner.decode
 
-        def round_(batch, deliver):
+        def decode(batch, deliver):
             nonlocal steps
             steps += 1
             original(batch, deliver)
-        speculator.round = round_
+        runner.decode = decode
         request = GenerationRequest(f"g{next(_ids)}", prompts_of(tokenizer)[0], GREEDY, 96, (), None, GRAMMAR)
         return collect(engine, request)
     tokens = run_engine(model, tokenizer, counting)

@@ -29,14 +29,15 @@ from ..core.kv import KVQuantization
 from ..core.loader import context_window, vocab_size
 from ..core.memory import host_memory_bytes
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
-from ..core.grammar import Constraint, grammar_tokenizer, mask_logits
-from ..core.sampling import SamplingParams, adjust_logits
+from ..core.grammar import Constraint, grammar_tokenizer
+from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
-from ..core.sequence import Sequence, sample_tokens
+from ..core.sequence import Sequence
 from ..metrics import Metrics
 from ..core.request import Method, SpeculationConfig
 from ..speculation.speculator import Speculator
 from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
+from .runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Scheduler:
         self.prefixes = model_prefixes(model, self.prefix_store, "target")
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
+        self.runner = ModelRunner(model, self.speculator)
         self.native_context = self.max_context
         token_bytes, state_bytes = kv_bytes(model, self.kv_quantization)
         drafter_token, drafter_state = self.speculator.drafter_row_bytes()
@@ -162,7 +164,7 @@ class Scheduler:
             self._prefill_chunk()
         if self.batch:
             self._make_room()
-            self.speculator.round(self.batch, self._emit)
+            self.runner.decode(self.batch, self._emit)
             self._leave(self._keep(lambda s: s.finish_reason is None))
         self._update_gauges()
 
@@ -299,7 +301,7 @@ class Scheduler:
         width = group.tokens.shape[1]
         chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
         end = min(width, group.done + chunk)
-        logits = group.cache.forward(self.model, group.tokens[:, group.done:end])
+        logits = self.runner.prefill(group.cache, group.tokens[:, group.done:end])
         self.speculator.prefilled(group.seqs, group.done, end, [width - len(c) for c in group.contexts],
                                   first=group.done == group.start)
         group.done = end
@@ -312,11 +314,8 @@ class Scheduler:
         if fresh:
             seqs = [group.seqs[i] for i in fresh]
             self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in seqs))
-            rows = logits if len(fresh) == len(group.seqs) else logits[mx.array(fresh)]
-            last = adjust_logits(rows[:, -1:, :], [s.params for s in seqs], [s.prompt for s in seqs],
-                                 [s.tokens for s in seqs])
-            last = mask_logits(last, [s.constraint for s in seqs], [[] for _ in seqs])
-            tokens = sample_tokens(seqs, last[:, 0, :])
+            tokens, last = self.runner.first_tokens(
+                seqs, logits if len(fresh) == len(group.seqs) else logits[mx.array(fresh)])
             self._emit(seqs, last, [[t] for t in tokens])
             first = dict(zip(fresh, tokens))
         self.prefill = None  # only now: until the group joins the batch, a fault must still find it

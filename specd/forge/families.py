@@ -976,8 +976,10 @@ def build(
     tokenizer_dir: Path | str,
     seed: int = 0,
     quantization: dict | None = None,
+    overrides: dict | None = None,
 ) -> Path:
     """Write a tiny random ``family`` model to ``out_dir``; returns ``out_dir``.
+    ``overrides`` replace fields of its (text) config: a benchmark's realistic widths.
 
     ``quantization`` is what mlx-community publishes, e.g. ``{"group_size":
     64, "bits": 4, "mode": "affine"}`` or for gpt_oss ``{"group_size": 32,
@@ -986,6 +988,7 @@ def build(
     writes the ``quantization`` entries into config.json.
     """
     config = family_config(family)
+    _text(config).update(overrides or {})
     _check_vocab(config, Path(tokenizer_dir))
     model = make_model(config, seed)
     width = model(mx.array([[0]])).shape[-1]  # a shape: known without running the forward

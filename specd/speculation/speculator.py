@@ -1,34 +1,35 @@
-"""One decode round for the running batch: propose, verify, roll back.
+"""Speculation for the running batch: what each step proposes, and its verdict.
 
-The engine calls ``round`` once per decode step.  The speculator plans each
-row's k (its controller), collects proposals (its proposers), forwards
+The engine's model runner (``engine/runner.py``) runs every decode step; it
+asks the speculator first (``propose``): the speculator plans each row's k
+(its controller) and collects proposals (its proposers); the runner forwards
 ``[last, d_1..d_k]`` for every row (right-padded to the longest proposal,
-rows without proposals included), verifies, rolls the target's and every
-drafter's cache back to exactly the accepted tokens, and hands the engine
-the tokens to deliver.  When an EAGLE head proposes a branching tree, every
-row's proposal is laid out as a tree (``tree.py``) and verified in the same
-single forward.  Per-sequence speculation state (acceptance estimates,
-proposer rows) lives here and in the proposers, released when the engine
-says a sequence left.
+rows without proposals included) and processes the logits, then hands them
+back (``verify``): the speculator verifies, rolls the target's and every
+drafter's cache back to exactly the accepted tokens, and returns the tokens
+to deliver.  When an EAGLE head proposes a branching tree, every row's
+proposal is laid out as a tree (``tree.py``) and verified in the same single
+forward.  Per-sequence speculation state (acceptance estimates, proposer
+rows) lives here and in the proposers, released when the engine says a
+sequence left.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, ContextManager
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from ..core.batch import RunningBatch
-from ..core.cache import make_row_cache, model_prefixes
+from ..core.cache import RowCache, make_row_cache, model_prefixes
 from ..core.prefix import PrefixStore, RowPrefixes
-from ..core.grammar import mask_logits
-from ..core.sampling import adjust_logits, transform_logprobs
-from ..core.sequence import Sequence, sample_tokens
+from ..core.sampling import transform_logprobs
+from ..core.sequence import Sequence
 from ..metrics import Metrics
 from .acceptance import AcceptanceEstimate, AcceptanceHistory
 from ..core.request import NO_SPECULATION, Method, SpeculationConfig
@@ -43,10 +44,6 @@ from .ngram import NgramProposer
 from .proposer import Drafts, Outcome, Proposer, Round
 from .tree import DraftTree, TreeLayout, TreePositions, accept, layout, verifying
 from .verify import point_mass, verify
-
-# Hands a round's tokens to the requests: deliver(seqs, logits, emitted), logits[b, j] produced emitted[b][j].
-Deliver = Callable[[list[Sequence], mx.array, list[list[int]]], None]
-
 
 @dataclass
 class Proposal:
@@ -222,43 +219,25 @@ class Speculator:
         for proposer in self._proposers():
             proposer.release(seqs)
 
-    def round(self, batch: RunningBatch, deliver: Deliver) -> None:
-        """One decode step: every row forwards its last token plus its
-        proposals (none when not speculating); the verifier keeps a prefix
-        of each row's proposals and the caches are rolled back to exactly
-        that; ``deliver`` hands the tokens to the requests."""
-        step_started = time.perf_counter()
-        seqs = batch.seqs
-        proposal = self._propose(seqs, batch.last_tokens)
-        width = proposal.width
-        if proposal.tree is not None:
-            inputs = mx.array(proposal.tree.inputs)
-        else:
-            inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
-        started = time.perf_counter()
-        with ExitStack() as stack:
-            if proposal.tree is not None:
-                stack.enter_context(verifying(self.positions, batch.cache, proposal.tree))
-            logits = batch.cache.forward(self.target, inputs, provisional=width > 0)
-        constraints = [s.constraint for s in seqs]
-        if any(constraints):  # the forward runs while the grammars fill their masks
-            mx.async_eval(logits)
-        ancestry = None if proposal.tree is None else mx.array(proposal.tree.ancestry)
-        logits = adjust_logits(logits, [s.params for s in seqs], [s.prompt for s in seqs], [s.tokens for s in seqs],
-                               inputs, ancestry)
-        columns = None if proposal.tree is None else [[0] + c for c in proposal.tree.columns]
-        logits = mask_logits(logits, constraints, proposal.drafts, columns)
-        if width == 0:
-            emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
-            self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
-            self._nothing_proposed(seqs, proposal)
-        else:
-            emitted, logits = self._verify(batch, logits, proposal)
-        # what a step of this shape costs, verification and rollback included (the controller's input)
-        self._observe_step(len(batch), width + 1, time.perf_counter() - started)
-        deliver(seqs, logits, emitted)
-        self.controller.observe_step(len(batch), time.perf_counter() - step_started, proposal.caught_up)
-        batch.last_tokens = [e[-1] for e in emitted]
+    def after_plain_step(self, seqs: list[Sequence], proposal: Proposal, emitted: list[list[int]]) -> None:
+        """A step that verified nothing: every row sampled one token. The
+        drafters follow it, and a planned speculation that found nothing to
+        propose is learned from."""
+        self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
+        self._nothing_proposed(seqs, proposal)
+
+    def verify_context(self, cache: RowCache, proposal: Proposal) -> ContextManager:
+        """The context the verify forward runs in: a draft tree's ancestry and depth positions."""
+        if proposal.tree is None:
+            return nullcontext()
+        return verifying(self.positions, cache, proposal.tree)
+
+    def observe_round(self, rows: int, width: int, forward_seconds: float, step_seconds: float,
+                      caught_up: bool) -> None:
+        """What a decode step cost: its forward with verification and rollback
+        (the cost model's input) and the whole step (the controller's)."""
+        self._observe_step(rows, width + 1, forward_seconds)
+        self.controller.observe_step(rows, step_seconds, caught_up)
 
     # -- proposing -------------------------------------------------------------
 
@@ -293,7 +272,9 @@ class Speculator:
             self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
         return ks
 
-    def _propose(self, seqs: list[Sequence], last_tokens: list[int]) -> Proposal:
+    def propose(self, seqs: list[Sequence], last_tokens: list[int]) -> Proposal:
+        """This step's proposals: each row's k (the controller's), its proposers' drafts, grammar-forced
+        tokens at their ends, and, when a row proposes a branching tree, every row laid out as a tree."""
         specs = [self.spec_for(s) for s in seqs]
         budgets = [self._budget(s, spec) for s, spec in zip(seqs, specs)]
         if any(budgets):
@@ -377,7 +358,7 @@ class Speculator:
 
     # -- verifying and rolling back --------------------------------------------
 
-    def _verify(self, batch: RunningBatch, logits: mx.array, proposal: Proposal) -> tuple[list[list[int]], mx.array]:
+    def verify(self, batch: RunningBatch, logits: mx.array, proposal: Proposal) -> tuple[list[list[int]], mx.array]:
         """Keep each row's accepted proposals plus one target token; roll the
         target's and the drafters' caches back to exactly that.  Returns the
         tokens and, per row, the logits that produced each of them."""

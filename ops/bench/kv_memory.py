@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""KV memory of short requests beside a long one, joins, and throughput: specd against mlx_lm.server.
+
+One run, every server on the same random-weight Llama with a realistic KV
+width (8 KV heads of 128 dimensions, 4 layers, float32: 32 KiB a token),
+prefix caching off everywhere, mlx_lm.server at its defaults otherwise:
+
+1. **Memory of short requests.** One request with a 6,000-token prompt
+   decodes; once it streams, seven 100-token requests (160 tokens each)
+   join it. The figure is the server's peak RSS minus its peak in the same
+   run without the seven, against the seven's live KV (prompt + output
+   tokens x 32 KiB). A fresh server per run: peak RSS only grows.
+2. **Time to first token of a joining request** while B rows of 2,000
+   tokens decode, for B = 1, 2, 4: it should not grow with B x context.
+3. **Tokens/s** at 1 and 8 concurrent requests of mixed lengths.
+
+``--baseline REPO`` adds the specd of another checkout (say, the commit
+before a change) as ``specd@base``, run from that directory.
+
+    python ops/bench/kv_memory.py [--baseline /tmp/base-checkout]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from serve_vs_mlx_lm import ServerSpec, child_env, free_port, mlx_lm_spec, running, specd_spec, wait_ready
+from spec_decode import machine_info, write_result
+from specd.forge.families import build
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO_ROOT / "ops" / "bench" / "results" / "kv_memory.json"
+REALISTIC = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
+             "intermediate_size": 2048, "num_hidden_layers": 4, "max_position_embeddings": 16384}
+TOKEN_KV_BYTES = 4 * 2 * 8 * 128 * 4  # layers x (keys, values) x heads x dims x float32
+
+
+def rss_of_tree(pid: int) -> int:
+    """Resident bytes of a process and its children."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                stack += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return total
+
+
+class PeakRSS:
+    """Samples a server's RSS every 20 ms while running."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._task = pid, 0, None
+
+    async def __aenter__(self):
+        async def sample():
+            while True:
+                self.peak = max(self.peak, rss_of_tree(self.pid))
+                await asyncio.sleep(0.02)
+        self._task = asyncio.create_task(sample())
+        return self
+
+    async def __aexit__(self, *exc):
+        self._task.cancel()
+        self.peak = max(self.peak, rss_of_tree(self.pid))
+
+
+async def complete(session: aiohttp.ClientSession, base: str, model: str, prompt: list[int], max_tokens: int,
+                   first: asyncio.Event | None = None) -> dict:
+    """A streamed greedy completion of a token-id prompt: TTFT, tokens, seconds."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    started, ttft, tokens = time.perf_counter(), None, 0
+    async with session.post(base + "/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any(c.get("text") for c in event.get("choices") or []) and ttft is None:
+                ttft = time.perf_counter() - started
+                if first is not None:
+                    first.set()
+    return {"ttft_s": ttft, "tokens": tokens, "seconds": time.perf_counter() - started}
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    """n token ids, varied by seed (the forge tokenizer's ids start above its specials)."""
+    return [10 + (seed * 7919 + i * 104729) % 1000 for i in range(n)]
+
+
+async def with_server(spec: ServerSpec, env: dict, workdir: Path, port: int, job) -> dict:
+    log = workdir / f"{spec.name}-{port}.log"
+    with running(spec, env, log) as proc:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            base = f"http://127.0.0.1:{port}"
+            await wait_ready(session, base, spec, proc, log)
+            return await job(session, base, spec.model_id, proc.pid)
+
+
+def memory_job(with_short: bool, long_prompt: int, long_tokens: int):
+    async def job(session, base, model, pid):
+        await complete(session, base, model, prompt_of(16, 99), 4)  # warm-up
+        async with PeakRSS(pid) as peak:
+            idle = rss_of_tree(pid)
+            streaming = asyncio.Event()
+            long = asyncio.create_task(complete(session, base, model, prompt_of(long_prompt, 1), long_tokens,
+                                                streaming))
+            await streaming.wait()
+            shorts = [complete(session, base, model, prompt_of(100, 10 + i), 160) for i in range(7)]
+            short = await asyncio.gather(*shorts) if with_short else []
+            await long
+        return {"peak_rss": peak.peak, "idle_rss": idle, "short_tokens": sum(100 + r["tokens"] for r in short)}
+    return job
+
+
+def join_job(rows: list[int], context: int):
+    async def job(session, base, model, pid):
+        await complete(session, base, model, prompt_of(16, 99), 4)
+        out = {}
+        for b in rows:
+            started = [asyncio.Event() for _ in range(b)]
+            longs = [asyncio.create_task(complete(session, base, model, prompt_of(context, 50 + i), 160, started[i]))
+                     for i in range(b)]
+            for event in started:
+                await event.wait()
+            ttfts = [(await complete(session, base, model, prompt_of(100, 200 + j), 8))["ttft_s"] for j in range(3)]
+            await asyncio.gather(*longs)
+            out[b] = statistics.median(ttfts)
+        return out
+    return job
+
+
+def throughput_job(runs: int):
+    async def job(session, base, model, pid):
+        await complete(session, base, model, prompt_of(16, 99), 4)
+        out = {}
+        for c in (1, 8):
+            rates = []
+            for r in range(runs):
+                lengths = [100, 400, 1200, 200, 800, 150, 600, 300][:c]
+                started = time.perf_counter()
+                done = await asyncio.gather(*(complete(session, base, model, prompt_of(n, 300 + r * 8 + i), 128)
+                                              for i, n in enumerate(lengths)))
+                rates.append(sum(d["tokens"] for d in done) / (time.perf_counter() - started))
+            out[c] = statistics.median(rates)
+        return out
+    return job
+
+
+def servers(model: Path, workdir: Path, baseline: Path | None) -> dict:
+    """name -> port -> ServerSpec (a baseline specd imports its own checkout first)."""
+    out = {}
+    for name, root in [("specd", None)] + ([("specd@base", baseline.resolve())] if baseline else []):
+        def make(port, root=root, name=name):
+            home = Path(tempfile.mkdtemp(dir=workdir, prefix=name.replace("@", "-")))
+            spec = specd_spec(model, home, port, prompt_cache=False)
+            argv = spec.argv
+            if root is not None:  # argv is [python, -m, specd.cli, daemon, ...]
+                argv = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(root)!r}); "
+                        "from specd.cli import main; sys.exit(main())", *argv[3:]]
+            return ServerSpec(name, argv, spec.ready_path, spec.model_id)
+        out[name] = make
+    out["mlx_lm"] = lambda port: mlx_lm_spec(model, port, prompt_cache=False, backlog=64)
+    return out
+
+
+async def bench(args: argparse.Namespace, workdir: Path) -> dict:
+    model = build("llama", workdir / "model", args.tokenizer, overrides=REALISTIC)
+    result: dict = {}
+    env, _ = child_env()
+    for name, make in servers(model, workdir, args.baseline).items():
+        async def run(job):
+            port = free_port()
+            return await with_server(make(port), env, workdir, port, job)
+        alone = await run(memory_job(False, args.long_prompt, args.long_tokens))
+        joined = await run(memory_job(True, args.long_prompt, args.long_tokens))
+        live = joined["short_tokens"] * TOKEN_KV_BYTES
+        extra = joined["peak_rss"] - alone["peak_rss"]
+        result[name] = {"alone": alone, "joined": joined, "short_live_kv": live, "short_extra_rss": extra,
+                        "ratio": extra / live,
+                        "join_ttft_s": await run(join_job([1, 2, 4], args.join_context)),
+                        "tok_s": await run(throughput_job(args.runs))}
+        r = result[name]
+        print(f"{name}: short requests' extra peak RSS {extra / 2**20:.0f} MiB for {live / 2**20:.0f} MiB of "
+              f"live KV ({r['ratio']:.2f}x); join TTFT " +
+              ", ".join(f"B={b}: {t * 1000:.0f} ms" for b, t in r["join_ttft_s"].items()) +
+              f"; tok/s c=1 {r['tok_s'][1]:.1f}, c=8 {r['tok_s'][8]:.1f}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", type=Path, default=REPO_ROOT / "models" / "demo" / "target")
+    p.add_argument("--baseline", type=Path, default=None, help="another specd checkout to run as specd@base")
+    p.add_argument("--long-prompt", type=int, default=6000)
+    p.add_argument("--long-tokens", type=int, default=400)
+    p.add_argument("--join-context", type=int, default=2000)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kv-memory-") as tmp:
+        result = asyncio.run(bench(args, Path(tmp)))
+    print("\nratio of the short requests' extra peak RSS to their live KV (goal: specd <= 1.5x):")
+    for name, r in result.items():
+        print(f"  {name:<12}{r['ratio']:>6.2f}x   tok/s c=1 {r['tok_s'][1]:>7.1f}   c=8 {r['tok_s'][8]:>7.1f}")
+    write_result(str(args.out), {"machine": machine_info(args), "servers": result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
