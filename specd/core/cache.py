@@ -347,10 +347,18 @@ class RowwiseCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for cache in self.rows for layer in cache)
+        return sum(_layer_bytes(layer) for cache in self.rows for layer in cache)
 
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")
+
+
+def _layer_bytes(layer) -> int:
+    """An mlx-lm cache layer's bytes: its own count, or the arrays it holds where its kind keeps none."""
+    try:
+        return layer.nbytes
+    except NotImplementedError:
+        return sum(a.nbytes for a in vars(layer).values() if isinstance(a, mx.array))
 
 
 def _detached(value):
@@ -466,7 +474,7 @@ def kv_bytes(model: nn.Module, quantization: KVQuantization | None = None) -> tu
     every family's shapes (grouped heads, latent attention, mixed layer kinds)
     count as they are."""
     caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
+    mx.eval(model(mx.array([[0]]), cache=caches))  # now: a lazy array left on the model belongs to this thread
     per_token = state = 0
     for leaf in _leaves(caches):
         keys, values = getattr(leaf, "keys", None), getattr(leaf, "values", None)
