@@ -42,6 +42,16 @@ def run_engine(model, tokenizer, fn, draft_model=None, **config):
     return asyncio.run(main())
 
 
+@pytest.fixture(scope="module")
+def pair(forged):
+    """The forged test pair, loaded per module (tests hook the target's modules): target, tokenizer, draft."""
+    from mlx_lm import load
+
+    target, tokenizer = load(str(forged / "target"))
+    draft, _ = load(str(forged / "draft"))
+    return target, tokenizer, draft
+
+
 @pytest.fixture(scope="session")
 def forged(tmp_path_factory) -> Path:
     """The deterministic random test pair (``OUT/target``, ``OUT/draft``)."""

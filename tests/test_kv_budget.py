@@ -8,7 +8,6 @@ import asyncio
 import itertools
 
 import pytest
-from mlx_lm import load
 
 from conftest import code_sample, head_for, run_engine
 from specd.api.manifest import ManifestError, parse_documents
@@ -19,13 +18,6 @@ from specd.engine.scheduler import RequestRejected
 
 GREEDY = SamplingParams(temperature=0)
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def pair(forged):
-    target, tokenizer = load(str(forged / "target"))
-    draft, _ = load(str(forged / "draft"))
-    return target, tokenizer, draft
 
 
 @pytest.fixture(scope="module")

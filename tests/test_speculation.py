@@ -11,7 +11,6 @@ import copy
 import itertools
 
 import pytest
-from mlx_lm import load
 
 from specd.core.loader import check_draft_pair
 from conftest import code_sample, run_engine, two_sample_chi2
@@ -24,13 +23,6 @@ GREEDY = SamplingParams(temperature=0)
 NGRAM = SpeculationConfig("ngram", 4, 1, 4)
 DRAFT = SpeculationConfig("draft", 3)
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def pair(forged):
-    target, tokenizer = load(str(forged / "target"))
-    draft, _ = load(str(forged / "draft"))
-    return target, tokenizer, draft
 
 
 @pytest.fixture(scope="module")

@@ -104,11 +104,7 @@ async def turn(session: aiohttp.ClientSession, base: str, model_id: str, message
     async with session.post(base + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status} from {base}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
+        async for event in anchor.sse_events(resp):
             if "error" in event:
                 raise RuntimeError(f"stream error from {base}: {event['error']}")
             usage = event.get("usage") or usage

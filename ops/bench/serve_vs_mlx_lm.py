@@ -63,7 +63,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 
@@ -332,6 +332,15 @@ def _process_ticks(pid: int | str) -> int:
 
 # --------------------------------------------------------------------------
 # Client
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style server-sent stream, up to ``[DONE]``."""
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        yield json.loads(line[len("data:"):])
 
 
 async def stream_completion(session: aiohttp.ClientSession, base: str, model_id: str,

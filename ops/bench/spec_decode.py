@@ -48,6 +48,7 @@ from specd.engine.scheduler import EngineConfig
 from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest, SpecStats
 from specd.core.request import Method, NO_SPECULATION, SpeculationConfig
+from specd.speculation.config import PolicySettings
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n",
@@ -254,24 +255,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"costs": costs}
     try:
         await serve_clients(engine, [[p] for p in code[:2]], [SpeculationConfig(Method.DRAFT, 2)] * 2, 16)  # warm-up
-        # 1. single stream, code continuation: plain vs n-gram vs draft, k = 1..max_k
-        plain = await measure(engine, code, None, args.max_tokens, args.runs, 1)
-        rows = [row("plain", plain, plain["tok_s"], None, None, costs["v"])]
-        for method, k in itertools.product((Method.NGRAM, Method.DRAFT), ks):
-            m = await measure(engine, code, SpeculationConfig(method, k), args.max_tokens, args.runs, 1)
-            rows.append(row(f"{method} k={k}", m, plain["tok_s"], k, c_draft if method == "draft" else 0.0,
-                            costs["v"]))
-        print_rows("single stream, greedy, code continuation", rows)
-        result["code_single_stream"] = rows
-        # 2. single stream, repetitive rewrite task: plain vs n-gram
-        plain_rw = await measure(engine, rewrite, None, args.max_tokens, args.runs, 1)
-        rows = [row("plain", plain_rw, plain_rw["tok_s"], None, None, costs["v"])]
-        for k in ks:
-            m = await measure(engine, rewrite, SpeculationConfig(Method.NGRAM, k), args.max_tokens, args.runs, 1)
-            rows.append(row(f"ngram k={k}", m, plain_rw["tok_s"], k, 0.0, costs["v"]))
-        print_rows("single stream, greedy, rewrite task", rows)
-        result["rewrite_single_stream"] = rows
-        # 3. concurrency 1, 4, 8: spec on vs off; c and v measured at that batch size
+        if not args.only_concurrency:
+            await single_streams(engine, code, rewrite, ks, costs, c_draft, args, result)
+        # 3. concurrency 1, 4, 8: spec on vs off, and the goodput default; c and v measured at that batch size
         prompts = (code + rewrite) * 2
         rows = []
         result["costs_by_batch"] = {}
@@ -287,11 +273,37 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                   args.runs, conc)
                 rows.append(row(f"c={conc} {method} k={k}", m, base["tok_s"], k,
                                 bc["c"] if method == "draft" else 0.0, bc["v"]))
+            engine.set_policy(PolicySettings(), "goodput-default")  # a SpecPolicy with the manifest's defaults
+            m = await measure(engine, prompts[:max(conc, 8)], SpeculationConfig(Method.DRAFT, args.conc_k),
+                              args.max_tokens, args.runs, conc)
+            engine.set_policy(None, None)
+            rows.append(row(f"c={conc} draft goodput", m, base["tok_s"], None, bc["c"], bc["v"]))
         print_rows("concurrency sweep (speedup vs spec-off at the same concurrency)", rows)
         result["concurrency"] = rows
     finally:
         await engine.shutdown(1)
     return result
+
+
+async def single_streams(engine: Engine, code: list[list[int]], rewrite: list[list[int]], ks: list[int],
+                         costs: dict, c_draft: float, args: argparse.Namespace, result: dict) -> None:
+    """Sections 1 and 2: one stream, every k."""
+    # 1. single stream, code continuation: plain vs n-gram vs draft, k = 1..max_k
+    plain = await measure(engine, code, None, args.max_tokens, args.runs, 1)
+    rows = [row("plain", plain, plain["tok_s"], None, None, costs["v"])]
+    for method, k in itertools.product((Method.NGRAM, Method.DRAFT), ks):
+        m = await measure(engine, code, SpeculationConfig(method, k), args.max_tokens, args.runs, 1)
+        rows.append(row(f"{method} k={k}", m, plain["tok_s"], k, c_draft if method == "draft" else 0.0, costs["v"]))
+    print_rows("single stream, greedy, code continuation", rows)
+    result["code_single_stream"] = rows
+    # 2. single stream, repetitive rewrite task: plain vs n-gram
+    plain_rw = await measure(engine, rewrite, None, args.max_tokens, args.runs, 1)
+    rows = [row("plain", plain_rw, plain_rw["tok_s"], None, None, costs["v"])]
+    for k in ks:
+        m = await measure(engine, rewrite, SpeculationConfig(Method.NGRAM, k), args.max_tokens, args.runs, 1)
+        rows.append(row(f"ngram k={k}", m, plain_rw["tok_s"], k, 0.0, costs["v"]))
+    print_rows("single stream, greedy, rewrite task", rows)
+    result["rewrite_single_stream"] = rows
 
 
 def main() -> int:
@@ -303,6 +315,7 @@ def main() -> int:
     parser.add_argument("--max-k", type=int, default=6)
     parser.add_argument("--conc-k", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--only-concurrency", action="store_true", help="skip the single-stream k sweeps")
     parser.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     args = parser.parse_args()
     forge_json = Path(args.pair) / "forge.json"

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import base
-from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 STEP = 64  # columns a row's buffer grows by: a short row wastes little, a long one regrows rarely
 
@@ -125,13 +125,17 @@ class RowKV:
         Returns no columns: a model that reads what it fetched itself (layers that
         share another layer's keys, a sparse-attention indexer, a direct call of
         MLX's kernel) gets nothing to attend to, fails the load probe and runs row by row."""
-        width = keys.shape[2]
+        width, rows = keys.shape[2], len(self.held)
         self._written = []
-        for b in range(len(self.held)):
+        row_keys = mx.split(keys, rows) if rows > 1 else [keys]
+        row_values = mx.split(values, rows) if rows > 1 else [values]
+        for b, (k, v) in enumerate(zip(row_keys, row_values)):
             skip = min(self.pending[b], width)
             self.pending[b] -= skip
             if skip < width:
-                self._append(b, self._stored(keys[b:b + 1, :, skip:, :]), self._stored(values[b:b + 1, :, skip:, :]))
+                if skip:
+                    k, v = k[:, :, skip:, :], v[:, :, skip:, :]
+                self._append(b, self._stored(k), self._stored(v))
             self._written.append((skip, width - skip))
         self._offset = None
         return keys[..., :0, :], values[..., :0, :]
@@ -157,13 +161,14 @@ class RowKV:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
         self.attends += 1
         out: list[mx.array | None] = []
-        for b, (skip, n) in enumerate(self._written):
+        row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
+        for b, ((skip, n), q) in enumerate(zip(self._written, row_queries)):
             if not n:  # a prompt that starts in a later chunk: its padding's output is never read
                 out.append(None)
                 continue
-            held = self.held[b]
-            row = self._sdpa(queries[b:b + 1, :, skip:, :], side_slice(self.keys[b], 0, held),
-                             side_slice(self.values[b], 0, held), scale, self._mask(b, n, held), sinks)
+            # the whole buffer, its columns past the row's end masked: no slice of it per layer
+            row = self._sdpa(q[:, :, skip:, :] if skip else q, self.keys[b], self.values[b], scale,
+                             self._mask(b, n, self.held[b], side_columns(self.keys[b])), sinks)
             out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
         if len(out) == 1:
             return out[0]
@@ -194,20 +199,21 @@ class RowKV:
                 scale=scale, mask=mx.concatenate([context, ancestry[b]], axis=1)))
         return mx.concatenate(out)
 
-    def _mask(self, b: int, n: int, held: int) -> mx.array | str | None:
-        """What row b's ``n`` new tokens (its last ``held`` columns' tail) may see."""
+    def _mask(self, b: int, n: int, held: int, capacity: int) -> mx.array:
+        """What row b's ``n`` new tokens (the last of its ``held`` columns) may
+        see of its buffer's ``capacity`` columns."""
         if self.tree is None:
-            if self.window is None or held <= self.window:
-                return None if n == 1 else "causal"
-            return create_causal_mask(n, held - n, window_size=self.window)
+            return _causal_mask(n, held, capacity, self.window)
         tree = self.tree[b]
-        if self.window is None:
-            return mx.concatenate([mx.ones((n, held - n), dtype=mx.bool_), tree], axis=1)
-        depth = tree.sum(axis=-1) - 1  # a node's position is its depth past the context
         older = held - n
-        old = (depth[:, None] + older - mx.arange(older)[None, :]) < self.window
-        new = tree & ((depth[:, None] - depth[None, :]) < self.window)
-        return mx.concatenate([old, new], axis=1)
+        if self.window is None:
+            old = mx.ones((n, older), dtype=mx.bool_)
+            new = tree
+        else:
+            depth = tree.sum(axis=-1) - 1  # a node's position is its depth past the context
+            old = (depth[:, None] + older - mx.arange(older)[None, :]) < self.window
+            new = tree & ((depth[:, None] - depth[None, :]) < self.window)
+        return mx.concatenate([old, new, mx.zeros((n, capacity - held), dtype=mx.bool_)], axis=1)
 
     def trim(self, n: int) -> None:
         """Drop every row's last ``n`` columns."""
@@ -282,6 +288,25 @@ class RowKV:
     def nbytes(self) -> int:
         """Bytes the rows' buffers take (their capacity, not only the columns held)."""
         return sum(a.nbytes for a in self.arrays)
+
+
+_CAUSAL_MASKS: dict[tuple, mx.array] = {}  # evaluated: every layer and row of every engine thread shares them
+
+
+def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.array:
+    """(n, capacity): the last ``n`` of ``held`` columns see themselves and what is
+    before them (within ``window``), and nothing past ``held``."""
+    key = (n, held, capacity, window)
+    mask = _CAUSAL_MASKS.get(key)
+    if mask is None:
+        if len(_CAUSAL_MASKS) > 8192:
+            _CAUSAL_MASKS.clear()
+        columns = mx.arange(capacity)[None, :]
+        rows = mx.arange(held - n, held)[:, None]
+        mask = (columns <= rows) if window is None else (columns <= rows) & (columns > rows - window)
+        mx.eval(mask)
+        _CAUSAL_MASKS[key] = mask
+    return mask
 
 
 def _regrown(kept: Side | None, like: Side, need: int) -> Side:
