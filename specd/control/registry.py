@@ -14,10 +14,9 @@ from enum import Enum
 from typing import Callable
 
 import structlog
-from mlx.utils import tree_flatten
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
-from ..core.loader import context_window, load_embedding_model, load_model
+from ..core.loader import context_window, load_embedding_model, load_model, weight_bytes
 from ..engine.embedder import Embedder, EmbedderConfig
 from ..engine.engine import Engine, load_drafter
 from ..engine.interface import ServingEngine
@@ -125,7 +124,7 @@ def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing 
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
                           prefix_cache_bytes=spec.prefix_cache_max_bytes, kv_cache_bytes=spec.kv_cache_max_bytes,
                           kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size)
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weights = weight_bytes(model)
     if pairing is None:
         return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights)
     try:
@@ -143,7 +142,7 @@ def build_embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Calla
     config = EmbedderConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
                             max_context=min(spec.max_context or window, window),
                             chunk_tokens=spec.prefill_step_tokens)
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    weights = weight_bytes(model)
     return Built(Embedder(name, model, tokenizer, pooling, config, metrics, on_fault), weights)
 
 

@@ -50,6 +50,11 @@ def text_config(model: nn.Module) -> dict:
     return values
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (quantized weights as stored)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 def vocab_size(model: nn.Module) -> int:
     """The number of logits the model produces (its configuration's, else
     the shape of an unevaluated forward: shapes are known without running it)."""

@@ -29,10 +29,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import structlog
-from mlx.utils import tree_flatten
 from prometheus_client import generate_latest
 
-from ..core.loader import load_model, materialize, resolve_source
+from ..core.loader import load_model, materialize, resolve_source, weight_bytes
 from ..core.sequence import Sequence
 from ..engine.engine import Engine
 from ..engine.scheduler import EngineConfig, StepInputs
@@ -191,7 +190,7 @@ def run(plan: GroupPlan) -> int:
                    if plan.speculation else NO_SPECULATION)
     engine = Engine(plan.model, model, tokenizer, EngineConfig(**plan.engine), Metrics(), speculation, draft)
     stepper = GroupRank(engine, group)
-    local = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    local = weight_bytes(model)
     total = int(mx.distributed.all_sum(mx.array([local], dtype=mx.int64), group=group).item())
     log.info("rank ready", seconds=round(time.monotonic() - started, 2), shard_bytes=local)
     if rank != 0:
