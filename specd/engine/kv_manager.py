@@ -30,13 +30,13 @@ UNBOUNDED = 1 << 62  # tokens: a model that keeps no per-token state
 
 @dataclass
 class KVManager:
-    """The budget and the model of one row's memory: ``token_bytes`` per token
-    (target and drafter, every attention layer) plus ``state_bytes`` per row
-    (recurrent layers)."""
+    """The budget and the model of one row's memory: the target's and the
+    drafter's (bytes per token in every attention layer, bytes of recurrent
+    state), ``core.cache.kv_bytes``."""
 
     max_bytes: int
-    token_bytes: int
-    state_bytes: int = 0
+    target: tuple[int, int]
+    drafter: tuple[int, int] = (0, 0)
     preemptions: int = 0
     held_bytes: int = 0  # what the rows really held at the last step (engine thread writes, anyone reads)
     peak_bytes: int = 0  # the most they held at the end of a step
@@ -45,6 +45,14 @@ class KVManager:
         """What the rows hold now (measured from their buffers)."""
         self.held_bytes = nbytes
         self.peak_bytes = max(self.peak_bytes, nbytes)
+
+    @property
+    def token_bytes(self) -> int:
+        return self.target[0] + self.drafter[0]
+
+    @property
+    def state_bytes(self) -> int:
+        return self.target[1] + self.drafter[1]
 
     def row_bytes(self, tokens: int) -> int:
         """What a row of ``tokens`` tokens may hold by the end of a round."""
@@ -69,13 +77,11 @@ class KVManager:
                 "reserved": False, "preemptions": self.preemptions}
 
 
-def default_max_bytes(host_memory: int, weights: int, token_bytes: int, state_bytes: int, max_rows: int,
-                      max_context: int) -> int:
+def default_max_bytes(host_memory: int, weights: int, rows: KVManager, max_rows: int, max_context: int) -> int:
     """The KV budget of a Model that names none: what ``max_rows`` rows of
     ``max_context`` tokens would need, capped by half of the host's memory left
     after the weights (a 16 GB Mac keeps room for the OS and other Models; a
     512 GB one gives a large Model its whole batch), and never less than one row
-    of ``STEP`` tokens."""
-    row = KVManager(0, token_bytes, state_bytes)
-    need = max_rows * row.row_bytes(max_context)
-    return max(row.row_bytes(STEP), min(need, max(0, host_memory - weights) // 2))
+    of ``STEP`` tokens; a row as ``rows`` models it."""
+    need = max_rows * rows.row_bytes(max_context)
+    return max(rows.row_bytes(STEP), min(need, max(0, host_memory - weights) // 2))

@@ -21,12 +21,11 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from ..core.batch import RunningBatch
 from ..core.cache import RowCache, kv_bytes, make_row_cache, model_prefixes, padding_leaks
 from ..core.kv import KVQuantization
-from ..core.loader import context_window, vocab_size
+from ..core.loader import context_window, vocab_size, weight_bytes
 from ..core.memory import host_memory_bytes
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
 from ..core.grammar import Constraint, grammar_tokenizer
@@ -104,16 +103,11 @@ class Scheduler:
                                      speculation, drafter)
         self.runner = ModelRunner(model, self.speculator)
         self.native_context = self.max_context
-        token_bytes, state_bytes = kv_bytes(model, self.kv_quantization)
-        drafter_token, drafter_state = self.speculator.drafter_row_bytes()
-        weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        kv_budget = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_bytes(
-            config.host_memory or host_memory_bytes(), weights, token_bytes + drafter_token,
-            state_bytes + drafter_state, config.max_batch_size, self.native_context)
-        self.target_row_bytes = (token_bytes, state_bytes)
-        self.kv = KVManager(kv_budget, token_bytes + drafter_token, state_bytes + drafter_state)
-        self.max_context = self.speculator.max_context = min(self.native_context, self.kv.max_tokens)
-        metrics.kv_cache_max_bytes.labels(name).set(kv_budget)
+        self.kv = KVManager(0, kv_bytes(model, self.kv_quantization), self.speculator.drafter_row_bytes())
+        self.kv.max_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_bytes(
+            config.host_memory or host_memory_bytes(), weight_bytes(model), self.kv, config.max_batch_size, self.native_context)
+        self._fit_context()
+        metrics.kv_cache_max_bytes.labels(name).set(self.kv.max_bytes)
         self._detokenizer = tokenizer.detokenizer
         self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
@@ -131,9 +125,11 @@ class Scheduler:
     def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
         """Attach, change or detach the pairing; the drafter's rows count against the KV budget."""
         self.speculator.configure(default, drafter)
-        drafter_token, drafter_state = self.speculator.drafter_row_bytes()
-        self.kv.token_bytes = self.target_row_bytes[0] + drafter_token
-        self.kv.state_bytes = self.target_row_bytes[1] + drafter_state
+        self.kv.drafter = self.speculator.drafter_row_bytes()
+        self._fit_context()
+
+    def _fit_context(self) -> None:
+        """The context is what the model's window and the KV budget both hold."""
         self.max_context = self.speculator.max_context = min(self.native_context, self.kv.max_tokens)
 
     @property
@@ -167,6 +163,7 @@ class Scheduler:
             self.runner.decode(self.batch, self._emit)
             self._leave(self._keep(lambda s: s.finish_reason is None))
         self._update_gauges()
+        self._measure_kv()
 
     def fail_all(self, message: str, also: list[Sequence] | None = None) -> None:
         """End every request (and ``also``, arrivals not yet stepped) with ``message``."""
@@ -180,6 +177,7 @@ class Scheduler:
             seq.emit(StepOutput(text="", tokens=[], logprobs=None, error=message,
                                 prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens)))
         self._update_gauges()
+        self._measure_kv()
 
     def _leave(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -220,10 +218,13 @@ class Scheduler:
         self.metrics.kv_preemptions.labels(self.name).inc()
         self.waiting.appendleft(seq)
 
-    def _update_gauges(self) -> None:
+    def _measure_kv(self) -> None:
+        """What the rows' caches hold at the end of a step (a walk over every row's buffers: once a step)."""
         held = (self.batch.cache.nbytes if self.batch.cache is not None else 0) + self.speculator.drafter_cache_bytes()
         self.kv.held(held + (self.prefill.cache.nbytes if self.prefill else 0))
         self.metrics.kv_cache_bytes.labels(self.name).set(self.kv.held_bytes)
+
+    def _update_gauges(self) -> None:
         self.metrics.prefix_cache_bytes.labels(self.name).set(self.prefix_store.bytes)
         self.metrics.requests_waiting.labels(self.name).set(len(self.waiting))
         self.metrics.requests_running.labels(self.name).set(
