@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     """Run the daemon until SIGTERM or SIGINT has drained it."""
     from aiohttp import web
 
+    from .control.node import Node
     from .control.reconciler import Reconciler
     from .control.registry import ModelRegistry
     from .control.store import Store
@@ -72,7 +73,9 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     if args.manifests is not None:
         manifests = ManifestDirectory(args.manifests, store)
         manifests.sync_all()
-    reconciler = Reconciler(store, ModelRegistry(Metrics()), drain_grace=args.drain_grace)
+    node = Node(memory_limit=args.memory_limit, memory_reserve=args.memory_reserve)
+    reconciler = Reconciler(store, ModelRegistry(Metrics(), load_timeout=args.load_timeout),
+                            drain_grace=args.drain_grace, node=node)
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
     app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
@@ -130,6 +133,15 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.run(args)
 
 
+def _byte_size_arg(text: str) -> int:
+    from .api.manifest import byte_size
+
+    try:
+        return byte_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     parser.add_argument("--log-level", default="info")
@@ -140,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--host", default="127.0.0.1")
     daemon.add_argument("--port", type=int, default=8000)
     daemon.add_argument("--manifests", type=Path, default=None, help="directory of YAML manifests")
+    daemon.add_argument("--memory-limit", type=_byte_size_arg, default=None, metavar="BYTES",
+                        help="the most memory this node's Models may request (e.g. 12Gi): lower than the host "
+                             "has, to share the machine or act as a smaller Mac")
+    daemon.add_argument("--memory-reserve", type=_byte_size_arg, default=None, metavar="BYTES",
+                        help="memory kept for the system, not given to Models (default: 10%% of the host's, "
+                             "at least 2Gi)")
+    daemon.add_argument("--load-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long a request waits for its Model to load before a 503 with Retry-After")
     daemon.add_argument("--drain-grace", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
     daemon.add_argument("--admin-token-file", type=Path, default=None,

@@ -22,6 +22,7 @@ KIND_NAMES = {
     "DraftPairing": ("draftpairing", "draftpairings", "dp"),
     "SpecPolicy": ("specpolicy", "specpolicies", "sp"),
     "Topology": ("topology", "topologies", "topo"),
+    "Node": ("node", "nodes", "no"),
 }
 PLURAL = {kind: names[1] for kind, names in KIND_NAMES.items()}
 PREFIX = "/apis/specd.dev/v1alpha1"
@@ -110,6 +111,8 @@ def cmd_apply(client: Client, args) -> int:
     dry = args.dry_run == "server"
     result = client.request("POST", f"{PREFIX}/apply" + ("?dryRun=All" if dry else ""), {"items": docs})
     suffix = " (server dry run)" if dry else ""
+    for warning in result.get("warnings", []):
+        print(f"Warning: {warning}", file=sys.stderr)
     for item in result["items"]:
         print(f"{item['kind'].lower()}.specd.dev/{item['name']} {item['action']}{suffix}")
         owner = item["object"]["metadata"].get("annotations", {}).get(SOURCE_ANNOTATION)
@@ -182,6 +185,11 @@ def _columns(kind: str, obj: dict[str, Any], wide: bool) -> list[str]:
         row += [",".join(status.get("selectedModels", [])), str(spec.get("maxSpeculativeTokens", ""))]
         if wide:
             row += [str(spec.get("enabled", True)), str(spec.get("disableByBatchSize", ""))]
+    elif kind == "Node":
+        row += [_gib(status.get("allocatable")), _gib(status.get("requested")), _gib(status.get("inUse")),
+                ",".join(m["name"] for m in status.get("models", [])) or "<none>"]
+        if wide:
+            row += [_gib(status.get("capacity")), status.get("chip", "")]
     elif kind == "Topology":
         row += [spec.get("backend", ""), str(spec.get("tensorParallelSize", len(spec.get("hosts", []))))]
         if wide:
@@ -195,7 +203,12 @@ HEADERS = {
     "DraftPairing": (["NAME", "READY", "REASON", "TARGET", "METHOD", "K"], ["ACCEPTANCE", "SOURCE"]),
     "SpecPolicy": (["NAME", "READY", "REASON", "MODELS", "MAX-K"], ["ENABLED", "DISABLE-AT-BATCH"]),
     "Topology": (["NAME", "READY", "REASON", "BACKEND", "TP"], ["ADDRESSES"]),
+    "Node": (["NAME", "READY", "REASON", "ALLOCATABLE", "REQUESTED", "IN-USE", "MODELS"], ["CAPACITY", "CHIP"]),
 }
+
+
+def _gib(n: int | None) -> str:
+    return "" if n is None else f"{n / 2**30:.2f}Gi"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -255,6 +268,14 @@ def cmd_describe(client: Client, args) -> int:
     return 0
 
 
+def cmd_rollout(client: Client, args) -> int:
+    if resolve_kind(args.kind) != "Model":
+        raise CommandError("rollout restart applies to models")
+    client.request("POST", f"{PREFIX}/models/{args.name}/restart")
+    print(f"model.specd.dev/{args.name} restarted")
+    return 0
+
+
 def cmd_delete(client: Client, args) -> int:
     if args.filename:
         targets = [(d["kind"], d["metadata"]["name"]) for d in read_documents(args.filename)]
@@ -309,6 +330,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--filename", action="append")
     p.add_argument("--ignore-not-found", action="store_true")
     p.set_defaults(command_func=cmd_delete)
+    common(p)
+    p = sub.add_parser("rollout", help="rollout restart model NAME: load a Model again now (skips a backoff)")
+    p.add_argument("action", choices=["restart"])
+    p.add_argument("kind")
+    p.add_argument("name")
+    p.set_defaults(command_func=cmd_rollout)
     common(p)
 
 

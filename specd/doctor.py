@@ -311,10 +311,46 @@ def check_memory(resources: list | None, state_dir: Path | None) -> Check:
         return Check("memory", "warn", message + ": more than is available now",
                      "free memory, or serve fewer models (if specd already runs them, their "
                      "weights are counted as in use)", details)
+    from .control.node import Node
+
+    requests = declared_requests(resources)
+    details["requests"] = requests
+    allocatable = details["node_allocatable_bytes"] = Node().allocatable
+    pinned = sum(r["bytes"] for r in requests if r["minReplicas"])
+    message += f"; with their KV and prefix budgets, the Models loaded at all times request {_size(pinned)} " \
+               f"of the node's {_size(allocatable)} allocatable"
+    never = [r for r in requests if r["bytes"] > allocatable]
+    if never or pinned > allocatable:
+        return Check("memory", "warn", message + (": some can never fit" if never else ": not all fit at once"),
+                     "the ones that do not fit stay Unschedulable: lower kvCache.maxBytes or prefixCache.maxBytes, "
+                     "or give some scaling.minReplicas: 0 to load them on demand"
+                     + (f" ({', '.join(r['name'] for r in never)} can never fit)" if never else ""), details)
     if unknown:
         names = ", ".join(f"{w['kind']} {w['name']} ({w['source']}: {w['where']})" for w in unknown)
-        return Check("memory", "warn", message, f"cannot size {names}; KV caches come on top", details)
-    return Check("memory", "ok", message + " (KV caches come on top)", details=details)
+        return Check("memory", "warn", message, f"cannot size {names}", details)
+    return Check("memory", "ok", message, details=details)
+
+
+def declared_requests(resources: list) -> list[dict[str, Any]]:
+    """The memory each declared Model would request of this node (``control.resources``), where
+    its checkpoint is on this machine already; Models served by a Topology are placed elsewhere."""
+    from .control.node import Node
+    from .control.resources import memory_request
+
+    pairings = {r.spec.target_ref: r.spec for r in resources if r.kind == "DraftPairing"}
+    allocatable, out = Node().allocatable, []
+    for r in resources:
+        if r.kind != "Model" or r.spec.topology_ref is not None:
+            continue
+        pairing = pairings.get(r.name)
+        drafter = pairing.source if pairing is not None and pairing.method != "ngram" else None
+        try:
+            request = memory_request(r.spec, drafter, allocatable, local_only=True)
+        except Exception:  # not downloaded yet: sized when it loads
+            continue
+        out.append({"name": r.name, "bytes": request.total, "minReplicas": r.spec.min_replicas,
+                    **request.as_dict()})
+    return out
 
 
 def check_manifests(manifests: Path | None) -> tuple[Check, list | None]:

@@ -37,6 +37,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r, m = self.registry, ["model_name"]
+        self.node = "localhost"  # named by node_info
         self.requests_running = Gauge(
             "specd_num_requests_running", "Requests in the running batch.", m, registry=r)
         self.requests_waiting = Gauge(
@@ -134,6 +135,18 @@ class Metrics:
         self.model_weight_bytes = Gauge(
             "specd_model_weight_bytes", "Bytes of the serving target model's weights (a draft's not included).",
             m, registry=r)
+        self.models_loaded = Gauge("specd_models_loaded", "Models with a loaded engine on this node.", registry=r)
+        self.model_load_seconds = Histogram(
+            "specd_model_load_seconds", "Seconds from placing a Model to serving it (weights, drafter, warm-up).",
+            m, buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r)
+        self.model_unloads = Counter(
+            "specd_model_unloads_total", "Engines unloaded, by reason: idle, evicted (to make room), replaced.",
+            m + ["reason"], registry=r)
+        self.model_memory_request = Gauge(
+            "specd_model_memory_request_bytes", "What a loaded Model requests of the node's memory.", m, registry=r)
+        self.node_memory_bytes = Gauge(
+            "specd_node_memory_bytes", "The node's memory: capacity, allocatable, requested (by loaded and loading "
+            "Models), in use (their weights, KV and prefix caches).", ["node", "kind"], registry=r)
         for name, (read, doc) in MLX_MEMORY.items():
             Gauge(name, doc, registry=r).set_function(read)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
@@ -148,10 +161,20 @@ class Metrics:
         self.engine_faults.labels(name)
         self.kv_preemptions.labels(name)
 
+    def node_info(self, node: str, capacity: int, allocatable: int) -> None:
+        self.node = node
+        self.node_memory_bytes.labels(node, "capacity").set(capacity)
+        self.node_memory_bytes.labels(node, "allocatable").set(allocatable)
+
+    def node_memory(self, requested: int, in_use: int, loaded: int) -> None:
+        self.node_memory_bytes.labels(self.node, "requested").set(requested)
+        self.node_memory_bytes.labels(self.node, "in_use").set(in_use)
+        self.models_loaded.set(loaded)
+
     def forget_model(self, name: str) -> None:
         """A deleted model leaves no readiness or weight series behind (its
         counters and histograms stay, as Prometheus expects of counters)."""
-        for gauge in (self.model_ready, self.model_weight_bytes, self.prefix_cache_bytes,
+        for gauge in (self.model_ready, self.model_weight_bytes, self.model_memory_request, self.prefix_cache_bytes,
                       self.prefix_cache_max_bytes, self.kv_cache_bytes, self.kv_cache_max_bytes):
             with suppress(KeyError):  # older prometheus_client versions raise for unknown labels
                 gauge.remove(name)

@@ -169,6 +169,17 @@ BAD = {
                      "spec: {source: /x, task: [embed]}\n", "spec.task"),
     "embedding across hosts": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
                                "spec: {source: /x, task: embed, topologyRef: t}\n", "spec.topologyRef"),
+    "negative idle seconds": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                              "spec: {source: /x, scaling: {minReplicas: 0, idleSeconds: -5}}\n",
+                              "spec.scaling.idleSeconds"),
+    "non-numeric idle seconds": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                                 "spec: {source: /x, scaling: {idleSeconds: soon}}\n", "spec.scaling.idleSeconds"),
+    "unknown priority class": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                               "spec: {source: /x, scaling: {priority: urgent}}\n", "spec.scaling.priority"),
+    "two replicas on one node": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                                 "spec: {source: /x, scaling: {minReplicas: 2}}\n", "spec.scaling.minReplicas"),
+    "no memory": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                  "spec: {source: /x, resources: {memory: 0}}\n", "spec.resources.memory"),
     "bad name": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: Not OK}\nspec: {source: /x}\n",
                  "metadata.name"),
     "duplicate names": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\nspec: {source: /x}\n---\n"

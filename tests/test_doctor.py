@@ -76,6 +76,9 @@ def test_healthy_host_with_openblas(tmp_path, manifests, forged):
     assert memory["status"] == "ok", memory
     weights = sum(p.stat().st_size for m in ("target", "draft") for p in (forged / m).glob("*.safetensors"))
     assert memory["details"]["needed_bytes"] == weights > 0
+    (request,) = memory["details"]["requests"]  # weights, budgets and overhead, as the daemon places it
+    assert request["name"] == "tiny" and request["drafter"] > 0 and request["bytes"] > weights
+    assert "request" in memory["message"] and "allocatable" in memory["message"]
     assert checks["state-dir"]["status"] == "ok" and "will create it" in checks["state-dir"]["message"]
     assert not (tmp_path / "state").exists(), "doctor must not create the state dir"
     assert checks["rdma"]["status"] == "skip" and "not applicable" in checks["rdma"]["message"]
@@ -175,3 +178,14 @@ def test_invalid_manifest_fails(tmp_path):
     assert checks["manifests"]["status"] == "fail"
     assert "spec.maxBatchSize" in checks["manifests"]["message"]
     assert checks["memory"]["status"] == "skip"
+
+
+def test_a_model_whose_request_never_fits_the_node_is_warned_about(tmp_path, forged):
+    linux_with_openblas()
+    directory = tmp_path / "manifests"
+    directory.mkdir()
+    (directory / "m.yaml").write_text(model_manifest("vast", forged / "target", prefixCache="{maxBytes: 10Ti}"))
+    code, checks = doctor("--manifests", str(directory), "--state-dir", str(tmp_path / "state"), preload=True)
+    memory = checks["memory"]
+    assert memory["status"] == "warn" and "can never fit" in memory["message"], memory
+    assert "vast" in memory["hint"] and "Unschedulable" in memory["hint"]

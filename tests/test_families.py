@@ -231,7 +231,9 @@ def test_one_daemon_serves_every_family_and_a_faulting_model_fails_alone(family_
     from openai import APIError, OpenAI
 
     names = {family: family.replace("_", "-") for family in sorted(FAMILIES)}
-    manifests = "---\n".join(model_manifest(name, family_models(family)) for family, name in names.items())
+    # budgets named: by default each would request what 16 rows of its whole window need (tens of them do not fit)
+    manifests = "---\n".join(model_manifest(name, family_models(family), kvCache="{maxBytes: 64Mi}",
+                                            prefixCache="{maxBytes: 16Mi}") for family, name in names.items())
     with in_process_daemon(tmp_path, manifests) as (url, reconciler):
         client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         models = reconciler.registry.models

@@ -49,6 +49,18 @@ class ModelSpec:
     kv_cache_bits: int | None = None  # keys and values stored quantized (4 or 8 bits), or in the model's dtype
     kv_cache_group_size: int = 64
     task: str = "generate"  # one of TASKS: what the Model serves
+    memory: int | None = None  # resources.memory: what the Model requests of the node (None: computed)
+    min_replicas: int = 1  # scaling.minReplicas: 0 loads on demand and unloads when idle
+    idle_seconds: float = 900.0  # scaling.idleSeconds: unused this long, a Model at minReplicas 0 unloads
+    priority: str = "normal"  # scaling.priority: one of PRIORITIES; the lowest is evicted first
+
+    @property
+    def priority_value(self) -> int:
+        return PRIORITIES[self.priority]
+
+
+# priority classes, as Kubernetes' PriorityClass names a value: an idle Model of a lower class makes room first
+PRIORITIES = {"low": -100, "normal": 0, "high": 100}
 
 
 @dataclass(frozen=True)
@@ -115,7 +127,7 @@ def _optional_str(obj: dict, key: str, path: str) -> str | None:
 
 def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     keys = {"source", "revision", "topologyRef", "maxBatchSize", "maxWaiting", "maxContext",
-            "prefillStepTokens", "prefixCache", "kvCache", "task"}
+            "prefillStepTokens", "prefixCache", "kvCache", "task", "resources", "scaling"}
     _fields(spec, path, keys, {"source"})
     task = spec.get("task", "generate")
     if not isinstance(task, str) or task not in TASKS:
@@ -131,6 +143,20 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     if _byte_size(kv_cache, "maxBytes", f"{path}.kvCache") == 0:
         raise ManifestError("must be positive: a Model needs KV memory for at least one row",
                             f"{path}.kvCache.maxBytes")
+    resources = _fields(spec.get("resources", {}), f"{path}.resources", {"memory"})
+    memory = _byte_size(resources, "memory", f"{path}.resources")
+    if memory == 0:
+        raise ManifestError("must be positive: a Model's weights take memory", f"{path}.resources.memory")
+    scaling = _fields(spec.get("scaling", {}), f"{path}.scaling", {"minReplicas", "idleSeconds", "priority"})
+    min_replicas = _choice(scaling, "minReplicas", f"{path}.scaling", (0, 1), 1)
+    idle_seconds = _number(scaling, "idleSeconds", f"{path}.scaling", 1.0, 365 * 86400.0, ModelSpec.idle_seconds)
+    priority = scaling.get("priority", "normal")
+    if not isinstance(priority, str) or priority not in PRIORITIES:
+        raise ManifestError(f"unknown priority class {shown(priority)} (known: {', '.join(PRIORITIES)})",
+                            f"{path}.scaling.priority")
+    if "topologyRef" in spec and min_replicas == 0:
+        raise ManifestError("a tensor-parallel group stays loaded: minReplicas 0 is for Models on this node",
+                            f"{path}.scaling.minReplicas")
     source = _optional_str(spec, "source", path)
     defaults = ModelSpec(source=source)
     return ModelSpec(
@@ -146,6 +172,10 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         kv_cache_bits=kv_bits,
         kv_cache_group_size=kv_group_size,
         task=task,
+        memory=memory,
+        min_replicas=min_replicas,
+        idle_seconds=idle_seconds,
+        priority=priority,
     )
 
 
@@ -178,9 +208,17 @@ def _byte_size(obj: dict, key: str, path: str) -> int | None:
             raise ManifestError(f"must not be negative, got {shown(value)}", f"{path}.{key}")
         return value
     _check_type(value, str, f"{path}.{key}")
-    found = BYTE_SIZE_RE.match(value.strip())
+    try:
+        return byte_size(value)
+    except ValueError as err:
+        raise ManifestError(str(err), f"{path}.{key}") from None
+
+
+def byte_size(text: str) -> int:
+    """Bytes from a Kubernetes quantity such as "8Gi" or "500M" (or a plain integer)."""
+    found = BYTE_SIZE_RE.match(text.strip())
     if found is None:
-        raise ManifestError(f'expected a byte size such as 8Gi or 500M, got {shown(value)}', f"{path}.{key}")
+        raise ValueError(f'expected a byte size such as 8Gi or 500M, got {shown(text)}')
     return int(float(found.group(1)) * BYTE_UNITS[found.group(2) or ""])
 
 

@@ -28,6 +28,8 @@ from .registry import (
     build_engine,
     build_group,
 )
+from .node import Holding, Node
+from .resources import MemoryRequest, memory_request
 from .store import Store, StoredObject, now_iso
 
 log = structlog.get_logger(__name__)
@@ -37,6 +39,28 @@ RESYNC_SECONDS = 5.0
 def _backoff(restarts: int) -> float:
     """Seconds before restarting a group that failed ``restarts`` times in a row: 1, 2, 4 .. 30."""
     return min(30.0, 2.0 ** (restarts - 1))
+
+
+def _load_backoff(failures: int) -> float:
+    """Seconds before loading again a Model whose load failed ``failures`` times in a row
+    for a reason that can pass: 10, 20, 40 .. 300 (Kubernetes' image pull backoff)."""
+    return min(300.0, 10.0 * 2.0 ** (failures - 1))
+
+
+def _request_key(spec: ModelSpec, pairing: Pairing | None, allocatable: int) -> tuple:
+    """What a memory request is computed from: the spec, the drafter it loads, the node's size."""
+    drafter = pairing.spec.source if pairing is not None and pairing.method != Method.NGRAM else None
+    return spec, drafter, allocatable
+
+
+def can_pass(exc: BaseException) -> bool:
+    """Whether a load failure may not happen again: the network or the hub (offline,
+    unreachable, rate limited), a file that may yet appear, memory that ran out.
+    A bad configuration or an unsupported family stays failed until the spec changes."""
+    if isinstance(exc, (OSError, MemoryError, TimeoutError)):  # requests' and the hub's errors are OSErrors
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "malloc" in text
 
 
 def condition(type_: str, ok: bool, reason: str, message: str, generation: int,
@@ -50,15 +74,20 @@ def condition(type_: str, ok: bool, reason: str, message: str, generation: int,
 
 
 class Reconciler:
-    def __init__(self, store: Store, registry: ModelRegistry, drain_grace: float = 30.0):
+    def __init__(self, store: Store, registry: ModelRegistry, drain_grace: float = 30.0, node: Node | None = None):
         self.store = store
         self.registry = registry
         self.metrics = registry.metrics
         self.drain_grace = drain_grace
+        self.node = node or Node()
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._drains: dict[str, asyncio.Task] = {}  # unloads in progress, by Model
         store.watch(lambda kind, name: self.trigger())
+        registry.on_demand = self.trigger
+        self.metrics.node_info(self.node.name, self.node.capacity, self.node.allocatable)
 
     def trigger(self) -> None:
         """Ask for a pass (callable from any thread)."""
@@ -111,6 +140,121 @@ class Reconciler:
                     self._reconcile_pairing(served, pairing)
                 self._reconcile_policy(served, obj, policy_specs)
         self._write_status(models, pairings, policies, policy_specs, topologies, by_target)
+        holdings = self.holdings()
+        self.metrics.node_memory(self.node.requested(holdings), sum(self.in_use().values()),
+                                 sum(1 for m in self.registry.models.values() if m.engine is not None))
+        for served in self.registry.models.values():
+            served.notify()
+        self._wake_for_idle()
+
+    def restart(self, name: str) -> None:
+        """``specd rollout restart``: load the Model again now (a failed one skips its backoff,
+        a serving one is replaced by a fresh engine once that is ready)."""
+        served = self.registry.models[name]
+        served.restart, served.failures, served.retry_at = True, 0, None
+        if served.engine is None:
+            served.phase = Phase.PENDING
+        self.store.record_event("Model", name, "Normal", "RestartRequested", "rollout restart")
+        self.trigger()
+
+    # -- the node's memory -------------------------------------------------
+
+    def holdings(self) -> list[Holding]:
+        """What every Model holds on the node: a serving engine's request, a loading one's."""
+        out = []
+        for m in self.registry.models.values():
+            prio = m.spec.priority_value
+            if m.request is not None:
+                evictable = (m.spec.min_replicas == 0 and not m.demand and m.loading_request is None
+                             and m.engine is not None and m.engine.in_flight == 0)
+                out.append(Holding(m.name, m.request, False, evictable, prio, m.last_used))
+            if m.loading_request is not None:
+                out.append(Holding(m.name, m.loading_request, True, False, prio, m.last_used))
+        return out
+
+    def in_use(self) -> dict[str, int]:
+        """What each loaded Model really holds: weights, the KV its rows hold, its prefix cache."""
+        out = {}
+        for m in self.registry.models.values():
+            if m.engine is None or m.request is None:
+                continue
+            used = m.weight_bytes or 0
+            if m.spec.task == "generate":
+                used += m.engine.kv_cache_status().get("bytes", 0) + m.engine.prefix_cache_status().get("bytes", 0)
+                used += m.request.drafter if m.pairing is not None and m.pairing.method != Method.NGRAM else 0
+            out[m.name] = used
+        return out
+
+    def _cached_request(self, served: ServedModel, spec: ModelSpec, pairing: Pairing | None) -> MemoryRequest | None:
+        """The spec's memory request, if it was read already (``_read_request``)."""
+        key = _request_key(spec, pairing, self.node.allocatable)
+        return served.spec_request[1] if served.spec_request is not None and served.spec_request[0] == key else None
+
+    async def _read_request(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None) -> None:
+        """Read the spec's memory request from its checkpoint, off the loop (the pass after places it)."""
+        key = _request_key(spec, pairing, self.node.allocatable)
+        try:
+            request = await asyncio.to_thread(memory_request, spec, key[1], self.node.allocatable)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._load_failed(served, generation, spec, exc)
+            return
+        served.spec_request = (key, request)
+
+    def _place(self, served: ServedModel, request: MemoryRequest) -> list[asyncio.Task] | None:
+        """Reserve the node's memory for a load: beside what the Model serves now if that fits,
+        else in place of it (the old engine drains first); idle Models are unloaded to make
+        room if they must be. Returns the unloads to wait for, or None (Unschedulable, with
+        the numbers in status) if it cannot fit now."""
+        others = [h for h in self.holdings() if h.model != served.name]
+        old = [h for h in self.holdings() if h.model == served.name and not h.loading]
+        victims = self.node.make_room(request.total, others + old)
+        replace = victims is None and bool(old)
+        if replace:
+            victims = self.node.make_room(request.total, others)
+        if victims is None:
+            message = self.node.unschedulable(served.name, request.total, others + old)
+            if message != served.unschedulable:
+                self.store.record_event("Model", served.name, "Warning", "Unschedulable", message)
+            served.unschedulable = message
+            if served.engine is None:
+                served.phase, served.reason = Phase.PENDING, message
+            return None
+        served.unschedulable, served.loading_request = "", request
+        for victim in victims:
+            self._unload(self.registry.models[victim.model], "Evicted",
+                         f"unloaded to make room for {served.name} (priority {victim.priority}, idle)")
+        if replace:
+            self._unload(served, "Replaced", "unloaded to make room for its new generation")
+        names = [v.model for v in victims] + ([served.name] if replace else [])
+        return [self._drains[n] for n in names if n in self._drains]
+
+    def _unload(self, served: ServedModel, reason: str, message: str) -> None:
+        """Stop routing to the Model's engine and give its memory back once it drained."""
+        engine, served.engine, served.request = served.engine, None, None
+        served.phase, served.reason = Phase.IDLE, message
+        served.pairing, served.policy = None, None
+        self.metrics.model_ready.labels(served.name).set(0)
+        self.metrics.model_unloads.labels(served.name, reason.lower()).inc()
+        log.info("model unloaded", model=served.name, reason=reason)
+        self.store.record_event("Model", served.name, "Normal", reason, message)
+        self._drains[served.name] = self._spawn(self._drain(served.name, engine))
+
+    def _idle(self, served: ServedModel, now: float) -> bool:
+        return (served.engine is not None and served.spec.min_replicas == 0 and not served.demand
+                and served.loading_generation is None and served.engine.in_flight == 0
+                and now - served.last_used >= served.spec.idle_seconds)
+
+    def _wake_for_idle(self) -> None:
+        """A pass when the next loaded Model at minReplicas 0 becomes idle."""
+        now = time.monotonic()
+        due = [m.last_used + m.spec.idle_seconds - now for m in self.registry.models.values()
+               if m.engine is not None and m.spec.min_replicas == 0]
+        if self._timer is not None:
+            self._timer.cancel()
+        if due and self._loop is not None:
+            self._timer = self._loop.call_later(max(0.05, min(due) + 0.05), self.trigger)
 
     def _pairings_by_target(self, pairings: dict[str, StoredObject]) -> dict[str, Pairing]:
         """One pairing per target: the oldest wins, later ones report a conflict."""
@@ -127,6 +271,11 @@ class Reconciler:
             served = ServedModel(obj.name, obj.generation, spec)
             self.registry.models[obj.name] = served
             self.metrics.model_ready.labels(obj.name).set(0)
+        now = time.monotonic()
+        if served.engine is not None and served.engine.in_flight:
+            served.last_used = now
+        if self._idle(served, now) and served.generation == obj.generation:
+            self._unload(served, "Idle", f"unloaded after {served.spec.idle_seconds:g}s without requests")
         topology, placement = None, None
         if spec.topology_ref is not None:
             topo = topologies.get(spec.topology_ref)
@@ -138,18 +287,36 @@ class Reconciler:
             # a group is started for one topology generation and one pairing: either changing restarts it
             topology, placement = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
             self._check_group(served)
-        restart_due = served.retry_at is not None and time.monotonic() >= served.retry_at
-        up_to_date = served.generation == obj.generation and served.placement == placement and (
+        restart_due = served.retry_at is not None and now >= served.retry_at
+        up_to_date = served.generation == obj.generation and served.placement == placement and not served.restart and (
             served.engine is not None or served.phase is Phase.FAILED and not restart_due)
         loading_it = served.loading_generation == obj.generation
         if up_to_date or loading_it:
             return
+        if served.engine is None and spec.min_replicas == 0 and not served.demand and not served.restart and not (
+                served.phase is Phase.FAILED and served.generation == obj.generation):
+            served.spec, served.generation, served.unschedulable = spec, obj.generation, ""
+            served.phase, served.reason = Phase.IDLE, "minReplicas 0: the first request loads it"
+            return
+        drains: list[asyncio.Task] = []
+        if topology is None:  # placed on this node by its memory request
+            request = self._cached_request(served, spec, pairing)
+            if request is None:
+                if served.task is None or served.task.done():
+                    if served.engine is None and not served.unschedulable:
+                        served.phase, served.reason = Phase.PENDING, "reading its memory request"
+                    served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing))
+                return
+            placed = self._place(served, request)
+            if placed is None:
+                return
+            drains = placed
         if served.task is not None:
             served.task.cancel()
-        served.loading_generation = obj.generation
+        served.loading_generation, served.restart = obj.generation, False
         if served.engine is None:
-            served.phase = Phase.LOADING
-        served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement))
+            served.phase, served.reason = Phase.LOADING, ""
+        served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement, drains))
 
     def _note_faults(self, served: ServedModel) -> None:
         """An event for every engine fault since the last pass (the engine recovers by itself)."""
@@ -172,39 +339,40 @@ class Reconciler:
         self._spawn(group.shutdown(0))
 
     async def _load(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None,
-                    topology: TopologySpec | None = None, placement: tuple | None = None) -> None:
+                    topology: TopologySpec | None = None, placement: tuple | None = None,
+                    drains: list[asyncio.Task] = ()) -> None:
         """Load a generation of a model; on success switch traffic to it and drain the old engine.
 
-        A tensor-parallel model is meant to be too big for two copies: its old
-        group drains before the new one starts."""
+        A local model's memory is reserved already (``_place``); it loads once the Models
+        unloaded to make room have drained. A tensor-parallel model is meant to be too big
+        for two copies: its old group drains before the new one starts."""
+        request = served.loading_request
         started = time.monotonic()
-        log.info("model loading", model=served.name, source=spec.source, generation=generation)
-        self.store.record_event("Model", served.name, "Normal", "Loading", f"loading {spec.source}")
         try:
+            await asyncio.gather(*drains)
+            log.info("model loading", model=served.name, source=spec.source, generation=generation)
+            self.store.record_event("Model", served.name, "Normal", "Loading", f"loading {spec.source}")
             if topology is None:
-                built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing, self.trigger)
+                built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing, request,
+                                                self.trigger)
             else:
                 if served.engine is not None:
                     old, served.engine, served.phase = served.engine, None, Phase.LOADING
                     self.metrics.model_ready.labels(served.name).set(0)
                     await self._drain(served.name, old)
                 built = await build_group(served.name, spec, topology, pairing, self.trigger)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # a newer generation replaces this load (and may have reserved already)
+            if served.loading_request is request:
+                served.loading_request = None
             raise
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            log.error("model failed to load", model=served.name, reason=reason)
-            self.store.record_event("Model", served.name, "Warning", "LoadFailed", reason)
-            served.loading_generation, served.generation = None, generation  # no retry until the spec changes
-            served.placement = placement
-            if topology is not None:  # a group start can fail for passing reasons (a host rebooting)
-                served.restarts += 1
-                served.retry_at = time.monotonic() + _backoff(served.restarts)
-            if served.engine is None:
-                served.phase, served.spec = Phase.FAILED, spec
-            served.reason = reason
+            self._load_failed(served, generation, spec, exc, topology, placement)
             return
         built.engine.start()
+        served.request, served.loading_request, served.failures = request, None, 0
+        self.metrics.model_load_seconds.labels(served.name).observe(time.monotonic() - started)
+        if request is not None:
+            self.metrics.model_memory_request.labels(served.name).set(request.total)
         old = served.engine
         served.engine, served.spec, served.generation = built.engine, spec, generation
         served.phase, served.reason, served.loading_generation = Phase.READY, "", None
@@ -222,11 +390,37 @@ class Reconciler:
         if old is not None:
             self._spawn(self._drain(served.name, old))
 
+    def _load_failed(self, served: ServedModel, generation: int, spec: ModelSpec, exc: Exception,
+                     topology: TopologySpec | None = None, placement: tuple | None = None) -> None:
+        """A load (or the read of its memory request) failed: retried with backoff if it can
+        pass, else Failed until the spec changes or a rollout restart."""
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("model failed to load", model=served.name, reason=reason)
+        served.loading_generation, served.generation, served.restart = None, generation, False
+        served.placement, served.loading_request = placement, None
+        if topology is not None:  # a group start can fail for passing reasons (a host rebooting)
+            served.restarts += 1
+            served.retry_at = time.monotonic() + _backoff(served.restarts)
+        elif can_pass(exc):
+            served.failures += 1
+            delay = _load_backoff(served.failures)
+            served.retry_at = time.monotonic() + delay
+            reason += f" (attempt {served.failures}; next in {delay:.0f}s)"
+        else:
+            served.retry_at = None
+        self.store.record_event("Model", served.name, "Warning",
+                                "BackOff" if served.retry_at and topology is None else "LoadFailed", reason)
+        if served.engine is None:
+            served.phase, served.spec = Phase.FAILED, spec
+        served.reason = reason
+
     async def _drain(self, name: str, engine: ServingEngine) -> None:
         await engine.shutdown(self.drain_grace)
         log.info("engine drained", model=name)
         del engine  # the last reference: the weights and caches are freed here, then handed back
         await asyncio.to_thread(return_freed_memory)
+        if self._drains.get(name) is asyncio.current_task():
+            del self._drains[name]
 
     def _remove(self, name: str) -> None:
         """The Model was deleted: stop routing to it, let in-flight requests finish."""
@@ -316,19 +510,32 @@ class Reconciler:
         if served is None:
             return obj.status
         ready = served.engine is not None
-        if ready and served.loading_generation is not None:
+        if ready and served.unschedulable:
+            reason, message = "Unschedulable", f"serving generation {served.generation}; the new spec {served.unschedulable}"
+        elif ready and served.loading_generation is not None:
             reason, message = "Reloading", f"serving generation {served.generation}, loading {served.loading_generation}"
         elif ready:
             reason, message = "Loaded", f"serving {served.spec.source}"
         else:
-            reason = {Phase.FAILED: "LoadFailed", Phase.LOADING: "Loading"}.get(served.phase, "Pending")
-            if served.retry_at is not None:
-                reason = "Restarting"
+            reason = {Phase.FAILED: "LoadFailed", Phase.LOADING: "Loading", Phase.IDLE: "ScaledToZero"}.get(
+                served.phase, "Pending")
+            if served.unschedulable:
+                reason = "Unschedulable"
+            elif served.retry_at is not None:
+                reason = "Restarting" if served.spec.topology_ref is not None else "BackOff"
             message = served.reason or served.phase.value
         status: dict[str, Any] = {
             "observedGeneration": obj.generation, "phase": served.phase.value,
             "conditions": [condition("Ready", ready, reason, message, obj.generation, obj.status)]}
         status["conditions"].append(self._degraded(obj, served))
+        if served.retry_at is not None and not ready:
+            status["nextAttemptSeconds"] = max(0, round(served.retry_at - time.monotonic()))
+        request = served.request or served.loading_request or (served.spec_request or (None, None))[1]
+        if request is not None:
+            status["resources"] = {"requests": request.as_dict(), "inUse": self.in_use().get(served.name),
+                                   "node": self.node.name}
+        status["scaling"] = {"minReplicas": served.spec.min_replicas, "idleSeconds": served.spec.idle_seconds,
+                             "priority": served.spec.priority, "replicas": 1 if ready else 0}
         if served.engine is not None and served.engine.faults:
             status["faults"] = served.engine.faults
         if served.spec.topology_ref is not None:
@@ -362,7 +569,10 @@ class Reconciler:
         """A model is Degraded while its last engine step failed (until one
         succeeds), a tensor-parallel one while its group is down and being restarted."""
         if served.spec.topology_ref is None:
-            fault = served.engine.fault if served.engine is not None else None
+            if served.engine is None:
+                return condition("Degraded", False, "NotServing", f"no engine runs: {served.phase.value}",
+                                 obj.generation, obj.status)
+            fault = served.engine.fault
             if fault is not None:
                 return condition("Degraded", True, "EngineFault", fault, obj.generation, obj.status)
             return condition("Degraded", False, "Serving", "no engine fault since the last successful step",

@@ -16,6 +16,7 @@ from typing import Callable
 import structlog
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
+from .resources import MemoryRequest
 from ..core.loader import context_window, load_embedding_model, load_model, weight_bytes
 from ..engine.embedder import Embedder, EmbedderConfig
 from ..engine.engine import Engine, load_drafter
@@ -29,7 +30,8 @@ log = structlog.get_logger(__name__)
 
 
 class Phase(str, Enum):
-    PENDING = "Pending"
+    PENDING = "Pending"  # not placed yet: its request is being read, or it does not fit (Unschedulable)
+    IDLE = "Idle"  # minReplicas 0 and unloaded: the next request loads it
     LOADING = "Loading"
     READY = "Ready"
     FAILED = "Failed"
@@ -89,6 +91,21 @@ class ServedModel:
     last_failure: str = ""
     faults_seen: int = 0  # engine faults already reported as events
     retry_at: float | None = None
+    # memory: the request of the serving engine, of the one loading, and of the spec (once read)
+    request: MemoryRequest | None = None
+    loading_request: MemoryRequest | None = None
+    spec_request: tuple[tuple, MemoryRequest] | None = None  # (what it was computed for, the request)
+    unschedulable: str = ""  # why the spec cannot be placed now
+    last_used: float = field(default_factory=time.monotonic)
+    demand: int = 0  # requests waiting for it to load
+    failures: int = 0  # loads in a row that failed for a reason that can pass (retried with backoff)
+    restart: bool = False  # rollout restart asked for a fresh load
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        """Wake whoever waits for this Model to change (a request waiting for its load)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
 
 
 class ModelNotFound(KeyError):
@@ -96,7 +113,21 @@ class ModelNotFound(KeyError):
 
 
 class ModelNotReady(Exception):
-    pass
+    def __init__(self, message: str, retry_after: int | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _cannot_load_now(served: ServedModel) -> bool:
+    """Whether a waiting request should hear why now rather than wait: the Model
+    failed, waits out a backoff, or does not fit the node."""
+    return served.phase is Phase.FAILED or bool(served.unschedulable) and served.loading_request is None
+
+
+def _retry_after(served: ServedModel) -> int | None:
+    if served.retry_at is not None:
+        return max(1, round(served.retry_at - time.monotonic()))
+    return 30 if served.unschedulable else None
 
 
 class WrongTask(Exception):
@@ -110,9 +141,10 @@ class Built:
     pairing_error: str = ""  # the pairing could not be attached; the model serves without it
 
 
-def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None,
+def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None, request: MemoryRequest,
                  on_fault: Callable[[], None] | None = None) -> Built:
-    """Load weights (and the pairing's drafter) and build an engine ready to start.
+    """Load weights (and the pairing's drafter) and build an engine ready to start,
+    with the KV and prefix budgets its memory request counted.
 
     A drafter that fails to load or does not match fails the pairing, not the model.
     An embedding model takes no pairing.
@@ -122,7 +154,7 @@ def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing 
     model, tokenizer = load_model(spec.source, spec.revision)
     config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
-                          prefix_cache_bytes=spec.prefix_cache_max_bytes, kv_cache_bytes=spec.kv_cache_max_bytes,
+                          prefix_cache_bytes=request.prefix_cache, kv_cache_bytes=request.kv_cache,
                           kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size)
     weights = weight_bytes(model)
     if pairing is None:
@@ -160,37 +192,64 @@ async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairin
     return Built(client, client.weight_bytes)
 
 
+DEFAULT_LOAD_TIMEOUT = 300.0  # seconds a request waits for its Model to load
+
+
 class ModelRegistry:
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, load_timeout: float = DEFAULT_LOAD_TIMEOUT):
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
+        self.load_timeout = load_timeout
+        self.on_demand: Callable[[], None] = lambda: None  # the reconciler's trigger
 
-    def engine(self, name: str) -> ServingEngine:
-        """The engine generating for ``name``; raises ModelNotFound, ModelNotReady or WrongTask."""
-        return self._serving(name, "generate")
+    async def engine(self, name: str) -> ServingEngine:
+        """The engine generating for ``name``, once it is loaded (a Model at zero starts
+        loading); raises ModelNotFound, ModelNotReady or WrongTask."""
+        return await self._serving(name, "generate")
 
-    def embedder(self, name: str) -> Embedder:
-        """The embedder serving ``name``; raises ModelNotFound, ModelNotReady or WrongTask."""
-        return self._serving(name, "embed")
+    async def embedder(self, name: str) -> Embedder:
+        """The embedder serving ``name``, once it is loaded; raises ModelNotFound, ModelNotReady or WrongTask."""
+        return await self._serving(name, "embed")
 
-    def _serving(self, name: str, task: str):
+    async def _serving(self, name: str, task: str):
         served = self.models.get(name)
         if served is None:
             raise ModelNotFound(name)
         if served.spec.task != task:
             raise WrongTask(f"model {name!r} serves spec.task {served.spec.task}, not {task}")
-        if served.engine is None:
-            detail = f": {served.reason}" if served.reason else ""
-            raise ModelNotReady(f"model {name!r} is {served.phase.value}{detail}")
+        served.last_used = time.monotonic()
+        if served.engine is not None:
+            return served.engine
+        served.demand += 1
+        self.on_demand()
+        deadline = time.monotonic() + self.load_timeout
+        try:
+            while served.engine is None:
+                if served.phase is Phase.FAILED and served.retry_at is None:
+                    raise ModelNotReady(f"model {name!r} is {served.phase.value}: {served.reason}")
+                try:  # the reconciler's next pass places it, evicting idle Models if it must
+                    await asyncio.wait_for(served.changed.wait(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise ModelNotReady(f"model {name!r} is still {served.phase.value} after "
+                                        f"{self.load_timeout:.0f}s", 10) from None
+                if self.models.get(name) is not served:
+                    raise ModelNotFound(name)
+                if served.engine is None and _cannot_load_now(served):
+                    state = "Unschedulable" if served.unschedulable else served.phase.value
+                    raise ModelNotReady(f"model {name!r} is {state}: {served.reason}", _retry_after(served))
+        finally:
+            served.demand -= 1
+        served.last_used = time.monotonic()
         return served.engine
 
     def engines(self) -> list[ServingEngine | Embedder]:
         return [m.engine for m in self.models.values() if m.engine is not None]
 
     def not_ready(self) -> dict[str, str]:
-        """Reasons, by model, why the daemon is not ready (empty when it is)."""
+        """Reasons, by model, why the daemon is not ready (empty when it is): a Model
+        at zero replicas is as it should be."""
         return {n: (f"{m.phase.value}: {m.reason}" if m.reason else m.phase.value)
-                for n, m in self.models.items() if m.engine is None}
+                for n, m in self.models.items() if m.engine is None and m.phase is not Phase.IDLE}
 
     async def shutdown(self, grace: float) -> None:
         for served in self.models.values():

@@ -479,13 +479,13 @@ def kv_bytes(model: nn.Module, quantization: KVQuantization | None = None) -> tu
     for leaf in _leaves(caches):
         keys, values = getattr(leaf, "keys", None), getattr(leaf, "values", None)
         if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-            per_token += sum(_token_bytes(a.shape[1], a.shape[3], a.itemsize, quantization) for a in (keys, values))
+            per_token += sum(side_token_bytes(a.shape[1], a.shape[3], a.itemsize, quantization) for a in (keys, values))
         elif isinstance(leaf, ArraysCache):
             state += sum(a.nbytes for a in leaf.cache if a is not None)
     return per_token, state
 
 
-def _token_bytes(heads: int, dims: int, itemsize: int, quantization: KVQuantization | None) -> int:
+def side_token_bytes(heads: int, dims: int, itemsize: int, quantization: KVQuantization | None) -> int:
     """One side (keys or values) of one token in one layer; quantized: packed bits plus a scale and a
     bias (of the model's dtype) per group."""
     if quantization is None:

@@ -71,16 +71,21 @@ def context_window(model: nn.Module, tokenizer) -> int:
     """The context the model was built for: its declared maximum position,
     widened by RoPE scaling that stretches an original window, else the
     tokenizer's ``model_max_length``, else ``UNDECLARED_CONTEXT``."""
-    config = text_config(model)
+    declared = declared_window(text_config(model))
+    if declared:
+        return declared
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and 0 < limit < 10**7 else UNDECLARED_CONTEXT
+
+
+def declared_window(config: dict) -> int | None:
+    """The maximum position a configuration declares, widened by RoPE scaling that stretches an original window."""
     declared = next((int(config[k]) for k in POSITION_KEYS if config.get(k)), None)
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 5 renamed it
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in STRETCHING_ROPE and scaling.get("factor") and scaling.get("original_max_position_embeddings"):
         declared = max(declared or 0, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
-    if declared:
-        return declared
-    limit = getattr(tokenizer, "model_max_length", None)
-    return int(limit) if isinstance(limit, int) and 0 < limit < 10**7 else UNDECLARED_CONTEXT
+    return declared
 
 
 def materialize(module: nn.Module) -> None:

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
+import mlx.core as mx
 import mlx.nn as nn
 import structlog
 
@@ -40,12 +41,13 @@ _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 
 
 def return_freed_memory() -> None:
-    """Give the C heap's free pages back to the OS.
+    """Give what MLX keeps for reuse, and the C heap's free pages, back to the OS.
 
     glibc raises its mmap threshold as large blocks are freed, so later
     arrays below 32 MiB come from the heap, and what a retired engine freed
     would stay in the daemon's RSS for good.  macOS's allocator returns
     memory by itself (and Metal buffers are not on the heap)."""
+    mx.clear_cache()
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 

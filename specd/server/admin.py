@@ -14,10 +14,12 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ..api.manifest import API_VERSION, ManifestError, parse_resource
-from ..control.store import Conflict, NotFound, Store
+from ..api.manifest import API_VERSION, ManifestError, ModelSpec, Resource, parse_resource
+from ..control.node import gib
+from ..control.resources import checkpoint_dir, memory_request, safetensors_bytes
+from ..control.store import Conflict, NotFound, Store, now_iso
 from .bodies import BodyError, json_body
-from .keys import ADMIN_TOKEN, STORE
+from .keys import ADMIN_TOKEN, RECONCILER, STORE
 
 PREFIX = "/apis/specd.dev/v1alpha1"
 KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "SpecPolicy",
@@ -95,8 +97,34 @@ async def _json(request: web.Request) -> Any:
         raise StatusError(err.status, REASONS.get(err.status, "BadRequest"), err.message, err.param) from None
 
 
-def _apply(request: web.Request, docs: list[Any]) -> list[dict[str, Any]]:
-    """Validate every document, then store all of them in one transaction."""
+def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[str]:
+    """What ``apply`` warns of, as ``kubectl`` does, and refuses: a Model that could never fit
+    this node, and a ``resources.memory`` below what the weights alone take. Read from
+    checkpoints already on this machine only (a hub checkpoint not yet downloaded is checked
+    when it loads)."""
+    node = request.app[RECONCILER].node
+    warnings = []
+    for i, resource in enumerate(resources):
+        spec = resource.spec
+        if resource.kind != "Model" or not isinstance(spec, ModelSpec) or spec.topology_ref is not None:
+            continue
+        try:
+            weights = safetensors_bytes(checkpoint_dir(spec.source, spec.revision, local_only=True))
+            need = memory_request(spec, None, node.allocatable, local_only=True).total
+        except Exception:  # not on this machine yet, or not a checkpoint: the load says why
+            continue
+        if spec.memory is not None and spec.memory < weights:
+            path = f"items[{i}].spec.resources.memory"
+            raise StatusError(422, "Invalid", f"{path}: {gib(spec.memory)} is less than the weights alone take "
+                                              f"({gib(weights)})", path)
+        if need > node.allocatable:
+            warnings.append(f'Model "{resource.name}" requests {gib(need)} but the node {node.name} has '
+                            f"{gib(node.allocatable)} allocatable: it will stay Unschedulable")
+    return warnings
+
+
+def _apply(request: web.Request, docs: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Validate every document, then store all of them in one transaction; also what to warn of."""
     resources = []
     seen: set[tuple[str, str]] = set()
     for i, doc in enumerate(docs):
@@ -110,12 +138,21 @@ def _apply(request: web.Request, docs: list[Any]) -> list[dict[str, Any]]:
                               f"items[{i}].metadata.name")
         seen.add((resource.kind, resource.name))
         resources.append(resource)
+    warnings = _memory_warnings(request, resources)
     try:
         results = _store(request).apply([r.store_item() for r in resources], dry_run=_dry_run(request))
     except Conflict as err:
         raise StatusError(409, "Conflict", str(err)) from None
     return [{"kind": o.kind, "name": o.name, "action": action, "object": o.manifest(API_VERSION)}
-            for o, action in results]
+            for o, action in results], warnings
+
+
+def _warned(body: Any, warnings: list[str], status: int = 200) -> web.Response:
+    """A response with Kubernetes' ``Warning: 299`` headers."""
+    response = web.json_response(body, status=status)
+    for warning in warnings:
+        response.headers.add("Warning", f'299 - "{warning}"')
+    return response
 
 
 @routes.post(PREFIX + "/apply")
@@ -124,7 +161,47 @@ async def apply(request: web.Request) -> web.Response:
     body = await _json(request)
     if not isinstance(body, dict) or not isinstance(body.get("items"), list):
         raise StatusError(400, "BadRequest", 'body must be {"items": [manifest, ...]}')
-    return web.json_response({"items": _apply(request, body["items"])})
+    items, warnings = _apply(request, body["items"])
+    return _warned({"items": items, "warnings": warnings}, warnings)
+
+
+def _node_object(request: web.Request) -> dict[str, Any]:
+    """This daemon's node, as ``get nodes`` shows it (computed, not stored)."""
+    reconciler = request.app[RECONCILER]
+    status = reconciler.node.status(reconciler.holdings(), reconciler.in_use())
+    name = status.pop("name")
+    status["conditions"] = [{"type": "Ready", "status": "True", "reason": "DaemonRunning",
+                             "message": "this daemon serves the node", "lastTransitionTime": STARTED_AT}]
+    return {"apiVersion": API_VERSION, "kind": "Node",
+            "metadata": {"name": name, "creationTimestamp": STARTED_AT}, "spec": {}, "status": status}
+
+
+STARTED_AT = now_iso()
+
+
+@routes.get(PREFIX + "/nodes")
+async def list_nodes(request: web.Request) -> web.Response:
+    return web.json_response({"apiVersion": API_VERSION, "kind": "NodeList", "items": [_node_object(request)]})
+
+
+@routes.get(PREFIX + "/nodes/{name}")
+async def get_node(request: web.Request) -> web.Response:
+    node = _node_object(request)
+    if request.match_info["name"] != node["metadata"]["name"]:
+        raise StatusError(404, "NotFound", f'Node "{request.match_info["name"]}" not found')
+    return web.json_response(node)
+
+
+@routes.post(PREFIX + "/models/{name}/restart")
+async def restart_model(request: web.Request) -> web.Response:
+    """``specd rollout restart model NAME``: load again now."""
+    name = request.match_info["name"]
+    try:
+        _store(request).get("Model", name)
+        request.app[RECONCILER].restart(name)
+    except (NotFound, KeyError):
+        raise StatusError(404, "NotFound", f'Model "{name}" not found') from None
+    return web.json_response({"kind": "Model", "name": name, "action": "restarted"})
 
 
 @routes.get(PREFIX + "/{plural}")
@@ -145,7 +222,7 @@ async def get_object(request: web.Request) -> web.Response:
 
 @routes.get(PREFIX + "/{plural}/{name}/events")
 async def get_events(request: web.Request) -> web.Response:
-    kind = _kind(request)
+    kind = "Node" if request.match_info["plural"] == "nodes" else _kind(request)
     return web.json_response({"items": _store(request).events(kind, request.match_info["name"])})
 
 
@@ -156,8 +233,8 @@ async def put_object(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or body.get("kind") != kind or \
             not isinstance(body.get("metadata"), dict) or body["metadata"].get("name") != name:
         raise StatusError(400, "BadRequest", f'body must be a {kind} named "{name}"')
-    result = _apply(request, [body])[0]
-    return web.json_response(result["object"], status=201 if result["action"] == "created" else 200)
+    results, warnings = _apply(request, [body])
+    return _warned(results[0]["object"], warnings, 201 if results[0]["action"] == "created" else 200)
 
 
 @routes.delete(PREFIX + "/{plural}/{name}")

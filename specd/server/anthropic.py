@@ -293,7 +293,7 @@ def _tool_use(call) -> dict:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = model_request(await read_json(request), FIELDS, ANTHROPIC_WORDING)
     parsed = _parse(body)
-    engine = engine_named(request, parsed.model)
+    engine = await engine_named(request, parsed.model, parsed.stream)
     turn, edits = await off_loop(lambda: _turn(engine, body))
     completion = await off_loop(lambda: EngineRun(engine, parsed, turn.prompt, turn, "msg_" + uuid.uuid4().hex))
     message = {"id": completion.id, "type": "message", "role": "assistant", "model": engine.name}
@@ -384,7 +384,7 @@ async def _stream(request: web.Request, completion: EngineRun, message: dict, pr
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
     body = model_request(await read_json(request), COUNT_FIELDS, ANTHROPIC_WORDING)
-    engine = engine_named(request, body["model"])
+    engine = await engine_named(request, body["model"])
     turn, edits = await off_loop(lambda: _turn(engine, body))
     return web.json_response({"input_tokens": len(turn.prompt), **({} if edits is None else
                                                                    {"context_management": edits})})

@@ -16,8 +16,10 @@ from ..parallel.group import with_engine_metrics
 from ..engine.engine import return_freed_memory
 from . import admin, anthropic, embeddings, openai, responses
 from .access import api_access, cors_headers
+from .completion import WAITING_STREAM, stream_error
 from .errors import APIError
-from .keys import ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, DROP_HOSTED_TOOLS, REGISTRY, RESPONSES, STARTED, STORE
+from .keys import (ADMIN_TOKEN, API_KEYS, CORS_ORIGINS, DROP_HOSTED_TOOLS, RECONCILER, REGISTRY, RESPONSES,
+                   STARTED, STORE)
 from .response_store import ResponseStore
 
 log = structlog.get_logger(__name__)
@@ -50,7 +52,12 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
                 log.exception("unhandled error", path=request.path)
                 raise APIError(500, "internal server error", "server_error") from None
         except APIError as err:
-            response = err.anthropic_response() if anthropic else err.response()
+            response = request.get(WAITING_STREAM)
+            if response is not None:  # a stream opened while its Model loaded: the error is its last event
+                await response.write(stream_error(request, err))
+                await response.write_eof()
+            else:
+                response = err.anthropic_response() if anthropic else err.response()
         if not response.prepared:
             response.headers["X-Request-Id"] = request_id
         return response
@@ -107,6 +114,7 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
                           client_max_size=max_body_bytes)
     app[REGISTRY] = reconciler.registry
     app[STORE] = reconciler.store
+    app[RECONCILER] = reconciler
     app[RESPONSES] = stored_responses if stored_responses is not None else ResponseStore()
     app[API_KEYS] = api_keys
     app[CORS_ORIGINS] = cors_origins

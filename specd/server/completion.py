@@ -9,10 +9,11 @@ field means the same thing under every API.
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Callable, Collection, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, TypeVar
 
 from aiohttp import web
 
@@ -127,25 +128,54 @@ async def off_loop(fn: Callable[[], T]) -> T:
     return await asyncio.get_running_loop().run_in_executor(_PREPARE, fn)
 
 
-def engine_named(request: web.Request, name: str) -> ServingEngine:
-    """The engine generating for the Model ``name``, else the API error that says why not."""
-    return _serving(request.app[REGISTRY].engine, name)
+LOAD_KEEPALIVE_SECONDS = 5.0  # a streamed request waiting for its Model's load gets an SSE comment this often
+WAITING_STREAM = "specd.waiting_stream"  # the request's stream, opened while its Model loads
 
 
-def embedder_named(request: web.Request, name: str) -> Embedder:
-    """The embedder of the Model ``name``, else the API error that says why not."""
-    return _serving(request.app[REGISTRY].embedder, name)
+async def engine_named(request: web.Request, name: str, stream: bool = False) -> ServingEngine:
+    """The engine generating for the Model ``name`` (waiting while it loads; a ``stream``
+    keeps its connection alive meanwhile), else the API error that says why not."""
+    return await _serving(request, request.app[REGISTRY].engine(name), name, stream)
 
 
-def _serving(lookup: Callable[[str], T], name: str) -> T:
+async def embedder_named(request: web.Request, name: str) -> Embedder:
+    """The embedder of the Model ``name`` (waiting while it loads), else the API error that says why not."""
+    return await _serving(request, request.app[REGISTRY].embedder(name), name, False)
+
+
+async def _serving(request: web.Request, lookup: Awaitable[T], name: str, stream: bool) -> T:
+    waiting = asyncio.ensure_future(lookup)
     try:
-        return lookup(name)
+        while stream and not (await asyncio.wait({waiting}, timeout=LOAD_KEEPALIVE_SECONDS))[0]:
+            await (await _opened_stream(request)).write(b": waiting for the model to load\n\n")
+        return await waiting
     except ModelNotFound:
         raise model_not_found(name) from None
     except ModelNotReady as err:
-        raise unavailable(str(err)) from None
+        raise unavailable(str(err), err.retry_after) from None
     except WrongTask as err:
         raise bad_request(str(err), "model") from None
+    finally:
+        waiting.cancel()
+
+
+async def _opened_stream(request: web.Request) -> web.StreamResponse:
+    """The request's server-sent event stream, opened on first use."""
+    if WAITING_STREAM not in request:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        request[WAITING_STREAM] = response
+    return request[WAITING_STREAM]
+
+
+def stream_error(request: web.Request, err: APIError) -> bytes:
+    """An error as the last event of a stream already open, in the shape of the request's API."""
+    if request.path.startswith("/v1/messages"):
+        return f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n".encode()
+    if request.path.startswith("/v1/responses"):
+        body = {"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param}
+        return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
 
 
 async def read_json(request: web.Request) -> Any:
@@ -234,8 +264,7 @@ async def event_stream(request: web.Request, run: EngineRun) -> AsyncIterator[
     it quietly, and closing the outputs frees the run's batch slots."""
     outputs = run.merged()
     first = await anext(outputs)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
+    response = await _opened_stream(request)
     try:
         yield response, first, outputs
     except ConnectionResetError:

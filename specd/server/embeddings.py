@@ -80,7 +80,7 @@ def _shaped(vectors: np.ndarray, dimensions: int | None, normalize: bool) -> np.
 async def create(request: web.Request) -> web.Response:
     body = _checked(await read_json(request))
     inputs = _inputs(body.get("input"))
-    embedder = embedder_named(request, body["model"])
+    embedder = await embedder_named(request, body["model"])
     dimensions = integer_field(body, "dimensions", 1, embedder.dimensions)
     rows = await off_loop(lambda: _tokenized(embedder, inputs))
     try:

@@ -9,15 +9,20 @@ class APIError(Exception):
     """An error a handler raises to answer the client in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
 
     def anthropic_body(self) -> dict:
         """The same error as Anthropic's API shapes it (``{"type": "error", "error": {type, message}}``)."""
@@ -26,7 +31,7 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": kind, "message": message}}
 
     def anthropic_response(self) -> web.Response:
-        return web.json_response(self.anthropic_body(), status=self.status)
+        return web.json_response(self.anthropic_body(), status=self.status, headers=self.headers)
 
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -47,5 +52,5 @@ def overloaded(message: str) -> APIError:
     return APIError(429, message, "rate_limit_error", None, "queue_full")
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, "service_unavailable", None, "model_not_ready")
+def unavailable(message: str, retry_after: int | None = None) -> APIError:
+    return APIError(503, message, "service_unavailable", None, "model_not_ready", retry_after)

@@ -6,12 +6,14 @@ import asyncio
 
 from aiohttp import web
 
+from ..control.reconciler import Reconciler
 from ..control.registry import ModelRegistry
 from ..control.store import Store
 from .response_store import ResponseStore
 
 REGISTRY = web.AppKey("registry", ModelRegistry)
 STORE = web.AppKey("store", Store)
+RECONCILER = web.AppKey("reconciler", Reconciler)
 ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configured
 API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open
 CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call the inference routes from

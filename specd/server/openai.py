@@ -372,7 +372,7 @@ class Completion(EngineRun):
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_common(body, chat)
-    engine = engine_named(request, parsed.model)
+    engine = await engine_named(request, parsed.model, parsed.stream)
 
     def prepare() -> Completion:
         if chat:

@@ -425,7 +425,7 @@ async def _stream(request: web.Request, run: EngineRun, response: _Response,
 async def create(request: web.Request) -> web.StreamResponse:
     body = _checked(await read_json(request))
     parsed = _parse(body)
-    engine = engine_named(request, parsed.model)
+    engine = await engine_named(request, parsed.model, parsed.stream)
     store = request.app[RESPONSES]
     previous = body.get("previous_response_id")
     earlier: list[dict] = []

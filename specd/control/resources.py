@@ -1,0 +1,121 @@
+"""What a Model asks of its node's memory, computed before anything is loaded.
+
+A Model's request is the sum of what it will hold at most: its weights (the
+bytes the checkpoint's safetensors headers declare, quantized tensors as
+stored), its KV budget (``kvCache.maxBytes``, else the default the engine
+would choose, from the checkpoint's ``config.json``), its prefix cache budget,
+its pairing's drafter (a draft model's or EAGLE head's weights), and what an
+engine holds beyond those (``ENGINE_OVERHEAD``, measured by
+``ops/bench/scale_from_zero.py``). ``resources.memory`` replaces the sum.
+The engine is then built with exactly these budgets, so what was requested
+bounds what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..api.manifest import ModelSpec
+from ..core.cache import side_token_bytes
+from ..core.kv import KVQuantization
+from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, resolve_source
+from ..engine.kv_manager import KVManager, default_max_bytes as default_kv_bytes
+
+ENGINE_OVERHEAD = 160 << 20  # an engine's threads, MLX's working buffers and the tokenizer, beyond its budgets
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    weights: int
+    kv_cache: int
+    prefix_cache: int
+    drafter: int
+    overhead: int
+    override: int | None = None  # resources.memory
+
+    @property
+    def total(self) -> int:
+        if self.override is not None:
+            return self.override
+        return self.weights + self.kv_cache + self.prefix_cache + self.drafter + self.overhead
+
+    def as_dict(self) -> dict:
+        return {"memory": self.total, "weights": self.weights, "kvCache": self.kv_cache,
+                "prefixCache": self.prefix_cache, "drafter": self.drafter, "overhead": self.overhead,
+                "override": self.override is not None}
+
+
+def checkpoint_dir(source: str, revision: str | None = None, local_only: bool = False) -> Path:
+    """The checkpoint's local directory: a path as given, or the hub snapshot (downloaded
+    unless ``local_only``); raises (a passing error) when a hub checkpoint is not here and
+    cannot be fetched."""
+    if is_local_source(source):
+        return Path(resolve_source(source))
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, revision=revision, allow_patterns=["*.json", "*.safetensors"],
+                                  local_files_only=local_only))
+
+
+def safetensors_bytes(directory: Path) -> int:
+    """Bytes of every tensor the directory's safetensors files hold, read from their headers only."""
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
+    if not total:
+        raise FileNotFoundError(f"{directory} holds no safetensors weights")
+    return total
+
+
+def read_config(directory: Path) -> dict:
+    """The checkpoint's configuration, a nested ``text_config`` taking precedence."""
+    config = json.loads((directory / "config.json").read_text())
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
+def kv_token_bytes(config: dict, quantization: KVQuantization | None) -> int:
+    """Keys and values of one token in every layer, as a configuration declares its attention
+    (an estimate: sliding windows and latent attention are counted as full layers)."""
+    layers = config.get("num_hidden_layers") or config.get("num_layers") or config.get("n_layer") or 0
+    heads = config.get("num_attention_heads") or config.get("n_head") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size") or 0) // heads
+    itemsize = DTYPE_BYTES.get(str(config.get("torch_dtype") or config.get("dtype")), 2)
+    return 2 * layers * side_token_bytes(kv_heads, head_dim, itemsize, quantization)
+
+
+def memory_request(spec: ModelSpec, drafter_source: str | None, allocatable: int,
+                   local_only: bool = False) -> MemoryRequest:
+    """What the Model asks of a node with ``allocatable`` bytes (default budgets are shares of it)."""
+    directory = checkpoint_dir(spec.source, spec.revision, local_only)
+    weights = safetensors_bytes(directory)
+    drafter = safetensors_bytes(checkpoint_dir(drafter_source, None, local_only)) if drafter_source else 0
+    if spec.task == "embed":
+        return MemoryRequest(weights, 0, 0, 0, ENGINE_OVERHEAD, spec.memory)
+    config = read_config(directory)
+    kv = spec.kv_cache_max_bytes
+    if kv is None:
+        quantization = KVQuantization(spec.kv_cache_bits, spec.kv_cache_group_size) if spec.kv_cache_bits else None
+        context = declared_window(config) or UNDECLARED_CONTEXT
+        if spec.max_context:
+            context = min(context, spec.max_context)
+        rows = KVManager(0, (kv_token_bytes(config, quantization), 0))
+        kv = default_kv_bytes(allocatable, weights + drafter, rows, spec.max_batch_size, context)
+    prefix = spec.prefix_cache_max_bytes
+    if prefix is None:
+        prefix = default_prefix_bytes(allocatable, kv)
+    return MemoryRequest(weights, kv, prefix, drafter, ENGINE_OVERHEAD, spec.memory)
+
+
+def default_prefix_bytes(allocatable: int, kv_cache: int) -> int:
+    """The prefix cache of a Model that names no budget: as much as its running rows may
+    hold (what a batch of finished conversations leaves behind), at most a tenth of the node."""
+    return min(kv_cache, allocatable // 10)
