@@ -24,7 +24,7 @@ from ..core.kv import KVQuantization
 from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, resolve_source
 from ..engine.kv_manager import KVManager, default_max_bytes as default_kv_bytes
 
-ENGINE_OVERHEAD = 160 << 20  # an engine's threads, MLX's working buffers and the tokenizer, beyond its budgets
+ENGINE_OVERHEAD = 64 << 20  # an engine's threads and MLX's working buffers for a step's activations, beyond its budgets
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
