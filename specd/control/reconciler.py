@@ -314,8 +314,8 @@ class Reconciler:
         if served.task is not None:
             served.task.cancel()
         served.loading_generation, served.restart = obj.generation, False
-        if served.engine is None:
-            served.phase, served.reason = Phase.LOADING, ""
+        if served.engine is None:  # a restarting group keeps its last failure as the reason
+            served.phase, served.reason = Phase.LOADING, served.reason if topology is not None else ""
         served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement, drains))
 
     def _note_faults(self, served: ServedModel) -> None:
