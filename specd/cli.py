@@ -10,6 +10,7 @@ from pathlib import Path
 import structlog
 
 from . import logs
+from .control.routing import POLICIES
 
 log = structlog.get_logger("specd")
 
@@ -24,11 +25,18 @@ def _daemon(args: argparse.Namespace) -> int:
             print(f"specd: invalid manifest: {err}", file=sys.stderr)
             return 2
     token = None
+    if args.join is not None and args.token_file is None:
+        print("specd: --join needs --token-file (the cluster token the head was started with)", file=sys.stderr)
+        return 2
+    for attr in ("admin_token_file", "cluster_token_file", "token_file"):
+        path = getattr(args, attr)
+        if path is not None and not path.read_text().strip():
+            print(f"specd: {path} is empty", file=sys.stderr)
+            return 2
     if args.admin_token_file is not None:
         token = args.admin_token_file.read_text().strip()
-        if not token:
-            print(f"specd: {args.admin_token_file} is empty", file=sys.stderr)
-            return 2
+    if args.join is not None:  # a worker takes control only from its head, which holds the cluster token
+        token = args.token_file.read_text().strip()
     args.api_keys = ()
     if args.api_key_file is not None:
         from .server.access import load_api_keys
@@ -58,6 +66,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     """Run the daemon until SIGTERM or SIGINT has drained it."""
     from aiohttp import web
 
+    from .control.agent import NodeAgent
+    from .control.cluster import Cluster
     from .control.node import Node
     from .control.reconciler import Reconciler
     from .control.registry import ModelRegistry
@@ -73,15 +83,20 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     if args.manifests is not None:
         manifests = ManifestDirectory(args.manifests, store)
         manifests.sync_all()
-    node = Node(memory_limit=args.memory_limit, memory_reserve=args.memory_reserve)
+    node = Node(memory_limit=args.memory_limit, memory_reserve=args.memory_reserve, name=args.node_name)
+    cluster = Cluster(store, args.cluster_token_file.read_text().strip()) if args.cluster_token_file else None
     reconciler = Reconciler(store, ModelRegistry(Metrics(), load_timeout=args.load_timeout),
-                            drain_grace=args.drain_grace, node=node)
+                            drain_grace=args.drain_grace, node=node, cluster=cluster, routing=args.routing)
+    agent = None
+    if args.join is not None:
+        address = args.advertise or f"http://{args.host}:{args.port}"
+        agent = NodeAgent(args.join, token, node.name, address, reconciler.node_report)
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
     app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
                      cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
                      stored_responses=ResponseStore(args.state_dir / "responses.db"),
-                     drop_hosted_tools=args.drop_hosted_tools)
+                     drop_hosted_tools=args.drop_hosted_tools, agent=agent)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
 
@@ -158,6 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--memory-reserve", type=_byte_size_arg, default=None, metavar="BYTES",
                         help="memory kept for the system, not given to Models (default: 10%% of the host's, "
                              "at least 2Gi)")
+    daemon.add_argument("--node-name", default=None, help="this node's name in a cluster (default: the host name)")
+    daemon.add_argument("--cluster-token-file", type=Path, default=None,
+                        help="be a cluster head: Nodes that present this token may join (see docs/cluster.md)")
+    daemon.add_argument("--routing", choices=POLICIES, default="prefix",
+                        help="how a head picks a replica: the one holding the prefix unless much busier "
+                             "(default), or round-robin")
+    daemon.add_argument("--join", default=None, metavar="URL",
+                        help="join the cluster whose head serves at URL, as a worker Node")
+    daemon.add_argument("--token-file", type=Path, default=None, help="the cluster token, with --join")
+    daemon.add_argument("--advertise", default=None, metavar="URL",
+                        help="where the head reaches this worker (default: http://HOST:PORT)")
     daemon.add_argument("--load-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long a request waits for its Model to load before a 503 with Retry-After")
     daemon.add_argument("--drain-grace", type=float, default=30.0,

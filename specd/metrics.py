@@ -144,6 +144,9 @@ class Metrics:
             m + ["reason"], registry=r)
         self.model_memory_request = Gauge(
             "specd_model_memory_request_bytes", "What a loaded Model requests of the node's memory.", m, registry=r)
+        self.routed_requests = Counter(
+            "specd_routed_requests_total", "Requests a cluster head sent to each replica of a Model, by Node.",
+            m + ["node"], registry=r)
         self.node_memory_bytes = Gauge(
             "specd_node_memory_bytes", "The node's memory: capacity, allocatable, requested (by loaded and loading "
             "Models), in use (their weights, KV and prefix caches).", ["node", "kind"], registry=r)

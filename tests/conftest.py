@@ -105,13 +105,14 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
-def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, *extra: str) -> Daemon:
-    """Start ``specd daemon`` as its own process on a free loopback port."""
+def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, *extra: str,
+                 port: int | None = None) -> Daemon:
+    """Start ``specd daemon`` as its own process on a free loopback port (or ``port``)."""
     mdir = tmp / "manifests"
     mdir.mkdir(parents=True, exist_ok=True)
     for fname, text in manifests.items():
         (mdir / fname).write_text(text)
-    port = free_port()
+    port = port or free_port()
     log_path = tmp / f"daemon-{port}.log"
     cmd = [sys.executable, "-m", "specd.cli", "daemon", "--manifests", str(mdir),
            "--state-dir", str(tmp / "state"), "--host", "127.0.0.1", "--port", str(port), *extra]

@@ -53,6 +53,7 @@ class ModelSpec:
     min_replicas: int = 1  # scaling.minReplicas: 0 loads on demand and unloads when idle
     idle_seconds: float = 900.0  # scaling.idleSeconds: unused this long, a Model at minReplicas 0 unloads
     priority: str = "normal"  # scaling.priority: one of PRIORITIES; the lowest is evicted first
+    replicas: int = 1  # on a cluster head: copies on as many Nodes, requests routed between them
 
     @property
     def priority_value(self) -> int:
@@ -127,7 +128,7 @@ def _optional_str(obj: dict, key: str, path: str) -> str | None:
 
 def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     keys = {"source", "revision", "topologyRef", "maxBatchSize", "maxWaiting", "maxContext",
-            "prefillStepTokens", "prefixCache", "kvCache", "task", "resources", "scaling"}
+            "prefillStepTokens", "prefixCache", "kvCache", "task", "resources", "scaling", "replicas"}
     _fields(spec, path, keys, {"source"})
     task = spec.get("task", "generate")
     if not isinstance(task, str) or task not in TASKS:
@@ -154,6 +155,9 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     if not isinstance(priority, str) or priority not in PRIORITIES:
         raise ManifestError(f"unknown priority class {shown(priority)} (known: {', '.join(PRIORITIES)})",
                             f"{path}.scaling.priority")
+    replicas = _positive_int(spec, "replicas", path, 1)
+    if "topologyRef" in spec and replicas > 1:
+        raise ManifestError("a tensor-parallel group runs one replica", f"{path}.replicas")
     if "topologyRef" in spec and min_replicas == 0:
         raise ManifestError("a tensor-parallel group stays loaded: minReplicas 0 is for Models on this node",
                             f"{path}.scaling.minReplicas")
@@ -176,6 +180,7 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         min_replicas=min_replicas,
         idle_seconds=idle_seconds,
         priority=priority,
+        replicas=replicas,
     )
 
 

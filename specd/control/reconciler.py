@@ -28,7 +28,11 @@ from .registry import (
     build_engine,
     build_group,
 )
+from .cluster import Cluster
 from .node import Holding, Node
+from .placement import Candidate, place
+from .replicas import RemoteReplicas
+from .routing import Replica, Router
 from .resources import MemoryRequest, memory_request
 from .store import Store, StoredObject, now_iso
 
@@ -74,8 +78,12 @@ def condition(type_: str, ok: bool, reason: str, message: str, generation: int,
 
 
 class Reconciler:
-    def __init__(self, store: Store, registry: ModelRegistry, drain_grace: float = 30.0, node: Node | None = None):
+    def __init__(self, store: Store, registry: ModelRegistry, drain_grace: float = 30.0, node: Node | None = None,
+                 cluster: Cluster | None = None, routing: str = "prefix"):
         self.store = store
+        self.cluster = cluster  # this daemon is a head: Nodes join it, Models' replicas are placed on them
+        self.router = Router(routing)
+        self.remote = RemoteReplicas(cluster.token, self._spawn) if cluster is not None else None
         self.registry = registry
         self.metrics = registry.metrics
         self.drain_grace = drain_grace
@@ -139,6 +147,8 @@ class Reconciler:
                 if spec.topology_ref is None:  # a group's pairing is part of its placement
                     self._reconcile_pairing(served, pairing)
                 self._reconcile_policy(served, obj, policy_specs)
+        if self.cluster is not None:
+            self._remove_strays(models)
         self._write_status(models, pairings, policies, policy_specs, topologies, by_target)
         holdings = self.holdings()
         self.metrics.node_memory(self.node.requested(holdings), sum(self.in_use().values()),
@@ -156,6 +166,75 @@ class Reconciler:
             served.phase = Phase.PENDING
         self.store.record_event("Model", name, "Normal", "RestartRequested", "rollout restart")
         self.trigger()
+
+    def node_report(self) -> dict[str, Any]:
+        """What a worker tells its head in each heartbeat: its memory and the Models it serves."""
+        served = {m.name: {"phase": m.phase.value, "ready": m.engine is not None, "generation": m.generation,
+                           "inFlight": m.engine.in_flight if m.engine is not None else 0}
+                  for m in self.registry.models.values()}
+        status = self.node.status(self.holdings(), self.in_use())
+        return {"chip": self.node.chip, "allocatable": self.node.allocatable, "capacity": self.node.capacity,
+                "status": {**status, "served": served}}
+
+    # -- replicas across the cluster's Nodes ------------------------------
+
+    def _placed_here(self, served: ServedModel, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None) -> bool:
+        """On a head: place the Model's replicas on Nodes by its memory request, apply the
+        remote ones to their workers; whether this node runs one (if not, and it did, it stops)."""
+        current = served.replica_nodes or [r["node"] for r in obj.status.get("replicas", [])]
+        request = self._cached_request(served, spec, pairing)
+        if request is None:
+            served.replica_nodes = current  # a restarted head keeps the placement it stored
+            if served.task is None or served.task.done():
+                served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing))
+            return False
+        members = self.cluster.members
+        # what this node could give: idle Models at minReplicas 0 make room when it loads (``_place``)
+        mine = self.node.free([h for h in self.holdings() if h.model != served.name and not h.evictable])
+        candidates = [Candidate(self.node.name, mine, True)] + [
+            Candidate(m.name, m.allocatable - m.status.get("requested", 0)
+                      + (request.total if m.model(served.name) else 0), m.ready) for m in members.values()]
+        nodes, short = place(spec.replicas, request.total, current, candidates)
+        for gone in set(served.replica_nodes) - set(nodes):
+            self.router.forget(served.name, gone)
+            if gone != self.node.name:
+                self.store.record_event("Model", served.name, "Warning", "Rescheduled",
+                                        f"replica on Node {gone} moved: the Node is "
+                                        f"{'NotReady' if gone in members and not members[gone].ready else 'gone'}")
+        served.replica_nodes, served.replicas_short = nodes, short
+        for node in nodes:
+            if node != self.node.name:
+                self.remote.ensure(members[node], served.name, obj.spec, obj.generation)
+        here = self.node.name in nodes
+        served.elsewhere = bool(nodes) and not here
+        if not here and served.engine is not None:
+            self._unload(served, "Rescheduled", "its replica runs on other Nodes")
+        if not here:
+            served.phase, served.reason = Phase.PENDING, short or f"replicas on {', '.join(nodes)}"
+        return here
+
+    def _remove_strays(self, models: dict[str, StoredObject]) -> None:
+        """What a Ready worker runs that no placement puts there (a Model deleted, or moved while
+        the worker was away) is deleted from it."""
+        for member in self.cluster.ready():
+            for model in member.status.get("served", {}):
+                served = self.registry.models.get(model)
+                if model not in models or served is None or member.name not in served.replica_nodes:
+                    self.remote.remove(member, model)
+
+    def ready_replicas(self, name: str) -> list[Replica]:
+        """The replicas a request for the Model may go to now."""
+        served = self.registry.models.get(name)
+        if served is None:
+            return []
+        out = []
+        for node in served.replica_nodes:
+            member = self.cluster.members.get(node) if self.cluster else None
+            if node == self.node.name and served.engine is not None:
+                out.append(Replica(node, None))
+            elif member is not None and member.ready and (member.model(name) or {}).get("ready"):
+                out.append(Replica(node, member.address))
+        return out
 
     # -- the node's memory -------------------------------------------------
 
@@ -287,6 +366,8 @@ class Reconciler:
             # a group is started for one topology generation and one pairing: either changing restarts it
             topology, placement = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
             self._check_group(served)
+        if self.cluster is not None and topology is None and not self._placed_here(served, obj, spec, pairing):
+            return
         restart_due = served.retry_at is not None and now >= served.retry_at
         up_to_date = served.generation == obj.generation and served.placement == placement and not served.restart and (
             served.engine is not None or served.phase is Phase.FAILED and not restart_due)
@@ -536,6 +617,23 @@ class Reconciler:
                                    "node": self.node.name}
         status["scaling"] = {"minReplicas": served.spec.min_replicas, "idleSeconds": served.spec.idle_seconds,
                              "priority": served.spec.priority, "replicas": 1 if ready else 0}
+        if self.cluster is None and served.spec.replicas > 1:
+            status["conditions"].append(condition(
+                "Scheduled", False, "Unschedulable", f"{served.spec.replicas - 1} of {served.spec.replicas} replicas "
+                "fit no Node: this daemon is one Node (start it as a cluster head, docs/cluster.md)",
+                obj.generation, obj.status))
+        if self.cluster is not None and served.spec.topology_ref is None:
+            routable = {r.node for r in self.ready_replicas(served.name)}
+            status["replicas"] = [{"node": n, "ready": n in routable} for n in served.replica_nodes]
+            status["readyReplicas"] = len(routable)
+            if served.replicas_short:
+                status["conditions"].append(condition("Scheduled", False, "Unschedulable", served.replicas_short,
+                                                      obj.generation, obj.status))
+            ready = bool(routable)
+            status["conditions"][0] = condition(
+                "Ready", ready, "ReplicasReady" if ready else status["conditions"][0]["reason"],
+                f"{len(routable)} of {served.spec.replicas} replicas ready" if ready else status["conditions"][0]["message"],
+                obj.generation, obj.status)
         if served.engine is not None and served.engine.faults:
             status["faults"] = served.engine.faults
         if served.spec.topology_ref is not None:

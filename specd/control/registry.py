@@ -100,6 +100,9 @@ class ServedModel:
     demand: int = 0  # requests waiting for it to load
     failures: int = 0  # loads in a row that failed for a reason that can pass (retried with backoff)
     restart: bool = False  # rollout restart asked for a fresh load
+    replica_nodes: list[str] = field(default_factory=list)  # on a head: the Nodes its replicas are placed on
+    replicas_short: str = ""  # why some replicas fit no Node
+    elsewhere: bool = False  # on a head: every replica runs on other Nodes
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:
@@ -247,9 +250,9 @@ class ModelRegistry:
 
     def not_ready(self) -> dict[str, str]:
         """Reasons, by model, why the daemon is not ready (empty when it is): a Model
-        at zero replicas is as it should be."""
+        at zero replicas, or served by other Nodes, is as it should be."""
         return {n: (f"{m.phase.value}: {m.reason}" if m.reason else m.phase.value)
-                for n, m in self.models.items() if m.engine is None and m.phase is not Phase.IDLE}
+                for n, m in self.models.items() if m.engine is None and m.phase is not Phase.IDLE and not m.elsewhere}
 
     async def shutdown(self, grace: float) -> None:
         for served in self.models.values():

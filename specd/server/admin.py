@@ -165,15 +165,26 @@ async def apply(request: web.Request) -> web.Response:
     return _warned({"items": items, "warnings": warnings}, warnings)
 
 
-def _node_object(request: web.Request) -> dict[str, Any]:
-    """This daemon's node, as ``get nodes`` shows it (computed, not stored)."""
+def _node_objects(request: web.Request) -> list[dict[str, Any]]:
+    """This daemon's node and, on a head, the Nodes that joined it, as ``get nodes`` shows them."""
     reconciler = request.app[RECONCILER]
     status = reconciler.node.status(reconciler.holdings(), reconciler.in_use())
     name = status.pop("name")
     status["conditions"] = [{"type": "Ready", "status": "True", "reason": "DaemonRunning",
                              "message": "this daemon serves the node", "lastTransitionTime": STARTED_AT}]
-    return {"apiVersion": API_VERSION, "kind": "Node",
-            "metadata": {"name": name, "creationTimestamp": STARTED_AT}, "spec": {}, "status": status}
+    out = [{"apiVersion": API_VERSION, "kind": "Node", "metadata": {"name": name, "creationTimestamp": STARTED_AT},
+            "spec": {"role": "head" if reconciler.cluster else "standalone"}, "status": status}]
+    if reconciler.cluster is not None:
+        stored = {o.name: o for o in _store(request).list("Node")}
+        for member in reconciler.cluster.members.values():
+            reported = {k: v for k, v in member.status.items() if k not in ("name", "served")}
+            obj = stored.get(member.name)
+            out.append({"apiVersion": API_VERSION, "kind": "Node",
+                        "metadata": {"name": member.name, "creationTimestamp": obj.created if obj else None},
+                        "spec": {"role": "worker", "address": member.address},
+                        "status": {**reported, "chip": member.chip, "allocatable": member.allocatable,
+                                   "conditions": [reconciler.cluster.condition(member)]}})
+    return out
 
 
 STARTED_AT = now_iso()
@@ -181,15 +192,15 @@ STARTED_AT = now_iso()
 
 @routes.get(PREFIX + "/nodes")
 async def list_nodes(request: web.Request) -> web.Response:
-    return web.json_response({"apiVersion": API_VERSION, "kind": "NodeList", "items": [_node_object(request)]})
+    return web.json_response({"apiVersion": API_VERSION, "kind": "NodeList", "items": _node_objects(request)})
 
 
 @routes.get(PREFIX + "/nodes/{name}")
 async def get_node(request: web.Request) -> web.Response:
-    node = _node_object(request)
-    if request.match_info["name"] != node["metadata"]["name"]:
-        raise StatusError(404, "NotFound", f'Node "{request.match_info["name"]}" not found')
-    return web.json_response(node)
+    for node in _node_objects(request):
+        if node["metadata"]["name"] == request.match_info["name"]:
+            return web.json_response(node)
+    raise StatusError(404, "NotFound", f'Node "{request.match_info["name"]}" not found')
 
 
 @routes.post(PREFIX + "/models/{name}/restart")

@@ -6,6 +6,7 @@ import asyncio
 
 from aiohttp import web
 
+from ..control.cluster import Cluster
 from ..control.reconciler import Reconciler
 from ..control.registry import ModelRegistry
 from ..control.store import Store
@@ -14,6 +15,7 @@ from .response_store import ResponseStore
 REGISTRY = web.AppKey("registry", ModelRegistry)
 STORE = web.AppKey("store", Store)
 RECONCILER = web.AppKey("reconciler", Reconciler)
+CLUSTER = web.AppKey("cluster", Cluster)  # absent: this daemon is no head
 ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configured
 API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open
 CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call the inference routes from

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""A cluster on this machine: replicas on two Nodes against one, and how the head routes.
+
+Every Node is a worker daemon pinned to its own core (``taskset``), so two
+Nodes really have twice the compute; the head (no room of its own,
+``--memory-limit 1Mi``: it only places and relays) shares the last core.
+The Model is the demo target, in one run:
+
+1. **Throughput** at 8 concurrent greedy completions of 128 tokens (code
+   prompts): 2 replicas on 2 Nodes against 1 replica on 1 Node, both through
+   the head; tokens/s, median of ``--runs``.
+2. **Multi-turn routing** over 2 replicas: 4 conversations at once, each a
+   shared system prompt (about 1,500 tokens of Python) and 6 turns, with the
+   head's prefix-aware routing against round-robin: the prefix-cache hit rate
+   of turns 2 to 6 (``cached_tokens`` over prompt tokens) and their median
+   time to first token.
+
+Tensor against pipeline parallelism over a slowed link is not measured yet:
+specd has no pipeline parallelism (docs/cluster.md).
+
+    python ops/bench/cluster.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from transformers import AutoTokenizer
+
+from multiturn import chat_turns, conversation, system_prompt
+from serve_vs_mlx_lm import child_env, free_port, stop_group
+from spec_decode import machine_info, write_result
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO_ROOT / "ops" / "bench" / "results" / "cluster.json"
+MODEL = REPO_ROOT / "models" / "demo" / "target"
+TOKEN = "bench-cluster-token"
+
+
+@contextlib.contextmanager
+def daemon(home: Path, core: int, env: dict, *extra: str):
+    """A specd daemon pinned to one core; yields its URL."""
+    home.mkdir(parents=True)
+    port = free_port()
+    argv = ["taskset", "-c", str(core), sys.executable, "-m", "specd.cli", "daemon", "--state-dir",
+            str(home / "state"), "--host", "127.0.0.1", "--port", str(port), *extra]
+    with open(home / "daemon.log", "wb") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_group(proc)
+
+
+@contextlib.contextmanager
+def cluster(workdir: Path, workers: int, routing: str, env: dict):
+    """A head and ``workers`` Nodes (worker i on core i), the demo target with one replica each."""
+    (workdir / "token").write_text(TOKEN)
+    cores = os.cpu_count() or 1
+    with contextlib.ExitStack() as stack:
+        head = stack.enter_context(daemon(workdir / "head", cores - 1, env, "--cluster-token-file",
+                                          str(workdir / "token"), "--memory-limit", "1Mi", "--routing", routing))
+        for i in range(workers):
+            stack.enter_context(daemon(workdir / f"w{i}", i % cores, env, "--join", head, "--token-file",
+                                       str(workdir / "token"), "--node-name", f"w{i}"))
+        yield head
+
+
+async def until(check, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+async def serving(session: aiohttp.ClientSession, head: str, replicas: int) -> None:
+    """Apply the Model with ``replicas`` replicas once the Nodes joined; wait until every one is ready."""
+    async def joined():
+        try:
+            async with session.get(f"{head}/apis/specd.dev/v1alpha1/nodes") as r:
+                items = (await r.json())["items"]
+        except aiohttp.ClientError:
+            return False
+        return sum(n["status"]["conditions"][0]["status"] == "True" for n in items) > replicas
+    await until(joined, "Nodes")
+    manifest = {"apiVersion": "specd.dev/v1alpha1", "kind": "Model", "metadata": {"name": "demo"},
+                "spec": {"source": str(MODEL), "replicas": replicas}}
+    async with session.post(f"{head}/apis/specd.dev/v1alpha1/apply", json={"items": [manifest]}) as r:
+        r.raise_for_status()
+
+    async def ready():
+        async with session.get(f"{head}/apis/specd.dev/v1alpha1/models/demo") as r:
+            return (await r.json()).get("status", {}).get("readyReplicas") == replicas
+    await until(ready, "replicas")
+
+
+async def completion(session: aiohttp.ClientSession, head: str, prompt: str) -> int:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": 128, "temperature": 0}
+    async with session.post(f"{head}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        return (await r.json())["usage"]["completion_tokens"]
+
+
+async def throughput(workdir: Path, replicas: int, runs: int, env: dict) -> list[float]:
+    source = (REPO_ROOT / "tests" / "data" / "speculation_sample.txt").read_text()
+    rates = []
+    with cluster(workdir, replicas, "prefix", env) as head:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            await serving(session, head, replicas)
+            await completion(session, head, source[:100])
+            for run in range(runs):
+                prompts = [source[(run * 8 + i) * 250:(run * 8 + i) * 250 + 400] for i in range(8)]
+                started = time.perf_counter()
+                tokens = await asyncio.gather(*(completion(session, head, p) for p in prompts))
+                rates.append(sum(tokens) / (time.perf_counter() - started))
+    return rates
+
+
+async def multiturn(workdir: Path, routing: str, runs: int, env: dict) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    system = system_prompt(tokenizer, 1500)
+    ttfts, cached, prompt = [], 0, 0
+    with cluster(workdir, 2, routing, env) as head:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            await serving(session, head, 2)
+            for run in range(runs):
+                done = await asyncio.gather(*(conversation(session, head, "demo", system, chat_turns(run, c), 32)
+                                              for c in range(4)))
+                for conv in done:
+                    for t in conv["turns"][1:]:
+                        ttfts.append(t["ttft_s"])
+                        cached += t["cached_tokens"] or 0
+                        prompt += t["prompt_tokens"] or 0
+    return {"hit_rate": cached / prompt, "later_turn_ttft_s": statistics.median(ttfts)}
+
+
+async def bench(args: argparse.Namespace, workdir: Path) -> dict:
+    env, _ = child_env()
+    one = await throughput(workdir / "one", 1, args.runs, env)
+    two = await throughput(workdir / "two", 2, args.runs, env)
+    prefix = await multiturn(workdir / "prefix", "prefix", args.runs, env)
+    rr = await multiturn(workdir / "rr", "round-robin", args.runs, env)
+    return {"throughput_c8": {"one_node_tok_s": statistics.median(one), "two_nodes_tok_s": statistics.median(two),
+                              "ratio": statistics.median(two) / statistics.median(one), "raw": {"one": one, "two": two}},
+            "multiturn_c4": {"prefix": prefix, "round-robin": rr}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = asyncio.run(bench(args, Path(tmp)))
+    t = results["throughput_c8"]
+    print(f"c=8 tok/s: 1 replica on 1 Node {t['one_node_tok_s']:.1f}, 2 replicas on 2 Nodes "
+          f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x")
+    for routing, r in results["multiturn_c4"].items():
+        print(f"multi-turn c=4, {routing:>11}: hit rate {r['hit_rate']:.2f}, later-turn TTFT "
+              f"{1000 * r['later_turn_ttft_s']:.0f} ms")
+    write_result(args.out, {**machine_info(args), "results": results})
+    print(json.dumps({"ratio": round(t["ratio"], 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The head's view of the cluster: the Nodes that joined it, and their health.
+
+A Mac joins as k3s agents join a k3s server: its daemon is started with
+``--join HEAD --token-file FILE`` and calls the head's cluster API with that
+token (``control/agent.py``). The head admits it only with the right token, a
+name no other live Node holds, and the same specd and MLX versions; every
+refusal is an event on the Node. A joined Node is stored (kind ``Node``) in the
+head's SQLite store, which stays the only source of truth: a restarted head
+knows its Nodes, and each is ``NotReady`` until its next heartbeat. A Node
+that misses ``MISSED_HEARTBEATS`` heartbeats is ``NotReady`` with the reason.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from .store import NotFound, Store
+
+HEARTBEAT_SECONDS = 2.0
+MISSED_HEARTBEATS = 3
+
+
+def versions() -> dict[str, str]:
+    """What every Node of a cluster must run alike."""
+    return {"specd": importlib.metadata.version("specd"), "mlx": mx.__version__}
+
+
+class Refused(Exception):
+    """A join or heartbeat the head does not accept (HTTP status, reason, message)."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass
+class Member:
+    """A joined Node as the head knows it."""
+
+    name: str
+    address: str  # its daemon's URL: where its replicas are served and controlled
+    instance: str  # its daemon process: a restarted one joins again
+    chip: str = ""
+    allocatable: int = 0
+    capacity: int = 0
+    status: dict[str, Any] = field(default_factory=dict)  # its last heartbeat: memory and Models
+    last_seen: float | None = None  # monotonic; None: not seen since the head started
+    ready: bool = False
+    reason: str = "NotSeen"
+
+    def model(self, name: str) -> dict[str, Any] | None:
+        """What the Node reported of a Model it serves."""
+        return self.status.get("served", {}).get(name)
+
+
+class Cluster:
+    def __init__(self, store: Store, token: str):
+        self.store = store
+        self.token = token
+        self._token = f"Bearer {token}".encode()
+        self.members: dict[str, Member] = {}
+        for obj in store.list("Node"):  # a restarted head knows its Nodes, each NotReady until it is heard from
+            spec = obj.spec
+            self.members[obj.name] = Member(obj.name, spec["address"], spec.get("instance", ""), spec.get("chip", ""),
+                                            spec.get("allocatable", 0), spec.get("capacity", 0))
+
+    def authorize(self, header: str) -> None:
+        if not hmac.compare_digest(header.encode("utf-8", "surrogateescape"), self._token):
+            raise Refused(401, "Unauthorized", "a valid cluster token is required")
+
+    def join(self, name: str, header: str, body: dict[str, Any]) -> Member:
+        """Admit a Node (or the same Node again after its daemon restarted)."""
+        try:
+            self.authorize(header)
+            mine = versions()
+            theirs = {k: body.get("versions", {}).get(k) for k in mine}
+            if theirs != mine:
+                raise Refused(422, "VersionMismatch", f"the Node runs {_shown(theirs)}; this cluster runs {_shown(mine)}")
+            known = self.members.get(name)
+            if known is not None and known.ready and known.instance != body.get("instance"):
+                raise Refused(409, "NameInUse", f'a live Node already holds the name "{name}" (at {known.address})')
+        except Refused as refused:
+            self.store.record_event("Node", name, "Warning", refused.reason, refused.message)
+            raise
+        member = Member(name, str(body["address"]), str(body.get("instance", "")), str(body.get("chip", "")),
+                        int(body.get("allocatable", 0)), int(body.get("capacity", 0)))
+        spec = {"address": member.address, "instance": member.instance, "chip": member.chip,
+                "allocatable": member.allocatable, "capacity": member.capacity, "versions": mine}
+        self.store.apply([{"kind": "Node", "name": name, "labels": {}, "annotations": {}, "spec": spec}], server=True)
+        self.members[name] = member
+        self.store.record_event("Node", name, "Normal", "Joined", f"joined from {member.address}")
+        self.heartbeat(name, header, {"instance": member.instance, "status": body.get("status", {})})
+        return member
+
+    def heartbeat(self, name: str, header: str, body: dict[str, Any]) -> None:
+        self.authorize(header)
+        member = self.members.get(name)
+        if member is None or member.instance != body.get("instance"):
+            raise Refused(410, "JoinAgain", f'Node "{name}" is not joined as this daemon: join again')
+        member.status = body.get("status", {})
+        member.last_seen = time.monotonic()
+        if not member.ready:
+            member.ready, member.reason = True, "HeartbeatReceived"
+            self.store.record_event("Node", name, "Normal", "NodeReady", "heartbeats received")
+            self._write(member)
+
+    def check_health(self) -> list[Member]:
+        """Mark Nodes not heard from lately NotReady; returns the ones that just went."""
+        now, lost = time.monotonic(), []
+        for member in self.members.values():
+            silent = member.last_seen is None or now - member.last_seen > MISSED_HEARTBEATS * HEARTBEAT_SECONDS
+            if member.ready and silent:
+                member.ready = False
+                member.reason = "NodeStatusUnknown"
+                seconds = now - member.last_seen
+                self.store.record_event("Node", member.name, "Warning", "NodeNotReady",
+                                        f"no heartbeat for {seconds:.0f}s")
+                self._write(member)
+                lost.append(member)
+        return lost
+
+    def ready(self) -> list[Member]:
+        return [m for m in self.members.values() if m.ready]
+
+    def _write(self, member: Member) -> None:
+        try:
+            self.store.set_status("Node", member.name, {"conditions": [self.condition(member)]})
+        except NotFound:
+            pass
+
+    def condition(self, member: Member) -> dict[str, Any]:
+        seen = "never since the head started" if member.last_seen is None else \
+            f"last heartbeat {time.monotonic() - member.last_seen:.1f}s ago"
+        return {"type": "Ready", "status": "True" if member.ready else "False", "reason": member.reason,
+                "message": seen}
+
+
+def _shown(v: dict[str, str | None]) -> str:
+    return ", ".join(f"{k} {v[k]}" for k in v)

@@ -1,0 +1,200 @@
+"""A cluster on loopback: a head and worker daemons that join it with a token, replicas
+placed by memory, requests routed by prefix and load, a Node lost and back, a head restarted."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import code_sample, model_manifest, start_daemon
+from specd.control.cluster import versions
+from test_control_plane import get, specd, wait_for
+
+BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
+
+
+def token_file(tmp: Path, token: str = "s3cret-cluster-token") -> Path:
+    path = tmp / f"token-{token}"
+    path.write_text(token + "\n")
+    return path
+
+
+def head(tmp: Path) -> object:
+    """A head with no room of its own (1 MiB): every replica goes to a worker."""
+    return start_daemon(tmp / "head", {}, True, "--cluster-token-file", str(token_file(tmp)),
+                        "--memory-limit", "1Mi", "--node-name", "head")
+
+
+def worker(tmp: Path, name: str, head_url: str, token: Path) -> object:
+    return start_daemon(tmp / name, {}, True, "--join", head_url, "--token-file", str(token),
+                        "--node-name", name, "--memory-limit", "2Gi")
+
+
+def nodes(daemon) -> dict[str, dict]:
+    items = json.loads(daemon.get("/apis/specd.dev/v1alpha1/nodes")[1])["items"]
+    return {n["metadata"]["name"]: n for n in items}
+
+
+def node_ready(daemon, name: str) -> bool:
+    node = nodes(daemon).get(name)
+    return node is not None and node["status"]["conditions"][0]["status"] == "True"
+
+
+def routed(daemon) -> dict[str, float]:
+    text = daemon.get("/metrics")[1].decode()
+    return {s.labels["node"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "specd_routed_requests" for s in f.samples if s.name.endswith("_total")}
+
+
+def node_events(daemon, name: str) -> list[dict]:
+    return json.loads(daemon.get(f"/apis/specd.dev/v1alpha1/nodes/{name}/events")[1])["items"]
+
+
+def chat(url: str, messages: list[dict], max_tokens: int = 12):
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0)
+
+
+def join(daemon, name: str, token: str, **body) -> tuple[int, dict]:
+    body = {"address": "http://127.0.0.1:1", "instance": "raw", "versions": versions(), **body}
+    req = urllib.request.Request(f"{daemon.url}/cluster/v1/nodes/{name}/join", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture()
+def cluster(tmp_path):
+    h = head(tmp_path)
+    workers = {n: worker(tmp_path, n, h.url, token_file(tmp_path)) for n in ("w1", "w2")}
+    try:
+        wait_for(lambda: node_ready(h, "w1") and node_ready(h, "w2"), 30, "workers joined")
+        yield h, workers
+    finally:
+        for d in [h, *workers.values()]:
+            d.stop(signal.SIGKILL)
+
+
+def test_joins_are_refused_with_the_reason(tmp_path, cluster):
+    h, _ = cluster
+    status, body = join(h, "w3", "wrong-token")
+    assert status == 401 and body["reason"] == "Unauthorized"
+    status, body = join(h, "w3", "s3cret-cluster-token", versions={"specd": "0.0.1", "mlx": "0.1"})
+    assert status == 422 and "0.0.1" in body["message"]
+    status, body = join(h, "w2", "s3cret-cluster-token")  # a live Node holds the name
+    assert status == 409 and body["reason"] == "NameInUse"
+    assert [e["reason"] for e in node_events(h, "w3")] == ["Unauthorized", "VersionMismatch"]
+    assert node_events(h, "w2")[-1]["reason"] == "NameInUse"
+    stray = worker(tmp_path, "w9", h.url, token_file(tmp_path, "not-the-token"))
+    try:
+        wait_for(lambda: any(e["reason"] == "Unauthorized" for e in node_events(h, "w9")), 30, "refusal event")
+        assert "w9" not in nodes(h)
+        table = specd(h, "get", "nodes").stdout
+        assert "w1" in table and "w2" in table and "head" in table
+    finally:
+        stray.stop(signal.SIGKILL)
+
+
+def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_path, cluster):
+    h, workers = cluster
+    manifest = model_manifest("m", forged / "target", replicas=2, **BUDGETS)
+    (tmp_path / "m.yaml").write_text(manifest)
+    specd(h, "apply", "-f", str(tmp_path / "m.yaml"))
+    wait_for(lambda: get(h, "model", "m")["status"].get("readyReplicas") == 2, 120, "two replicas")
+    assert sorted(r["node"] for r in get(h, "model", "m")["status"]["replicas"]) == ["w1", "w2"]
+
+    # requests spread over both replicas, each answer what one engine gives
+    text = code_sample("speculation")
+    prompts = [[{"role": "user", "content": text[i * 300:i * 300 + 200]}] for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        through_head = list(pool.map(lambda p: chat(h.url, p).choices[0].message.content, prompts))
+    alone = [chat(workers["w1"].url, p).choices[0].message.content for p in prompts]
+    assert through_head == alone
+    spread = routed(h)
+    assert spread.get("w1", 0) >= 1 and spread.get("w2", 0) >= 1, spread
+
+    # a conversation stays with the replica that holds its prefix
+    conversation = [{"role": "system", "content": text[:1500]}, {"role": "user", "content": "def f():"}]
+    before = routed(h)
+    first = chat(h.url, conversation)
+    home = next(n for n, v in routed(h).items() if v > before.get(n, 0))
+    for turn in range(3):
+        conversation += [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": f"and then {turn}"}]
+        before = routed(h)
+        first = chat(h.url, conversation)
+        after = routed(h)
+        assert after[home] == before[home] + 1, (home, before, after)
+        assert first.usage.prompt_tokens_details.cached_tokens > 0
+
+    # the Node of that replica is lost mid-stream: the stream ends with an error, and traffic moves
+    client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model="m", messages=conversation, max_tokens=1500, temperature=0,
+                                            stream=True, logit_bias={"0": -100, "2": -100})
+    next(iter(stream))
+    workers[home].stop(signal.SIGKILL)
+    with pytest.raises(Exception):
+        for _ in stream:
+            pass
+    other = "w2" if home == "w1" else "w1"
+    wait_for(lambda: not node_ready(h, home), 30, "the lost Node NotReady")
+    status = wait_for(lambda: (s := get(h, "model", "m")["status"]) and s["readyReplicas"] == 1 and s, 30,
+                      "one replica left")
+    assert any(c["type"] == "Scheduled" and c["status"] == "False" for c in status["conditions"]), status
+    before = routed(h)
+    for p in prompts[:4]:
+        chat(h.url, p)
+    after = routed(h)
+    assert after[other] == before[other] + 4 and after.get(home, 0) == before.get(home, 0)
+
+    # the head is killed and restarted: its Nodes and the placement are intact
+    h.stop(signal.SIGKILL)
+    h2 = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token_file(tmp_path)),
+                      "--memory-limit", "1Mi", "--node-name", "head", port=h.port)
+    try:
+        assert {"w1", "w2"} <= set(nodes(h2))
+        assert [r["node"] for r in get(h2, "model", "m")["status"]["replicas"]] == [other]
+        wait_for(lambda: node_ready(h2, other), 30, "the live worker heard from again")
+        assert chat(h2.url, prompts[0]).choices[0].message.content == alone[0]
+
+        # the lost Node comes back and is reconciled: the replica goes back on it
+        workers[home] = worker(tmp_path, home, h2.url, token_file(tmp_path))
+        wait_for(lambda: get(h2, "model", "m")["status"].get("readyReplicas") == 2, 120, "two replicas again")
+    finally:
+        h2.stop(signal.SIGKILL)
+
+
+
+def test_the_router_keeps_conversations_with_their_prefix_and_spreads_the_rest():
+    from specd.control.routing import Replica, Router
+
+    router, replicas = Router(), [Replica("a", None), Replica("b", "http://b")]
+    system = {"role": "system", "content": "x" * 3000}  # one system prompt for every conversation
+    histories = [[system, {"role": "user", "content": f"question {i} " * 40}] for i in range(4)]
+    homes = []
+    for history in histories:  # four conversations open at once: they spread
+        home = router.pick("m", replicas, {"messages": history})
+        router.started("m", home.node)
+        homes.append(home.node)
+    assert sorted(homes) == ["a", "a", "b", "b"]
+    for i, history in enumerate(histories):  # later turns, each while its conversation is not in flight
+        router.finished("m", homes[i])
+        history += [{"role": "assistant", "content": "y" * 600}, {"role": "user", "content": "more " * 60}]
+        assert router.pick("m", replicas, {"messages": history}).node == homes[i]
+        router.started("m", homes[i])
+    for _ in range(3):  # the home replica saturated: the conversation moves
+        router.started("m", homes[0])
+    histories[0].append({"role": "user", "content": "again " * 60})
+    assert router.pick("m", replicas, {"messages": histories[0]}).node != homes[0]
+    rr = Router("round-robin")
+    assert [rr.pick("m", replicas, {}).node for _ in range(4)] == ["a", "b", "a", "b"]
