@@ -8,17 +8,24 @@ The Model is the demo target, in one run:
 
 1. **Throughput** at 8 concurrent greedy completions of 128 tokens (code
    prompts): 2 replicas on 2 Nodes against 1 replica on 1 Node, both through
-   the head; tokens/s, median of ``--runs``.
-2. **Multi-turn routing** over 2 replicas: 4 conversations at once, each a
-   shared system prompt (about 1,500 tokens of Python) and 6 turns, with the
-   head's prefix-aware routing against round-robin: the prefix-cache hit rate
-   of turns 2 to 6 (``cached_tokens`` over prompt tokens) and their median
-   time to first token.
+   the head; tokens/s, median of ``--runs``; on the demo target, and with
+   ``--big`` also on a random-weight Llama of about 1 GB (32 tokens each), whose
+   steps cost more as the batch grows (the demo target's barely do: one
+   replica at 8 requests costs about what it does at 4).
+2. **Multi-turn routing** over 2 replicas: 4 conversations at once, each with
+   its own context (about 1,500 tokens of Python, a different file for each, as
+   agents working on different code) and 6 turns (replies of
+   16, 24, 32 and 40 tokens, so the conversations drift apart and their turns
+   reach the head in changing order, as real clients' do), with the head's
+   prefix-aware routing against round-robin: the prefix-cache hit rate of
+   turns 2 to 6 (``cached_tokens`` over prompt tokens) and their median time
+   to first token.
 
 Tensor against pipeline parallelism over a slowed link is not measured yet:
 specd has no pipeline parallelism (docs/cluster.md).
 
-    python ops/bench/cluster.py [--runs 3]
+    specd forge models/test --preset test   # the tokenizer of the --big model
+    python ops/bench/cluster.py [--runs 3] [--big]
 """
 
 from __future__ import annotations
@@ -38,13 +45,16 @@ from pathlib import Path
 import aiohttp
 from transformers import AutoTokenizer
 
-from multiturn import chat_turns, conversation, system_prompt
+from multiturn import chat_turns, conversation
 from serve_vs_mlx_lm import child_env, free_port, stop_group
 from spec_decode import machine_info, write_result
+from specd.forge.families import build
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "ops" / "bench" / "results" / "cluster.json"
-MODEL = REPO_ROOT / "models" / "demo" / "target"
+DEMO = REPO_ROOT / "models" / "demo" / "target"
+ONE_GB = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+          "intermediate_size": 5632, "num_hidden_layers": 6, "max_position_embeddings": 4096}
 TOKEN = "bench-cluster-token"
 
 
@@ -67,6 +77,7 @@ def daemon(home: Path, core: int, env: dict, *extra: str):
 @contextlib.contextmanager
 def cluster(workdir: Path, workers: int, routing: str, env: dict):
     """A head and ``workers`` Nodes (worker i on core i), the demo target with one replica each."""
+    workdir.mkdir(parents=True)
     (workdir / "token").write_text(TOKEN)
     cores = os.cpu_count() or 1
     with contextlib.ExitStack() as stack:
@@ -86,7 +97,7 @@ async def until(check, what: str, timeout: float = 180) -> None:
         await asyncio.sleep(0.2)
 
 
-async def serving(session: aiohttp.ClientSession, head: str, replicas: int) -> None:
+async def serving(session: aiohttp.ClientSession, head: str, replicas: int, model: Path) -> None:
     """Apply the Model with ``replicas`` replicas once the Nodes joined; wait until every one is ready."""
     async def joined():
         try:
@@ -97,7 +108,7 @@ async def serving(session: aiohttp.ClientSession, head: str, replicas: int) -> N
         return sum(n["status"]["conditions"][0]["status"] == "True" for n in items) > replicas
     await until(joined, "Nodes")
     manifest = {"apiVersion": "specd.dev/v1alpha1", "kind": "Model", "metadata": {"name": "demo"},
-                "spec": {"source": str(MODEL), "replicas": replicas}}
+                "spec": {"source": str(model), "replicas": replicas}}
     async with session.post(f"{head}/apis/specd.dev/v1alpha1/apply", json={"items": [manifest]}) as r:
         r.raise_for_status()
 
@@ -107,38 +118,55 @@ async def serving(session: aiohttp.ClientSession, head: str, replicas: int) -> N
     await until(ready, "replicas")
 
 
-async def completion(session: aiohttp.ClientSession, head: str, prompt: str) -> int:
-    body = {"model": "demo", "prompt": prompt, "max_tokens": 128, "temperature": 0}
+async def completion(session: aiohttp.ClientSession, head: str, prompt: str, max_tokens: int) -> int:
+    body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     async with session.post(f"{head}/v1/completions", json=body) as r:
         r.raise_for_status()
         return (await r.json())["usage"]["completion_tokens"]
 
 
-async def throughput(workdir: Path, replicas: int, runs: int, env: dict) -> list[float]:
+async def throughput(workdir: Path, replicas: int, runs: int, env: dict, model: Path, max_tokens: int) -> list[float]:
     source = (REPO_ROOT / "tests" / "data" / "speculation_sample.txt").read_text()
     rates = []
     with cluster(workdir, replicas, "prefix", env) as head:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-            await serving(session, head, replicas)
-            await completion(session, head, source[:100])
+            await serving(session, head, replicas, model)
+            await completion(session, head, source[:100], 4)
             for run in range(runs):
                 prompts = [source[(run * 8 + i) * 250:(run * 8 + i) * 250 + 400] for i in range(8)]
                 started = time.perf_counter()
-                tokens = await asyncio.gather(*(completion(session, head, p) for p in prompts))
+                tokens = await asyncio.gather(*(completion(session, head, p, max_tokens) for p in prompts))
                 rates.append(sum(tokens) / (time.perf_counter() - started))
     return rates
 
 
+def compared(one: list[float], two: list[float]) -> dict:
+    return {"one_node_tok_s": statistics.median(one), "two_nodes_tok_s": statistics.median(two),
+            "ratio": statistics.median(two) / statistics.median(one), "raw": {"one": one, "two": two}}
+
+
+def contexts(tokenizer, tokens: int, index: int) -> str:
+    """About ``tokens`` tokens of one of the standard library's modules, a different one per ``index``."""
+    import inspect
+    import json.decoder
+    import json.encoder
+    import statistics as stats
+    import textwrap as wrap
+    module = (json.decoder, json.encoder, stats, wrap)[index % 4]
+    ids = tokenizer.encode(inspect.getsource(module))[:tokens]
+    return f"You are a code assistant. The code under discussion ({module.__name__}):\n" + tokenizer.decode(ids)
+
+
 async def multiturn(workdir: Path, routing: str, runs: int, env: dict) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
-    system = system_prompt(tokenizer, 1500)
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO))
+    systems = [contexts(tokenizer, 1500, c) for c in range(4)]
     ttfts, cached, prompt = [], 0, 0
     with cluster(workdir, 2, routing, env) as head:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-            await serving(session, head, 2)
+            await serving(session, head, 2, DEMO)
             for run in range(runs):
-                done = await asyncio.gather(*(conversation(session, head, "demo", system, chat_turns(run, c), 32)
-                                              for c in range(4)))
+                done = await asyncio.gather(*(conversation(session, head, "demo", systems[c], chat_turns(run, c),
+                                                           16 + 8 * c) for c in range(4)))
                 for conv in done:
                     for t in conv["turns"][1:]:
                         ttfts.append(t["ttft_s"])
@@ -149,30 +177,34 @@ async def multiturn(workdir: Path, routing: str, runs: int, env: dict) -> dict:
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     env, _ = child_env()
-    one = await throughput(workdir / "one", 1, args.runs, env)
-    two = await throughput(workdir / "two", 2, args.runs, env)
-    prefix = await multiturn(workdir / "prefix", "prefix", args.runs, env)
-    rr = await multiturn(workdir / "rr", "round-robin", args.runs, env)
-    return {"throughput_c8": {"one_node_tok_s": statistics.median(one), "two_nodes_tok_s": statistics.median(two),
-                              "ratio": statistics.median(two) / statistics.median(one), "raw": {"one": one, "two": two}},
-            "multiturn_c4": {"prefix": prefix, "round-robin": rr}}
+    out = {"throughput_c8": {"demo": compared(await throughput(workdir / "one", 1, args.runs, env, DEMO, 128),
+                                              await throughput(workdir / "two", 2, args.runs, env, DEMO, 128))}}
+    if args.big:
+        big = build("llama", workdir / "one-gb", REPO_ROOT / "models" / "test" / "target", overrides=ONE_GB)
+        out["throughput_c8"]["random 1 GB"] = compared(
+            await throughput(workdir / "big-one", 1, args.runs, env, big, 32),
+            await throughput(workdir / "big-two", 2, args.runs, env, big, 32))
+    out["multiturn_c4"] = {"prefix": await multiturn(workdir / "prefix", "prefix", args.runs, env),
+                           "round-robin": await multiturn(workdir / "rr", "round-robin", args.runs, env)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--big", action="store_true", help="also the throughput of a random 1 GB model")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         results = asyncio.run(bench(args, Path(tmp)))
-    t = results["throughput_c8"]
-    print(f"c=8 tok/s: 1 replica on 1 Node {t['one_node_tok_s']:.1f}, 2 replicas on 2 Nodes "
-          f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x")
+    for model, t in results["throughput_c8"].items():
+        print(f"{model}, c=8 tok/s: 1 replica on 1 Node {t['one_node_tok_s']:.1f}, 2 replicas on 2 Nodes "
+              f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x")
     for routing, r in results["multiturn_c4"].items():
         print(f"multi-turn c=4, {routing:>11}: hit rate {r['hit_rate']:.2f}, later-turn TTFT "
               f"{1000 * r['later_turn_ttft_s']:.0f} ms")
     write_result(args.out, {**machine_info(args), "results": results})
-    print(json.dumps({"ratio": round(t["ratio"], 3)}))
+    print(json.dumps({m: round(t["ratio"], 3) for m, t in results["throughput_c8"].items()}))
     return 0
 
 
