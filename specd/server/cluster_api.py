@@ -29,13 +29,18 @@ def _refusal(refused: Refused) -> web.Response:
                               "message": refused.message, "code": refused.status}, status=refused.status)
 
 
-@routes.post("/cluster/v1/nodes/{name}/join")
-async def join(request: web.Request) -> web.Response:
+def _cluster(request: web.Request):
     cluster = request.app.get(CLUSTER)
     if cluster is None:
-        return _refusal(Refused(404, "NotAHead", "this daemon takes no Nodes (start it with --cluster-token-file)"))
+        raise Refused(404, "NotAHead", "this daemon takes no Nodes (start it with --cluster-token-file)")
+    return cluster
+
+
+@routes.post("/cluster/v1/nodes/{name}/join")
+async def join(request: web.Request) -> web.Response:
     try:
-        cluster.join(request.match_info["name"], request.headers.get("Authorization", ""), await _body(request))
+        _cluster(request).join(request.match_info["name"], request.headers.get("Authorization", ""),
+                               await _body(request))
     except (Refused, KeyError, TypeError, ValueError) as err:
         return _refusal(err if isinstance(err, Refused) else Refused(400, "BadRequest", f"bad join: {err}"))
     request.app[RECONCILER].trigger()
@@ -44,11 +49,9 @@ async def join(request: web.Request) -> web.Response:
 
 @routes.post("/cluster/v1/nodes/{name}/heartbeat")
 async def heartbeat(request: web.Request) -> web.Response:
-    cluster = request.app.get(CLUSTER)
-    if cluster is None:
-        return _refusal(Refused(404, "NotAHead", "this daemon takes no Nodes"))
     try:
-        cluster.heartbeat(request.match_info["name"], request.headers.get("Authorization", ""), await _body(request))
+        _cluster(request).heartbeat(request.match_info["name"], request.headers.get("Authorization", ""),
+                                    await _body(request))
     except Refused as refused:
         return _refusal(refused)
     return web.json_response({})

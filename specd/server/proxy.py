@@ -7,16 +7,18 @@ response as the worker writes it (status, headers that matter, and the body
 chunk by chunk, so a stream stays a stream and usage, ``cached_tokens`` and
 the speculation report come back unchanged). A client that leaves closes the
 upstream request, which cancels it on the worker; a worker lost mid-stream
-ends the stream with an error event.
+(its connection reset, or its Node NotReady) ends the stream with an error event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 from aiohttp import web
 
+from ..control.cluster import HEARTBEAT_SECONDS, Member
 from .completion import stream_error
 from .errors import APIError, unavailable
 from .keys import RECONCILER
@@ -50,15 +52,19 @@ async def route_to_replica(request: web.Request, handler) -> web.StreamResponse:
     try:
         if replica.address is None:
             return await handler(request)
-        return await relay(request, replica.address, raw)
+        return await relay(request, replica.address, raw, reconciler.cluster.members[replica.node])
     finally:
         reconciler.router.finished(name, replica.node)
 
 
-async def relay(request: web.Request, address: str, raw: bytes) -> web.StreamResponse:
+async def relay(request: web.Request, address: str, raw: bytes, member: Member) -> web.StreamResponse:
+    """Relay the request to a worker; a Node that dies, or goes NotReady (a Mac that hangs or
+    is cut off keeps its connections open), fails it."""
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "anthropic-version", "accept")}
     response: web.StreamResponse | None = None
-    try:
+
+    async def copy() -> None:
+        nonlocal response
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)) as session:
             async with session.post(address + request.path_qs, data=raw, headers=headers) as upstream:
                 response = web.StreamResponse(status=upstream.status, headers={
@@ -67,7 +73,15 @@ async def relay(request: web.Request, address: str, raw: bytes) -> web.StreamRes
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
-                return response
+
+    relaying = asyncio.ensure_future(copy())
+    try:
+        while not (await asyncio.wait({relaying}, timeout=HEARTBEAT_SECONDS))[0]:
+            if not member.ready:
+                relaying.cancel()
+                raise ConnectionResetError(f"Node {member.name} is NotReady ({member.reason})")
+        await relaying
+        return response
     except (aiohttp.ClientError, ConnectionResetError, OSError) as exc:
         err = APIError(502, f"the replica's Node failed: {type(exc).__name__}: {exc}", "server_error", None,
                        "replica_failed")
@@ -77,3 +91,5 @@ async def relay(request: web.Request, address: str, raw: bytes) -> web.StreamRes
             await response.write(stream_error(request, err))
         await response.write_eof()
         return response
+    finally:
+        relaying.cancel()  # the client left: closing the upstream request cancels it on the worker
