@@ -313,9 +313,9 @@ def check_memory(resources: list | None, state_dir: Path | None) -> Check:
                      "weights are counted as in use)", details)
     from .control.node import Node
 
-    requests = declared_requests(resources)
-    details["requests"] = requests
     allocatable = details["node_allocatable_bytes"] = Node().allocatable
+    requests = declared_requests(resources, allocatable)
+    details["requests"] = requests
     pinned = sum(r["bytes"] for r in requests if r["minReplicas"])
     message += f"; with their KV and prefix budgets, the Models loaded at all times request {_size(pinned)} " \
                f"of the node's {_size(allocatable)} allocatable"
@@ -331,14 +331,13 @@ def check_memory(resources: list | None, state_dir: Path | None) -> Check:
     return Check("memory", "ok", message, details=details)
 
 
-def declared_requests(resources: list) -> list[dict[str, Any]]:
-    """The memory each declared Model would request of this node (``control.resources``), where
+def declared_requests(resources: list, allocatable: int) -> list[dict[str, Any]]:
+    """The memory each declared Model would request of a node of ``allocatable`` bytes (``control.resources``), where
     its checkpoint is on this machine already; Models served by a Topology are placed elsewhere."""
-    from .control.node import Node
     from .control.resources import memory_request
 
     pairings = {r.spec.target_ref: r.spec for r in resources if r.kind == "DraftPairing"}
-    allocatable, out = Node().allocatable, []
+    out = []
     for r in resources:
         if r.kind != "Model" or r.spec.topology_ref is not None:
             continue

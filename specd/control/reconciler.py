@@ -252,17 +252,19 @@ class Reconciler:
         return out
 
     def in_use(self) -> dict[str, int]:
-        """What each loaded Model really holds: weights, the KV its rows hold, its prefix cache."""
-        out = {}
-        for m in self.registry.models.values():
-            if m.engine is None or m.request is None:
-                continue
-            used = m.weight_bytes or 0
-            if m.spec.task == "generate":
-                used += m.engine.kv_cache_status().get("bytes", 0) + m.engine.prefix_cache_status().get("bytes", 0)
-                used += m.request.drafter if m.pairing is not None and m.pairing.method != Method.NGRAM else 0
-            out[m.name] = used
-        return out
+        """What each loaded Model really holds (``model_in_use``)."""
+        return {m.name: used for m in self.registry.models.values() if (used := self.model_in_use(m)) is not None}
+
+    @staticmethod
+    def model_in_use(m: ServedModel) -> int | None:
+        """What a loaded Model really holds: weights, the KV its rows hold, its prefix cache, its drafter."""
+        if m.engine is None or m.request is None:
+            return None
+        used = m.weight_bytes or 0
+        if m.spec.task == "generate":
+            used += m.engine.kv_cache_status().get("bytes", 0) + m.engine.prefix_cache_status().get("bytes", 0)
+            used += m.request.drafter if m.pairing is not None and m.pairing.method != Method.NGRAM else 0
+        return used
 
     def _cached_request(self, served: ServedModel, spec: ModelSpec, pairing: Pairing | None) -> MemoryRequest | None:
         """The spec's memory request, if it was read already (``_read_request``)."""
@@ -286,8 +288,9 @@ class Reconciler:
         else in place of it (the old engine drains first); idle Models are unloaded to make
         room if they must be. Returns the unloads to wait for, or None (Unschedulable, with
         the numbers in status) if it cannot fit now."""
-        others = [h for h in self.holdings() if h.model != served.name]
-        old = [h for h in self.holdings() if h.model == served.name and not h.loading]
+        holdings = self.holdings()
+        others = [h for h in holdings if h.model != served.name]
+        old = [h for h in holdings if h.model == served.name and not h.loading]
         victims = self.node.make_room(request.total, others + old)
         replace = victims is None and bool(old)
         if replace:
@@ -613,7 +616,7 @@ class Reconciler:
             status["nextAttemptSeconds"] = max(0, round(served.retry_at - time.monotonic()))
         request = served.request or served.loading_request or (served.spec_request or (None, None))[1]
         if request is not None:
-            status["resources"] = {"requests": request.as_dict(), "inUse": self.in_use().get(served.name),
+            status["resources"] = {"requests": request.as_dict(), "inUse": self.model_in_use(served),
                                    "node": self.node.name}
         status["scaling"] = {"minReplicas": served.spec.min_replicas, "idleSeconds": served.spec.idle_seconds,
                              "priority": served.spec.priority, "replicas": 1 if ready else 0}

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from ..api.manifest import API_VERSION, ManifestError, ModelSpec, Resource, parse_resource
 from ..control.node import gib
-from ..control.resources import checkpoint_dir, memory_request, safetensors_bytes
+from ..control.resources import memory_request
 from ..control.store import Conflict, NotFound, Store, now_iso
 from .bodies import BodyError, json_body
 from .keys import ADMIN_TOKEN, RECONCILER, STORE
@@ -109,14 +109,14 @@ def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[st
         if resource.kind != "Model" or not isinstance(spec, ModelSpec) or spec.topology_ref is not None:
             continue
         try:
-            weights = safetensors_bytes(checkpoint_dir(spec.source, spec.revision, local_only=True))
-            need = memory_request(spec, None, node.allocatable, local_only=True).total
+            request = memory_request(spec, None, node.allocatable, local_only=True)
         except Exception:  # not on this machine yet, or not a checkpoint: the load says why
             continue
-        if spec.memory is not None and spec.memory < weights:
+        if spec.memory is not None and spec.memory < request.weights:
             path = f"items[{i}].spec.resources.memory"
             raise StatusError(422, "Invalid", f"{path}: {gib(spec.memory)} is less than the weights alone take "
-                                              f"({gib(weights)})", path)
+                                              f"({gib(request.weights)})", path)
+        need = request.total
         if need > node.allocatable:
             warnings.append(f'Model "{resource.name}" requests {gib(need)} but the node {node.name} has '
                             f"{gib(node.allocatable)} allocatable: it will stay Unschedulable")

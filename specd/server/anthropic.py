@@ -29,7 +29,7 @@ from ..core.sampling import SamplingParams
 from .chat import ChatTurn, Delta, Tool, render_chat
 from .errors import APIError, bad_request
 from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, event_stream, integer_field,
-                         model_request, number_field, off_loop, read_json)
+                         model_request, number_field, off_loop, read_json, stream_error)
 
 routes = web.RouteTableDef()
 # what /v1/messages reads (``seed`` is specd's extension); anything else gets a 400 that names it
@@ -377,7 +377,7 @@ async def _stream(request: web.Request, completion: EngineRun, message: dict, pr
             await send("message_stop", {})
             await response.write_eof()
         except APIError as err:
-            await send("error", {"error": err.anthropic_body()["error"]})
+            await response.write(stream_error(request, err))
     return response
 
 

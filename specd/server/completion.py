@@ -169,11 +169,14 @@ async def _opened_stream(request: web.Request) -> web.StreamResponse:
 
 
 def stream_error(request: web.Request, err: APIError) -> bytes:
-    """An error as the last event of a stream already open, in the shape of the request's API."""
+    """An error as the last event of a stream already open, in the shape of the request's API
+    (the chat, completions and Messages routes end their own streams with it)."""
     if request.path.startswith("/v1/messages"):
         return f"event: error\ndata: {json.dumps(err.anthropic_body())}\n\n".encode()
     if request.path.startswith("/v1/responses"):
-        body = {"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param}
+        # the route's own error events are numbered; a stream opened while its Model loaded has sent none
+        body = {"type": "error", "sequence_number": 0, "code": err.code or err.type, "message": err.message,
+                "param": err.param}
         return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
     return f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()
 

@@ -16,7 +16,7 @@ from ..core.sampling import SamplingParams
 from ..core.request import Method, StepOutput, TokenLogprob
 from .chat import ChatTurn, Delta, parse_tool_choice, parse_tools, render_chat, template_kwargs, template_tool_calls
 from .completion import (EngineRun, ParsedRequest, engine_named, event_stream, integer_field, model_request,
-                         number_field, off_loop, read_json)
+                         number_field, off_loop, read_json, stream_error)
 from .errors import APIError, bad_request, model_not_found
 from .keys import REGISTRY
 
@@ -364,8 +364,7 @@ class Completion(EngineRun):
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
             except APIError as err:
-                await send(err.body())
-                await response.write(b"data: [DONE]\n\n")
+                await response.write(stream_error(request, err))
         return response
 
 
