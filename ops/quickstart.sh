@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Install specd, forge the demo model pair (trained once, ~10 min, then cached),
-# start the daemon on manifests/demo and ask it for a chat completion.
+# Install specd, forge the demo model pair, start the daemon on manifests/demo and
+# ask it for a chat completion.  The trained demo pair takes about 10 minutes (once:
+# it is cached); until it exists the daemon first serves the same pair trained for
+# under a minute, and the trained one is swapped in when it is ready, by the control
+# plane's own rollout restart.
 source "$(dirname "$0")/env.sh"
 PORT="${SPECD_PORT:-8000}"
 PIDFILE=state/daemon.pid
@@ -28,8 +31,13 @@ stop_previous_daemon() {
   rm -f "$PIDFILE"
 }
 
-specd forge models/demo --preset demo
 mkdir -p state
+TRAIN_LATER=""
+if ! specd forge models/demo --preset demo --check; then
+  echo "==> forging the quick demo pair (under a minute of training); the trained pair follows in the background"
+  specd forge models/demo --preset quick
+  TRAIN_LATER=1
+fi
 stop_previous_daemon
 echo "==> starting specd daemon on http://127.0.0.1:$PORT (log: state/daemon.log)"
 # --drop-hosted-tools: Codex CLI sends OpenAI's hosted web_search tool by default (docs/clients.md)
@@ -50,6 +58,21 @@ curl -sf "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: applicat
   "messages": [{"role": "user", "content": "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):"}],
   "max_tokens": 64, "temperature": 0.8, "top_p": 0.95, "seed": 1
 }' | python -m json.tool
+if [ -n "$TRAIN_LATER" ]; then
+  # One trainer at a time: a run still training from before swaps the pair in itself.
+  TRAINER="$(cat state/forge.pid 2>/dev/null || true)"
+  if [[ "$TRAINER" =~ ^[0-9]+$ ]] && ps -p "$TRAINER" -o args= 2>/dev/null | grep -q "forge models/demo"; then
+    echo "==> the demo pair is still training from an earlier run (pid $TRAINER, log state/forge.log)"
+  else
+    URL="http://127.0.0.1:$PORT"
+    nohup bash -c "specd forge models/demo --preset demo \
+      && specd rollout restart model demo --server $URL && specd rollout restart model demo-agent --server $URL \
+      && echo '==> the trained demo pair is serving'" >state/forge.log 2>&1 &
+    echo $! >state/forge.pid
+    echo "==> training the demo pair in the background (about 10 minutes, log state/forge.log);"
+    echo "    the daemon swaps it in for the quick pair when it is ready (specd get models: AGE restarts)"
+  fi
+fi
 SERVER=""
 [ "$PORT" = 8000 ] || SERVER="
       export SPECD_SERVER=http://127.0.0.1:$PORT"

@@ -62,6 +62,28 @@ def _daemon(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
+def _serve_model(args: argparse.Namespace) -> int:
+    """``specd serve``: the daemon, with the objects its command line declares."""
+    from .api.manifest import ManifestError
+    from .serve import declared, documents, manifest_text
+
+    try:
+        args.serve_text = declared(args)
+    except (ValueError, ManifestError) as err:
+        print(f"specd serve: {err}", file=sys.stderr)
+        return 2
+    docs = documents(args)
+    if args.dry_run:
+        print(manifest_text(docs, args.output), end="")
+        return 0
+    name, url = docs[0]["metadata"]["name"], f"http://{args.host}:{args.port}"
+    print(f"specd serve: {name} ({docs[0]['spec']['source']}) on {url}/v1, state in {args.state_dir}\n"
+          f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
+          file=sys.stderr, flush=True)
+    return _daemon(args)
+
+
 def _serve(args: argparse.Namespace, token: str | None) -> None:
     """Run the daemon until SIGTERM or SIGINT has drained it."""
     from aiohttp import web
@@ -72,7 +94,9 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from .control.reconciler import Reconciler
     from .control.registry import ModelRegistry
     from .control.store import Store
-    from .control.watcher import ManifestDirectory
+    from . import serve
+    from .api.manifest import parse_documents
+    from .control.watcher import ManifestDirectory, sync_owned
     from .metrics import Metrics
     from .server.app import create_app
     from .server.response_store import ResponseStore
@@ -83,6 +107,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     if args.manifests is not None:
         manifests = ManifestDirectory(args.manifests, store)
         manifests.sync_all()
+    if args.serve_text is not None:
+        sync_owned(store, serve.OWNER, parse_documents(args.serve_text, serve.OWNER))
     node = Node(memory_limit=args.memory_limit, memory_reserve=args.memory_reserve, name=args.node_name)
     cluster = Cluster(store, args.cluster_token_file.read_text().strip()) if args.cluster_token_file else None
     reconciler = Reconciler(store, ModelRegistry(Metrics(), load_timeout=args.load_timeout),
@@ -130,6 +156,46 @@ def _rank(args: argparse.Namespace) -> int:
     return rank.run(GroupPlan.from_json(plan))
 
 
+def _pull(args: argparse.Namespace) -> int:
+    """``specd pull MODEL[@revision]``: fetch a hub checkpoint into the Hugging Face cache ahead
+    of its first load, with a progress bar; an interrupted pull resumes where it stopped."""
+    from huggingface_hub.utils import disable_progress_bars
+    from tqdm import tqdm
+
+    from .control.download import DownloadProgress, download
+    from .core.memory import gib
+    from .serve import REPO_ID_RE, split_revision
+
+    source, revision = split_revision(args.model)
+    if not REPO_ID_RE.fullmatch(source):
+        print(f"specd pull: {source!r} is not a Hugging Face repo id (owner/name)", file=sys.stderr)
+        return 2
+    disable_progress_bars()  # one bar, ours, over every file
+    bar = None
+
+    def show(progress: DownloadProgress) -> None:
+        nonlocal bar
+        if bar is None:  # once the listing says how much there is
+            bar = tqdm(desc=source, total=progress.total, initial=progress.done, unit="B", unit_scale=True,
+                       unit_divisor=1024, mininterval=0.5)
+        bar.total = progress.total
+        bar.update(progress.done - bar.n)
+
+    progress = DownloadProgress(listener=show)
+    try:
+        path = download(source, revision, progress)
+    except Exception as err:  # the hub client's own words: offline, not found, gated, ...
+        print(f"specd pull: {source}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    fetched = progress.done - progress.present
+    print(f"{source}: {gib(progress.total)} in {path} ({gib(fetched)} fetched now, {gib(progress.present)} "
+          "already in the cache)" if progress.total else f"{source}: in {path} (offline: from the cache)")
+    return 0
+
+
 def _forge(args: argparse.Namespace) -> int:
     from . import forge
 
@@ -157,51 +223,64 @@ def _byte_size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``specd daemon`` and ``specd serve`` both take."""
+    parser.add_argument("--state-dir", type=Path, default=Path("state"))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--manifests", type=Path, default=None, help="directory of YAML manifests")
+    parser.add_argument("--memory-limit", type=_byte_size_arg, default=None, metavar="BYTES",
+                        help="the most memory this node's Models may request (e.g. 12Gi): lower than the host "
+                             "has, to share the machine or act as a smaller Mac")
+    parser.add_argument("--memory-reserve", type=_byte_size_arg, default=None, metavar="BYTES",
+                        help="memory kept for the system, not given to Models (default: 10%% of the host's, "
+                             "at least 2Gi)")
+    parser.add_argument("--node-name", default=None, help="this node's name in a cluster (default: the host name)")
+    parser.add_argument("--cluster-token-file", type=Path, default=None,
+                        help="be a cluster head: Nodes that present this token may join (see docs/cluster.md)")
+    parser.add_argument("--routing", choices=POLICIES, default="prefix",
+                        help="how a head picks a replica: the one holding the prefix unless much busier "
+                             "(default), or round-robin")
+    parser.add_argument("--join", default=None, metavar="URL",
+                        help="join the cluster whose head serves at URL, as a worker Node")
+    parser.add_argument("--token-file", type=Path, default=None, help="the cluster token, with --join")
+    parser.add_argument("--advertise", default=None, metavar="URL",
+                        help="where the head reaches this worker (default: http://HOST:PORT)")
+    parser.add_argument("--load-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long a request waits for its Model to load before a 503 with Retry-After")
+    parser.add_argument("--drain-grace", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--admin-token-file", type=Path, default=None,
+                        help="bearer token for the admin API (without it, loopback clients only)")
+    parser.add_argument("--pid-file", type=Path, default=None,
+                        help="write the daemon's pid here; removed when it exits cleanly")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help="API keys the inference routes require (one per line, or a Secret with stringData)")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let browsers on ORIGIN (or *) call the inference routes; repeatable")
+    parser.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                        help="largest request body accepted (larger: 413)")
+    parser.add_argument("--drop-hosted-tools", action="store_true",
+                        help="leave hosted tools (web_search, file_search, ...) out of /v1/responses requests "
+                             "instead of answering 400 (Codex CLI sends web_search by default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     parser.add_argument("--log-level", default="info")
     sub = parser.add_subparsers(dest="command", required=True)
 
     daemon = sub.add_parser("daemon", help="run the serving daemon")
-    daemon.add_argument("--state-dir", type=Path, default=Path("state"))
-    daemon.add_argument("--host", default="127.0.0.1")
-    daemon.add_argument("--port", type=int, default=8000)
-    daemon.add_argument("--manifests", type=Path, default=None, help="directory of YAML manifests")
-    daemon.add_argument("--memory-limit", type=_byte_size_arg, default=None, metavar="BYTES",
-                        help="the most memory this node's Models may request (e.g. 12Gi): lower than the host "
-                             "has, to share the machine or act as a smaller Mac")
-    daemon.add_argument("--memory-reserve", type=_byte_size_arg, default=None, metavar="BYTES",
-                        help="memory kept for the system, not given to Models (default: 10%% of the host's, "
-                             "at least 2Gi)")
-    daemon.add_argument("--node-name", default=None, help="this node's name in a cluster (default: the host name)")
-    daemon.add_argument("--cluster-token-file", type=Path, default=None,
-                        help="be a cluster head: Nodes that present this token may join (see docs/cluster.md)")
-    daemon.add_argument("--routing", choices=POLICIES, default="prefix",
-                        help="how a head picks a replica: the one holding the prefix unless much busier "
-                             "(default), or round-robin")
-    daemon.add_argument("--join", default=None, metavar="URL",
-                        help="join the cluster whose head serves at URL, as a worker Node")
-    daemon.add_argument("--token-file", type=Path, default=None, help="the cluster token, with --join")
-    daemon.add_argument("--advertise", default=None, metavar="URL",
-                        help="where the head reaches this worker (default: http://HOST:PORT)")
-    daemon.add_argument("--load-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="how long a request waits for its Model to load before a 503 with Retry-After")
-    daemon.add_argument("--drain-grace", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish on SIGTERM")
-    daemon.add_argument("--admin-token-file", type=Path, default=None,
-                        help="bearer token for the admin API (without it, loopback clients only)")
-    daemon.add_argument("--pid-file", type=Path, default=None,
-                        help="write the daemon's pid here; removed when it exits cleanly")
-    daemon.add_argument("--api-key-file", type=Path, default=None,
-                        help="API keys the inference routes require (one per line, or a Secret with stringData)")
-    daemon.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
-                        help="let browsers on ORIGIN (or *) call the inference routes; repeatable")
-    daemon.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
-                        help="largest request body accepted (larger: 413)")
-    daemon.add_argument("--drop-hosted-tools", action="store_true",
-                        help="leave hosted tools (web_search, file_search, ...) out of /v1/responses requests "
-                             "instead of answering 400 (Codex CLI sends web_search by default)")
-    daemon.set_defaults(func=_daemon)
+    add_daemon_arguments(daemon)
+    daemon.set_defaults(func=_daemon, serve_text=None)
+
+    from . import serve
+
+    serve_cmd = sub.add_parser("serve", help="serve one model in one command (a hub repo id or a directory)",
+                               description=serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_arguments(serve_cmd)
+    add_daemon_arguments(serve_cmd)
+    serve_cmd.set_defaults(func=_serve_model, state_dir=serve.default_state_dir())
 
     sub.add_parser("rank", help="one rank of a tensor-parallel group (started by the daemon)").set_defaults(
         func=_rank)
@@ -209,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import client
 
     client.add_commands(sub)
+
+    pull = sub.add_parser("pull", help="download a hub model into the Hugging Face cache, with progress")
+    pull.add_argument("model", metavar="MODEL[@REVISION]", help="a Hugging Face repo id, optionally @branch/tag/commit")
+    pull.set_defaults(func=_pull)
 
     forge_cmd = sub.add_parser("forge", help="build a deterministic target/draft model pair")
     from . import forge
@@ -238,7 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # the reader went away (``specd describe ... | head``): stop quietly, as coreutils do,
+        # pointing stdout at /dev/null so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a pipe's reader cut off
 
 
 if __name__ == "__main__":

@@ -144,12 +144,23 @@ class Metrics:
             m + ["reason"], registry=r)
         self.model_memory_request = Gauge(
             "specd_model_memory_request_bytes", "What a loaded Model requests of the node's memory.", m, registry=r)
+        self.model_download_bytes = Gauge(
+            "specd_model_download_bytes", "A hub checkpoint's download (target and drafter): bytes done, total.",
+            m + ["kind"], registry=r)
         self.routed_requests = Counter(
             "specd_routed_requests_total", "Requests a cluster head sent to each replica of a Model, by Node.",
             m + ["node"], registry=r)
         self.node_memory_bytes = Gauge(
             "specd_node_memory_bytes", "The node's memory: capacity, allocatable, requested (by loaded and loading "
             "Models), in use (their weights, KV and prefix caches).", ["node", "kind"], registry=r)
+        # HTTP traffic, named as vLLM's exporter (prometheus-fastapi-instrumentator) names it, with
+        # exact status codes so a 404 and a 400 are told apart; handler is the route's template.
+        self.http_requests = Counter(
+            "http_requests", "HTTP requests by method, route and status code (499: the client went away).",
+            ["method", "handler", "status"], registry=r)
+        self.http_request_duration = Histogram(
+            "http_request_duration_seconds", "Time to answer an HTTP request (a stream: until its last byte).",
+            ["method", "handler"], buckets=LATENCY_BUCKETS, registry=r)
         for name, (read, doc) in MLX_MEMORY.items():
             Gauge(name, doc, registry=r).set_function(read)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
@@ -163,6 +174,10 @@ class Metrics:
             self.request_failure.labels(name, reason)
         self.engine_faults.labels(name)
         self.kv_preemptions.labels(name)
+
+    def model_download(self, name: str, done: int, total: int) -> None:
+        self.model_download_bytes.labels(name, "done").set(done)
+        self.model_download_bytes.labels(name, "total").set(total)
 
     def node_info(self, node: str, capacity: int, allocatable: int) -> None:
         self.node = node
@@ -181,3 +196,6 @@ class Metrics:
                       self.prefix_cache_max_bytes, self.kv_cache_bytes, self.kv_cache_max_bytes):
             with suppress(KeyError):  # older prometheus_client versions raise for unknown labels
                 gauge.remove(name)
+        for kind in ("done", "total"):
+            with suppress(KeyError):
+                self.model_download_bytes.remove(name, kind)

@@ -106,18 +106,20 @@ class Daemon:
 
 
 def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, *extra: str,
-                 port: int | None = None) -> Daemon:
-    """Start ``specd daemon`` as its own process on a free loopback port (or ``port``)."""
+                 port: int | None = None, serve: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Daemon:
+    """Start ``specd daemon`` (or ``specd serve SERVE...``) as its own process on a free
+    loopback port (or ``port``), with ``env`` added to the environment."""
     mdir = tmp / "manifests"
     mdir.mkdir(parents=True, exist_ok=True)
     for fname, text in manifests.items():
         (mdir / fname).write_text(text)
     port = port or free_port()
     log_path = tmp / f"daemon-{port}.log"
-    cmd = [sys.executable, "-m", "specd.cli", "daemon", "--manifests", str(mdir),
+    command = ["serve", *serve] if serve else ["daemon", "--manifests", str(mdir)]
+    cmd = [sys.executable, "-m", "specd.cli", *command,
            "--state-dir", str(tmp / "state"), "--host", "127.0.0.1", "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     daemon = Daemon(proc, port, log_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

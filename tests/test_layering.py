@@ -19,7 +19,7 @@ LAYERS = [
     {"engine"},
     {"parallel"},
     {"control", "forge"},
-    {"server", "client", "service"},
+    {"server", "client", "service", "serve"},
     {"doctor"},
     {"cli"},
 ]

@@ -211,6 +211,22 @@ def test_metrics_parse_and_move_with_traffic(client, daemon):
     assert ("specd_num_requests_waiting", (("model_name", "tiny"),)) in after
 
 
+def test_http_requests_counted_by_route_and_status(client, daemon):
+    before = scrape(daemon)
+    client.models.list()
+    assert post(daemon, "/v1/chat/completion", b"{}")[0] == 404  # a typo in the route
+    assert post(daemon, "/v1/chat/completions", b"{not json")[0] == 400
+    after = scrape(daemon)
+
+    def moved(handler: str, status: str, method: str = "POST") -> float:
+        key = ("http_requests_total", tuple(sorted({"method": method, "handler": handler, "status": status}.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+    assert moved("/v1/models", "200", "GET") == 1
+    assert moved("none", "404") == 1  # no route matched: counted apart, not under the path it asked for
+    assert moved("/v1/chat/completions", "400") == 1
+    assert after[("http_request_duration_seconds_count", (("handler", "/v1/models"), ("method", "GET")))] >= 1
+
+
 def test_speculation_per_request_and_by_pairing(client, daemon):
     before = scrape(daemon)
     plain = greedy(client, PROMPTS[6], max_tokens=64)

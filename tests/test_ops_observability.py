@@ -155,7 +155,12 @@ def drive(client: openai.OpenAI) -> None:
     ngram = client.completions.create(model="spec", prompt=PROMPT, max_tokens=32, temperature=0.8, seed=1,
                                       extra_body=NGRAM)
     assert ngram.usage.speculation["method"] == "ngram"
-    client.completions.create(model="capped", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=NGRAM)
+    assert (paired.usage.speculation["source"], ngram.usage.speculation["source"]) == ("model", "request")
+    # the policy keeps k at 0: the report still says what the request asked for, and that it decoded plainly
+    off = client.completions.create(model="capped", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=NGRAM)
+    report = off.usage.speculation
+    assert (report["method"], report["source"], report["rounds"]) == ("ngram", "request", 0)
+    assert report["plain_steps"] == off.usage.completion_tokens - 1  # the first token comes from the prefill
 
 
 def overload(client: openai.OpenAI) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..core.memory import host_memory_bytes
+from ..core.memory import gib, host_memory_bytes
 from .resources import MemoryRequest
 
 DEFAULT_RESERVE_FRACTION = 0.1  # of the host's memory, kept for the system when --memory-reserve is not given
@@ -87,10 +87,6 @@ class Node:
                 "models": [{"name": h.model, "requested": h.request.total, "inUse": in_use.get(h.model),
                             "phase": "Loading" if h.loading else "Loaded", "evictable": h.evictable}
                            for h in sorted(holdings, key=lambda h: h.model)]}
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
 def _chip() -> str:

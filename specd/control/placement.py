@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .node import gib
+from ..core.memory import gib
 
 
 @dataclass(frozen=True)

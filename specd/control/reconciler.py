@@ -33,11 +33,13 @@ from .node import Holding, Node
 from .placement import Candidate, place
 from .replicas import RemoteReplicas
 from .routing import Replica, Router
+from .download import DownloadProgress
 from .resources import MemoryRequest, memory_request
 from .store import Store, StoredObject, now_iso
 
 log = structlog.get_logger(__name__)
 RESYNC_SECONDS = 5.0
+DOWNLOAD_STATUS_SECONDS = 1.0  # how often a downloading Model's status and metrics follow its progress
 
 
 def _backoff(restarts: int) -> float:
@@ -272,15 +274,33 @@ class Reconciler:
         return served.spec_request[1] if served.spec_request is not None and served.spec_request[0] == key else None
 
     async def _read_request(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None) -> None:
-        """Read the spec's memory request from its checkpoint, off the loop (the pass after places it)."""
+        """Read the spec's memory request from its checkpoint, off the loop (the pass after places it).
+        A hub checkpoint the cache lacks is downloaded first: meanwhile the Model is ``Downloading``,
+        with its progress in status and metrics every ``DOWNLOAD_STATUS_SECONDS``."""
         key = _request_key(spec, pairing, self.node.allocatable)
+        progress = served.download = DownloadProgress()
+        reading = asyncio.ensure_future(
+            asyncio.to_thread(memory_request, spec, key[1], self.node.allocatable, False, progress))
         try:
-            request = await asyncio.to_thread(memory_request, spec, key[1], self.node.allocatable)
+            while not reading.done():
+                await asyncio.wait({reading}, timeout=DOWNLOAD_STATUS_SECONDS)
+                if progress.active:
+                    if served.engine is None:
+                        served.phase, served.reason = Phase.DOWNLOADING, progress.message()
+                    self.metrics.model_download(served.name, progress.done, progress.total)
+                    self.trigger()
+            request = reading.result()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._load_failed(served, generation, spec, exc)
             return
+        finally:
+            served.download = None
+            if progress.total:
+                self.metrics.model_download(served.name, progress.done, progress.total)
+        if served.phase is Phase.DOWNLOADING:
+            served.phase, served.reason = Phase.PENDING, "reading its memory request"
         served.spec_request = (key, request)
 
     def _place(self, served: ServedModel, request: MemoryRequest) -> list[asyncio.Task] | None:
@@ -601,8 +621,8 @@ class Reconciler:
         elif ready:
             reason, message = "Loaded", f"serving {served.spec.source}"
         else:
-            reason = {Phase.FAILED: "LoadFailed", Phase.LOADING: "Loading", Phase.IDLE: "ScaledToZero"}.get(
-                served.phase, "Pending")
+            reason = {Phase.FAILED: "LoadFailed", Phase.LOADING: "Loading", Phase.IDLE: "ScaledToZero",
+                      Phase.DOWNLOADING: "Downloading"}.get(served.phase, "Pending")
             if served.unschedulable:
                 reason = "Unschedulable"
             elif served.retry_at is not None:
@@ -614,6 +634,8 @@ class Reconciler:
         status["conditions"].append(self._degraded(obj, served))
         if served.retry_at is not None and not ready:
             status["nextAttemptSeconds"] = max(0, round(served.retry_at - time.monotonic()))
+        if served.download is not None and served.download.active:
+            status["download"] = served.download.as_dict()
         request = served.request or served.loading_request or (served.spec_request or (None, None))[1]
         if request is not None:
             status["resources"] = {"requests": request.as_dict(), "inUse": self.model_in_use(served),

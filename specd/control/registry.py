@@ -16,6 +16,7 @@ from typing import Callable
 import structlog
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
+from .download import DownloadProgress
 from .resources import MemoryRequest
 from ..core.loader import context_window, load_embedding_model, load_model, weight_bytes
 from ..engine.embedder import Embedder, EmbedderConfig
@@ -31,6 +32,7 @@ log = structlog.get_logger(__name__)
 
 class Phase(str, Enum):
     PENDING = "Pending"  # not placed yet: its request is being read, or it does not fit (Unschedulable)
+    DOWNLOADING = "Downloading"  # its hub checkpoint is being fetched, before its request can be read
     IDLE = "Idle"  # minReplicas 0 and unloaded: the next request loads it
     LOADING = "Loading"
     READY = "Ready"
@@ -95,6 +97,7 @@ class ServedModel:
     request: MemoryRequest | None = None
     loading_request: MemoryRequest | None = None
     spec_request: tuple[tuple, MemoryRequest] | None = None  # (what it was computed for, the request)
+    download: DownloadProgress | None = None  # its checkpoints' download, while reading its request
     unschedulable: str = ""  # why the spec cannot be placed now
     last_used: float = field(default_factory=time.monotonic)
     demand: int = 0  # requests waiting for it to load

@@ -23,6 +23,7 @@ from ..core.cache import side_token_bytes
 from ..core.kv import KVQuantization
 from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, resolve_source
 from ..engine.kv_manager import KVManager, default_max_bytes as default_kv_bytes
+from .download import DRAFTER_FILES, MODEL_FILES, DownloadProgress, download
 
 ENGINE_OVERHEAD = 64 << 20  # an engine's threads and MLX's working buffers for a step's activations, beyond its budgets
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -49,16 +50,18 @@ class MemoryRequest:
                 "override": self.override is not None}
 
 
-def checkpoint_dir(source: str, revision: str | None = None, local_only: bool = False) -> Path:
-    """The checkpoint's local directory: a path as given, or the hub snapshot (downloaded
-    unless ``local_only``); raises (a passing error) when a hub checkpoint is not here and
-    cannot be fetched."""
+def checkpoint_dir(source: str, revision: str | None = None, local_only: bool = False,
+                   progress: DownloadProgress | None = None, patterns: list[str] = MODEL_FILES) -> Path:
+    """The checkpoint's local directory: a path as given, or the hub snapshot (downloaded,
+    with ``progress``, unless ``local_only``); raises (a passing error) when a hub checkpoint
+    is not here and cannot be fetched."""
     if is_local_source(source):
         return Path(resolve_source(source))
-    from huggingface_hub import snapshot_download
+    if local_only:
+        from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(source, revision=revision, allow_patterns=["*.json", "*.safetensors"],
-                                  local_files_only=local_only))
+        return Path(snapshot_download(source, revision=revision, allow_patterns=patterns, local_files_only=True))
+    return download(source, revision, progress, patterns)
 
 
 def safetensors_bytes(directory: Path) -> int:
@@ -93,11 +96,14 @@ def kv_token_bytes(config: dict, quantization: KVQuantization | None) -> int:
 
 
 def memory_request(spec: ModelSpec, drafter_source: str | None, allocatable: int,
-                   local_only: bool = False) -> MemoryRequest:
-    """What the Model asks of a node with ``allocatable`` bytes (default budgets are shares of it)."""
-    directory = checkpoint_dir(spec.source, spec.revision, local_only)
+                   local_only: bool = False, progress: DownloadProgress | None = None) -> MemoryRequest:
+    """What the Model asks of a node with ``allocatable`` bytes (default budgets are shares of it);
+    hub checkpoints are downloaded first (``progress``) unless ``local_only``."""
+    directory = checkpoint_dir(spec.source, spec.revision, local_only, progress)
     weights = safetensors_bytes(directory)
-    drafter = safetensors_bytes(checkpoint_dir(drafter_source, None, local_only)) if drafter_source else 0
+    drafter = 0
+    if drafter_source:
+        drafter = safetensors_bytes(checkpoint_dir(drafter_source, None, local_only, progress, DRAFTER_FILES))
     if spec.task == "embed":
         return MemoryRequest(weights, 0, 0, 0, ENGINE_OVERHEAD, spec.memory)
     config = read_config(directory)

@@ -1,4 +1,5 @@
-"""``--manifests DIR``: files own the objects they declare, and the store follows them.
+"""``--manifests DIR``: files own the objects they declare, and the store follows them
+(as ``specd serve`` owns the objects its command line declares).
 
 Each object applied from a file carries the annotation ``specd.dev/source-file``,
 which only this watcher writes (``api.manifest.SERVER_ANNOTATIONS``): a client's apply of
@@ -16,7 +17,7 @@ from pathlib import Path
 import structlog
 from watchfiles import awatch
 
-from ..api.manifest import SOURCE_ANNOTATION, ManifestError, parse_documents, read_manifest_file
+from ..api.manifest import SOURCE_ANNOTATION, ManifestError, Resource, parse_documents, read_manifest_file
 from .store import Conflict, Store
 
 log = structlog.get_logger(__name__)
@@ -25,6 +26,25 @@ MANIFEST_SUFFIXES = (".yaml", ".yml")
 
 def manifest_files(directory: Path) -> list[Path]:
     return sorted(p.resolve() for p in directory.rglob("*") if p.suffix in MANIFEST_SUFFIXES and p.is_file())
+
+
+def sync_owned(store: Store, owner: str, resources: list[Resource]) -> bool:
+    """Make the objects ``owner`` (a manifest file, or ``specd serve``) declares exactly
+    ``resources``: apply them, all or none, and delete those it declared before and no longer
+    does. False (and a Conflict event) if another owner's object stands in the way."""
+    items = [r.store_item(**{SOURCE_ANNOTATION: owner}) for r in resources]
+    try:
+        store.apply(items, server=True)  # the owner owns them, and their annotation
+    except Conflict as err:
+        store.record_event("File", owner, "Warning", "Conflict", str(err))
+        return False
+    declared = {(r.kind, r.name) for r in resources}
+    for obj in store.list():
+        if obj.annotations.get(SOURCE_ANNOTATION) == owner and (obj.kind, obj.name) not in declared:
+            store.delete(obj.kind, obj.name)
+    if resources:
+        store.record_event("File", owner, "Normal", "Applied", f"{len(resources)} objects")
+    return True
 
 
 class ManifestDirectory:
@@ -50,19 +70,7 @@ class ManifestDirectory:
             log.error("invalid manifest file; keeping its last good objects", file=owner, error=str(err))
             self.store.record_event("File", owner, "Warning", "Invalid", str(err))
             return False
-        items = [r.store_item(**{SOURCE_ANNOTATION: owner}) for r in resources]
-        try:
-            self.store.apply(items, server=True)  # the file owns them, and their annotation
-        except Conflict as err:
-            self.store.record_event("File", owner, "Warning", "Conflict", str(err))
-            return False
-        declared = {(r.kind, r.name) for r in resources}
-        for obj in self.store.list():
-            if obj.annotations.get(SOURCE_ANNOTATION) == owner and (obj.kind, obj.name) not in declared:
-                self.store.delete(obj.kind, obj.name)
-        if resources:
-            self.store.record_event("File", owner, "Normal", "Applied", f"{len(resources)} objects")
-        return True
+        return sync_owned(self.store, owner, resources)
 
     def sync_all(self) -> None:
         """At start: apply every file, and drop objects whose file has disappeared."""

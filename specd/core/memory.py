@@ -16,3 +16,8 @@ def host_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 << 30
+
+
+def gib(n: int) -> str:
+    """Bytes as people read them: GiB, or MiB below a quarter of one."""
+    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**28 else f"{n / 2**20:.1f} MiB"

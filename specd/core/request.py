@@ -62,17 +62,24 @@ class TokenLogprob:
 
 @dataclass
 class SpecStats:
-    """A request's speculation so far: rounds with proposals, drafted and accepted tokens."""
+    """A request's speculation so far, as its usage reports it: the method in
+    effect (its own ``speculation`` or the Model's pairing, ``source``), rounds
+    that verified proposals, and steps it decoded plainly though speculating
+    (the controller chose k = 0, or nothing matched to propose)."""
 
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    plain_steps: int = 0
     method: Method = Method.NONE
+    source: str = "model"  # "request": its own speculation field; "model": the Model's DraftPairing
 
     def as_dict(self) -> dict:
         return {
             "method": self.method,
+            "source": self.source,
             "rounds": self.rounds,
+            "plain_steps": self.plain_steps,
             "draft_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,

@@ -9,7 +9,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .grammar import Constraint
-from .request import GenerationRequest, SpecStats, StepOutput, TokenLogprob
+from .request import GenerationRequest, Method, SpecStats, StepOutput, TokenLogprob
 from .sampling import SamplingParams, make_key, sample_rows
 
 
@@ -76,6 +76,9 @@ class Sequence:
         self.key = make_key(self.request.params.seed)
         self.stops = StopMatcher(self.request.stop)
         self.detokenizer.reset()
+        asked = self.request.speculation
+        if asked is not None and asked.enabled:  # reported even if it ends before a decode step
+            self.stats.method, self.stats.source = asked.method, "request"
 
     @property
     def params(self) -> SamplingParams:
@@ -96,8 +99,7 @@ class Sequence:
         return len(self.prompt) + len(self.tokens)
 
     def _speculated(self) -> bool:
-        asked = self.request.speculation
-        return self.stats.rounds > 0 or (asked is not None and asked.enabled)
+        return self.stats.method != Method.NONE
 
     def accept(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         """Append tokens in order, stopping at EOS, a stop string or a limit.

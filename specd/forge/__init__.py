@@ -9,8 +9,9 @@ template that renders tools (Hermes conventions) and a window wide enough
 for an agent client's prompt, so Claude Code, Codex and OpenCode can be
 tried against it offline.
 
-Presets: ``test`` (random, tiny, deterministic, seconds) and ``demo``
-(trained for about nine minutes; cached by recipe hash).
+Presets: ``test`` (random, tiny, deterministic, seconds), ``quick`` (the
+demo's shapes trained for under a minute) and ``demo`` (trained for about nine
+minutes); each is cached by recipe hash.
 """
 
 from __future__ import annotations
@@ -185,11 +186,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=PRESETS,
         default="test",
-        help="test: random tiny pair in seconds; demo: trained pair (~10 min, cached)",
+        help="test: random tiny pair in seconds; quick: the demo's shapes trained for under a minute; "
+        "demo: trained pair (~10 min); all cached",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument(
         "--force", action="store_true", help="rebuild even if OUT_DIR holds this recipe"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="build nothing: exit 0 if OUT_DIR holds this recipe, else 1"
     )
     parser.add_argument(
         "--inflate", type=int, metavar="WIDTH", default=None,
@@ -200,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the forge for parsed CLI ``args``; returns a process exit code."""
+    if args.check:
+        digest = get_recipe(args.preset).digest(args.seed)
+        return 0 if _load_cached(Path(args.out_dir), digest) is not None else 1
     info = forge(args.out_dir, preset=args.preset, seed=args.seed, force=args.force)
     summary = {k: info[k] for k in ("target_path", "draft_path", "agreement_top1")}
     if args.inflate:

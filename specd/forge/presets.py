@@ -18,7 +18,8 @@ from .train import TrainConfig
 
 RECIPE_VERSION = 1
 BUDGET_ENV = "SPECD_FORGE_BUDGET_S"
-PRESETS = ("test", "demo")
+PRESETS = ("test", "quick", "demo")
+QUICK_BUDGET_S = 45.0
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,18 @@ def _demo(budget_s: float) -> Recipe:
     )
 
 
+def _quick() -> Recipe:
+    """The demo's shapes trained for under a minute: what the quick start serves
+    first, so its first answer does not wait for the demo pair's training."""
+    return replace(_demo(QUICK_BUDGET_S), preset="quick")
+
+
 def get_recipe(preset: str) -> Recipe:
     """The recipe for ``preset``; the demo's budget can be scaled via the env."""
     if preset == "test":
         return _test()
+    if preset == "quick":
+        return _quick()
     if preset == "demo":
         return _demo(float(os.environ.get(BUDGET_ENV, "540")))
     raise ValueError(f"unknown forge preset {preset!r} (choose from {', '.join(PRESETS)})")

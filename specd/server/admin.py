@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from ..api.manifest import API_VERSION, ManifestError, ModelSpec, Resource, parse_resource
-from ..control.node import gib
+from ..core.memory import gib
 from ..control.resources import memory_request
 from ..control.store import Conflict, NotFound, Store, now_iso
 from .bodies import BodyError, json_body

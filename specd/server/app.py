@@ -65,11 +65,23 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
             response.headers["X-Request-Id"] = request_id
         return response
     finally:
-        if request.path.startswith("/v1/"):
-            log.info("request", method=request.method, path=request.path,
-                     status=response.status if response is not None else 499,
-                     seconds=round(time.monotonic() - started, 4))
+        record_request(request, response.status if response is not None else 499, time.monotonic() - started)
         structlog.contextvars.unbind_contextvars("request_id")
+
+
+def record_request(request: web.Request, status: int, seconds: float) -> None:
+    """Count the request in ``http_requests_total`` and log it: inference
+    routes at info, every client error at warning and server error at error,
+    so a client sending a field specd refuses, or a wrong URL, shows up."""
+    route = request.match_info.route
+    handler = route.resource.canonical if route.resource is not None else "none"  # an unmatched path
+    metrics = request.app[REGISTRY].metrics
+    metrics.http_requests.labels(request.method, handler, str(status)).inc()
+    metrics.http_request_duration.labels(request.method, handler).observe(seconds)
+    level = "error" if status >= 500 else "warning" if status >= 400 else "info"
+    if level != "info" or request.path.startswith("/v1/"):
+        getattr(log, level)("request", method=request.method, path=request.path, status=status,
+                            seconds=round(seconds, 4))
 
 
 @routes.get("/healthz")

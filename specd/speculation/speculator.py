@@ -225,6 +225,8 @@ class Speculator:
         propose is learned from."""
         self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
         self._nothing_proposed(seqs, proposal)
+        for seq in seqs:
+            seq.stats.plain_steps += 1
 
     def verify_context(self, cache: RowCache, proposal: Proposal) -> ContextManager:
         """The context the verify forward runs in: a draft tree's ancestry and depth positions."""
@@ -276,6 +278,10 @@ class Speculator:
         """This step's proposals: each row's k (the controller's), its proposers' drafts, grammar-forced
         tokens at their ends, and, when a row proposes a branching tree, every row laid out as a tree."""
         specs = [self.spec_for(s) for s in seqs]
+        for s, spec in zip(seqs, specs):
+            if spec.enabled:
+                s.stats.method = spec.method
+                s.stats.source = "model" if s.request.speculation is None else "request"
         budgets = [self._budget(s, spec) for s, spec in zip(seqs, specs)]
         if any(budgets):
             round_ = Round(seqs, last_tokens, specs, self._plan(seqs, specs, budgets))
@@ -351,9 +357,6 @@ class Speculator:
             if drafts.shape is not None and not proposer.caught_up:  # a prefill or a backlog would distort it
                 self.costs.observe_draft(*drafts.shape, seconds)
             self.metrics.spec_propose_seconds.labels(self.name, proposer.method).observe(seconds)
-        for s, spec, k in zip(round_.seqs, round_.specs, round_.ks):
-            if k:
-                s.stats.method = spec.method
         return offered, caught_up
 
     # -- verifying and rolling back --------------------------------------------
@@ -455,6 +458,8 @@ class Speculator:
         for s, k, a in zip(seqs, proposed, accepted):
             if k:
                 self._count(s, k, a)
+            else:
+                s.stats.plain_steps += 1
         self.drafted_total += sum(proposed)
         self.accepted_total += sum(accepted)
         if any(proposal.round.ks):  # a round of forced tokens only planned nothing
