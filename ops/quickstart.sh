@@ -70,7 +70,7 @@ if [ -n "$TRAIN_LATER" ]; then
       && echo '==> the trained demo pair is serving'" >state/forge.log 2>&1 &
     echo $! >state/forge.pid
     echo "==> training the demo pair in the background (about 10 minutes, log state/forge.log);"
-    echo "    the daemon swaps it in for the quick pair when it is ready (specd get models: AGE restarts)"
+    echo "    the daemon swaps it in for the quick pair when it is ready (specd describe model demo: its events)"
   fi
 fi
 SERVER=""

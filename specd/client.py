@@ -72,7 +72,8 @@ def read_documents(sources: list[str]) -> list[dict[str, Any]]:
     for source in sources:
         if source == "-":
             try:
-                files = [("-", sys.stdin.buffer.read().decode("utf-8"), None)]
+                # relative sources are taken from where the command runs
+                files = [("-", sys.stdin.buffer.read().decode("utf-8"), str(Path.cwd() / "-"))]
             except UnicodeDecodeError as err:
                 raise CommandError(f"-: not UTF-8 text (byte {err.start})") from None
         else:

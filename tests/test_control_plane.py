@@ -217,10 +217,12 @@ def test_invalid_manifests_are_rejected_whole(empty_daemon, case):
 
 def test_references_resolve_in_any_order_and_failures_are_isolated(forged, tmp_path, empty_daemon):
     d = empty_daemon
+    relative = os.path.relpath(forged / "draft", ROOT)  # from stdin, taken from where the command runs
     pairing = ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: later-draft}\n"
-               f"spec: {{targetRef: later, method: draft, source: {forged / 'draft'}}}\n")
+               f"spec: {{targetRef: later, method: draft, source: {relative}}}\n")
     specd(d, "apply", "-f", "-", stdin=pairing)
     status = get(d, "dp", "later-draft")
+    assert relative.startswith("../") and status["spec"]["source"] == str(forged / "draft")
     wait_for(lambda: get(d, "dp", "later-draft").get("status", {}).get("conditions", [{}])[0].get("reason")
              == "TargetNotFound", what="TargetNotFound")
     specd(d, "apply", "-f", "-", stdin=model_manifest("later", forged / "target") + "---\n"

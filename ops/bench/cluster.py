@@ -21,11 +21,19 @@ The Model is the demo target, in one run:
    turns 2 to 6 (``cached_tokens`` over prompt tokens) and their median time
    to first token.
 
-Tensor against pipeline parallelism over a slowed link is not measured yet:
-specd has no pipeline parallelism (docs/cluster.md).
+3. **Tensor against pipeline parallelism over a link** (``--links``, root:
+   network namespaces and ``tc``): the demo target on a 2-rank ring Topology,
+   rank 1 in its own network namespace behind a veth pair (bare, and shaped to
+   1 Gbit/s by ``tc tbf`` at both ends), one group per split, the link changed
+   under the running groups; decode tokens/s of one stream and of 4 at once
+   (128 tokens, greedy, plain decoding), against the same target in one
+   process. A tensor-parallel forward all-reduces twice per layer, a pipeline
+   hands one hidden state down and gathers it once, so a link's latency costs
+   the first 2 x layers round trips a token and the second about 2; this
+   kernel has no ``netem`` to add that latency (see ``LINKS``).
 
     specd forge models/test --preset test   # the tokenizer of the --big model
-    python ops/bench/cluster.py [--runs 3] [--big]
+    python ops/bench/cluster.py [--runs 3] [--big] [--links]
 """
 
 from __future__ import annotations
@@ -59,12 +67,13 @@ TOKEN = "bench-cluster-token"
 
 
 @contextlib.contextmanager
-def daemon(home: Path, core: int, env: dict, *extra: str):
-    """A specd daemon pinned to one core; yields its URL."""
+def daemon(home: Path, core: int | None, env: dict, *extra: str):
+    """A specd daemon pinned to one core (None: any); yields its URL."""
     home.mkdir(parents=True)
     port = free_port()
-    argv = ["taskset", "-c", str(core), sys.executable, "-m", "specd.cli", "daemon", "--state-dir",
-            str(home / "state"), "--host", "127.0.0.1", "--port", str(port), *extra]
+    argv = ([] if core is None else ["taskset", "-c", str(core)]) + [
+        sys.executable, "-m", "specd.cli", "daemon", "--state-dir", str(home / "state"), "--host", "127.0.0.1",
+        "--port", str(port), *extra]
     with open(home / "daemon.log", "wb") as log:
         proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -140,6 +149,112 @@ async def throughput(workdir: Path, replicas: int, runs: int, env: dict, model: 
     return rates
 
 
+# What each end of the veth does to what it sends (a tc qdisc). This kernel has no sch_netem (and
+# there is no iptables or nft for a delaying relay), so link latency cannot be added here: the
+# Ethernet-like setting is its bandwidth only.
+LINKS = {"veth": None, "1 Gbit/s (tbf)": "tbf rate 1gbit burst 32kbit latency 50ms"}
+
+
+@contextlib.contextmanager
+def namespace_link(workdir: Path):
+    """A second "host": a network namespace behind a veth pair (10.78.x.1 here, .2 there), and
+    an rsh for the ssh launcher that runs a command in it. Yields (namespace, subnet, rsh, set_link)."""
+    tag = os.getpid() % 250
+    ns, here, there, subnet = f"specd-bench-{tag}", f"sdb{tag}a", f"sdb{tag}b", f"10.78.{tag}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    rsh = workdir / "netns-rsh"
+    rsh.write_text('#!/bin/sh\nhost="$1"; shift\nexec ip netns exec "$host" sh -c "$*"\n')
+    rsh.chmod(0o755)
+    for cmd in (f"ip netns add {ns}", f"ip link add {here} type veth peer name {there}",
+                f"ip link set {there} netns {ns}", f"ip addr add {subnet}.1/24 dev {here}", f"ip link set {here} up",
+                f"ip netns exec {ns} ip addr add {subnet}.2/24 dev {there}",
+                f"ip netns exec {ns} ip link set {there} up", f"ip netns exec {ns} ip link set lo up"):
+        subprocess.run(cmd.split(), check=True, capture_output=True)
+
+    def set_link(qdisc: str | None) -> None:
+        """Both ends of the veth shape what they send with ``qdisc``; None: the bare veth."""
+        for prefix, dev in (([], here), (["ip", "netns", "exec", ns], there)):
+            subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if qdisc:
+                subprocess.run([*prefix, "tc", "qdisc", "add", "dev", dev, "root", *qdisc.split()],
+                               check=True, capture_output=True)
+    try:
+        yield ns, subnet, rsh, set_link
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def split_manifests(parallelism: str, ns: str, subnet: str, port: int) -> list[dict]:
+    """The demo target on a 2-rank Topology across the link, and in one process."""
+    topology = {"apiVersion": "specd.dev/v1alpha1", "kind": "Topology", "metadata": {"name": "link"},
+                "spec": {"backend": "ring", "launcher": "ssh", "port": port, "threadsPerRank": 1,
+                         "parallelism": parallelism, "stepTimeoutSeconds": 120,
+                         "specdCommand": str(Path(sys.executable).with_name("specd")),
+                         "hosts": [{"name": "here", "address": f"{subnet}.1"}, {"name": ns, "address": f"{subnet}.2"}]}}
+    models = [{"apiVersion": "specd.dev/v1alpha1", "kind": "Model", "metadata": {"name": name},
+               "spec": {"source": str(DEMO), **extra}} for name, extra in (("demo", {"topologyRef": "link"}),
+                                                                            ("single", {}))]
+    return [topology, *models]
+
+
+async def decode_rate(session: aiohttp.ClientSession, url: str, model: str, streams: int, runs: int) -> float:
+    """Generated tokens per second of ``streams`` concurrent greedy completions, median of ``runs``."""
+    source = (REPO_ROOT / "tests" / "data" / "speculation_sample.txt").read_text()
+
+    async def one(prompt: str) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": 128, "temperature": 0,
+                "speculation": {"method": "none"}}
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            return (await r.json())["usage"]["completion_tokens"]
+    rates = []
+    for run in range(runs):
+        started = time.perf_counter()
+        tokens = await asyncio.gather(*(one(source[(run * 4 + i) * 300:(run * 4 + i) * 300 + 300])
+                                        for i in range(streams)))
+        rates.append(sum(tokens) / (time.perf_counter() - started))
+    return statistics.median(rates)
+
+
+async def splits_over_links(workdir: Path, runs: int, env: dict) -> dict:
+    """tokens/s per link and split (and in one process), one group per split."""
+    out: dict = {}
+    with namespace_link(workdir) as (ns, subnet, rsh, set_link):
+        for parallelism in ("tensor", "pipeline"):
+            home = workdir / parallelism
+            (home / "manifests").mkdir(parents=True)
+            port = 41000 + (os.getpid() % 1000) * 4 + (parallelism == "pipeline") * 2
+            (home / "manifests" / "link.yaml").write_text(
+                "\n---\n".join(json.dumps(d) for d in split_manifests(parallelism, ns, subnet, port)))
+            set_link(None)
+            # not pinned: its ranks inherit its CPU affinity, and each needs a core of its own
+            with daemon(home / "d", None, {**env, "SPECD_RSH": str(rsh)}, "--manifests",
+                        str(home / "manifests")) as url:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+                    async def ready():
+                        try:
+                            async with session.get(f"{url}/readyz") as r:
+                                return r.status == 200
+                        except aiohttp.ClientError:
+                            return False
+                    try:
+                        await until(ready, f"the {parallelism} group")
+                    except RuntimeError:
+                        print((home / "d" / "daemon.log").read_text()[-3000:], file=sys.stderr)
+                        raise
+                    for link, qdisc in LINKS.items():
+                        set_link(qdisc)
+                        await decode_rate(session, url, "demo", 1, 1)  # warm-up on this link
+                        cell = out.setdefault(link, {})
+                        cell[parallelism] = {f"c{c}": await decode_rate(session, url, "demo", c, runs) for c in (1, 4)}
+                        if parallelism == "tensor":
+                            cell["one process"] = {f"c{c}": await decode_rate(session, url, "single", c, runs)
+                                                   for c in (1, 4)}
+            set_link(None)
+    return out
+
+
 def compared(one: list[float], two: list[float]) -> dict:
     return {"one_node_tok_s": statistics.median(one), "two_nodes_tok_s": statistics.median(two),
             "ratio": statistics.median(two) / statistics.median(one), "raw": {"one": one, "two": two}}
@@ -177,6 +292,8 @@ async def multiturn(workdir: Path, routing: str, runs: int, env: dict) -> dict:
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     env, _ = child_env()
+    if args.only_links:
+        return {"splits_over_links": await splits_over_links(workdir / "links", args.runs, env)}
     out = {"throughput_c8": {"demo": compared(await throughput(workdir / "one", 1, args.runs, env, DEMO, 128),
                                               await throughput(workdir / "two", 2, args.runs, env, DEMO, 128))}}
     if args.big:
@@ -186,6 +303,8 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
             await throughput(workdir / "big-two", 2, args.runs, env, big, 32))
     out["multiturn_c4"] = {"prefix": await multiturn(workdir / "prefix", "prefix", args.runs, env),
                            "round-robin": await multiturn(workdir / "rr", "round-robin", args.runs, env)}
+    if args.links:
+        out["splits_over_links"] = await splits_over_links(workdir / "links", args.runs, env)
     return out
 
 
@@ -193,18 +312,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--big", action="store_true", help="also the throughput of a random 1 GB model")
+    parser.add_argument("--links", action="store_true",
+                        help="also tensor against pipeline parallelism over slowed links (root: netns and tc)")
+    parser.add_argument("--only-links", action="store_true", help="only that")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         results = asyncio.run(bench(args, Path(tmp)))
-    for model, t in results["throughput_c8"].items():
+    for model, t in results.get("throughput_c8", {}).items():
         print(f"{model}, c=8 tok/s: 1 replica on 1 Node {t['one_node_tok_s']:.1f}, 2 replicas on 2 Nodes "
               f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x")
-    for routing, r in results["multiturn_c4"].items():
+    for routing, r in results.get("multiturn_c4", {}).items():
         print(f"multi-turn c=4, {routing:>11}: hit rate {r['hit_rate']:.2f}, later-turn TTFT "
               f"{1000 * r['later_turn_ttft_s']:.0f} ms")
+    for link, cell in results.get("splits_over_links", {}).items():
+        print(f"{link:>18}: " + "; ".join(f"{split} {r['c1']:.1f} tok/s (c=4 {r['c4']:.1f})"
+                                          for split, r in cell.items()))
     write_result(args.out, {**machine_info(args), "results": results})
-    print(json.dumps({m: round(t["ratio"], 3) for m, t in results["throughput_c8"].items()}))
+    print(json.dumps({m: round(t["ratio"], 3) for m, t in results.get("throughput_c8", {}).items()}))
     return 0
 
 

@@ -21,6 +21,7 @@ NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label,
 MAX_ALIASES = 64  # YAML aliases one manifest may use: enough for shared blocks, never a "billion laughs"
 MAX_EXPANDED_NODES = 100_000  # nodes one document may stand for, aliases expanded (a real one has hundreds)
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+PARALLELISM = ("tensor", "pipeline")  # how a Topology's ranks split a Model
 TASKS = ("generate", "embed")  # what a Model serves: completions (chat, Messages, Responses) | /v1/embeddings
 
 
@@ -342,22 +343,26 @@ class TopologyHost:
 
 @dataclass(frozen=True)
 class TopologySpec:
-    """Hosts a tensor-parallel Model is placed on, and how its ranks start."""
+    """Hosts a tensor- or pipeline-parallel Model is placed on, and how its ranks start."""
 
     backend: str
     hosts: tuple[TopologyHost, ...]
-    tensor_parallel_size: int
+    tensor_parallel_size: int  # ranks in the group (its first hosts), whichever the split
     launcher: str = "ssh"  # ssh: remote ranks through ssh (local ones directly); local: all on this machine
     port: int | None = None  # first rank's listening port (ranks use port + rank); None: free ports when local
     step_timeout_seconds: float = 60.0  # a step that takes longer means a rank hung
     threads_per_rank: int | None = None  # OMP/OpenBLAS threads per rank (ranks sharing a host)
     specd_command: str = "specd"  # the specd executable on remote hosts
+    parallelism: str = "tensor"  # tensor: every layer split across ranks; pipeline: each rank a slice of the layers
 
 
 def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
     _fields(spec, path, {"backend", "hosts", "tensorParallelSize", "launcher", "port", "stepTimeoutSeconds",
-                         "threadsPerRank", "specdCommand"}, {"backend", "hosts"})
+                         "threadsPerRank", "specdCommand", "parallelism"}, {"backend", "hosts"})
     backend = _check_type(spec["backend"], str, f"{path}.backend")
+    parallelism = spec.get("parallelism", "tensor")
+    if parallelism not in PARALLELISM:
+        raise ManifestError(f'must be "tensor" or "pipeline", got {shown(parallelism)}', f"{path}.parallelism")
     if backend not in ("jaccl", "ring"):
         raise ManifestError(f'must be "jaccl" or "ring", got {shown(backend)}', f"{path}.backend")
     launcher = spec.get("launcher", "ssh")
@@ -386,7 +391,7 @@ def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
     return TopologySpec(backend, tuple(hosts), size, launcher, port,
                         _number(spec, "stepTimeoutSeconds", path, 1.0, 3600.0, 60.0),
                         _positive_int(spec, "threadsPerRank", path, None),
-                        _check_type(spec.get("specdCommand", "specd"), str, f"{path}.specdCommand"))
+                        _check_type(spec.get("specdCommand", "specd"), str, f"{path}.specdCommand"), parallelism)
 
 
 SPEC_PARSERS: dict[str, Callable[[Any], Any]] = {

@@ -64,8 +64,8 @@ class DownloadProgress:
 
 def download(source: str, revision: str | None = None, progress: DownloadProgress | None = None,
              patterns: list[str] = MODEL_FILES) -> Path:
-    """The hub checkpoint's snapshot directory, fetching what the cache lacks (resuming
-    partial files). Raises what ``huggingface_hub`` raises when it is not cached and cannot
+    """The hub checkpoint's snapshot directory, fetching the files the cache lacks (with
+    ``progress``, read every ``POLL_SECONDS``). Raises what ``huggingface_hub`` raises when it is not cached and cannot
     be fetched (offline, the hub down, a gated or missing repo)."""
     from huggingface_hub import snapshot_download
 

@@ -114,7 +114,7 @@ class GroupClient:
         raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
 
     def group_status(self) -> dict:
-        return {"ranks": self.ranks(), "steps": self.status.get("steps"),
+        return {"ranks": self.ranks(), "parallelism": self.topology.parallelism, "steps": self.status.get("steps"),
                 "controlBytes": self.status.get("control_bytes")}
 
     def exported_metrics(self) -> str:
@@ -348,12 +348,13 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_fai
     control = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     plan = GroupPlan(name, spec.source, topology.backend, topology.tensor_parallel_size,
                      mlx_environment(topology, group_ports(topology)), control, token, engine_fields(spec),
-                     asdict(speculation) if speculation.enabled else None, draft_source, spec.revision)
+                     asdict(speculation) if speculation.enabled else None, draft_source, spec.revision,
+                     topology.parallelism)
     procs = []
     for rank in range(topology.tensor_parallel_size):
         cmd, env = rank_command(topology, rank, plan)
         procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
-    log.info("tensor-parallel group starting", model=name, backend=topology.backend,
+    log.info("group starting", model=name, backend=topology.backend, parallelism=topology.parallelism,
              ranks=[p.pid for p in procs])
     try:
         deadline = time.monotonic() + ready_timeout

@@ -1,11 +1,12 @@
-"""A rank of a tensor-parallel group: ``specd rank`` (started by the daemon).
+"""A rank of a tensor- or pipeline-parallel group: ``specd rank`` (started by the daemon).
 
-Every rank holds a shard of the target (``mlx_lm``'s ``model.shard``), a full
-copy of the draft model if there is one, and the same ``Engine``.  Rank 0
+Every rank holds a shard of the target (``mlx_lm``'s ``model.shard``, or a slice
+of its layers under pipeline parallelism, ``pipeline.py``), a full copy of the
+draft model if there is one, and the same ``Engine``.  Rank 0
 takes requests from the daemon; before every step it broadcasts what changed
 (arrivals with their RNG keys, cancellations, policy swaps, stop) through
 ``mx.distributed``, so every rank steps the same batch.  Everything after that
-is deterministic given the all-reduced logits — n-gram proposals, the
+is deterministic given the all-reduced (or gathered) logits — n-gram proposals, the
 replicated draft, sampling and rejection sampling from each request's own key
 — except the controller's choice of k and how many forced tokens a step
 verifies, both made from timed costs: rank 0's choices are broadcast too.  A
@@ -32,12 +33,14 @@ import structlog
 from prometheus_client import generate_latest
 
 from ..core.loader import load_model, materialize, resolve_source, weight_bytes
+from ..core.model_parts import decoder
 from ..core.sequence import Sequence
 from ..engine.engine import Engine
 from ..engine.scheduler import EngineConfig, StepInputs
 from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
 from ..speculation.config import PolicySettings
+from .pipeline import load_stage
 from . import wire
 from .topology import GroupPlan
 
@@ -155,12 +158,17 @@ class GroupRank:
         return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
 
 
-def load_shard(source: str, revision: str | None, group: mx.distributed.Group):
-    """The target, sharded across the group the way mlx-lm shards it (a hub
-    source at a revision is fetched whole first: mlx-lm's sharded load takes none)."""
+def load_shard(source: str, revision: str | None, group: mx.distributed.Group, parallelism: str):
+    """This rank's part of the target: a shard of every layer as mlx-lm's ``shard`` cuts it,
+    or a slice of the layers (``pipeline.load_stage``). A hub source (at a revision) is
+    fetched whole first: mlx-lm's sharded load takes no revision."""
     from mlx_lm.utils import _download, sharded_load
 
     path = resolve_source(source) if revision is None else str(_download(resolve_source(source), revision))
+    if parallelism == "pipeline":
+        model, tokenizer, how = load_stage(path, group)
+        log.info("pipeline stage", split=how, layers=sum(layer is not None for layer in decoder(model).layers))
+        return model, tokenizer
     model, tokenizer = sharded_load(path, tensor_group=group)
     materialize(model)
     return model, tokenizer
@@ -184,7 +192,7 @@ def run(plan: GroupPlan) -> int:
     rank = group.rank()
     structlog.contextvars.bind_contextvars(model=plan.model, rank=rank)
     started = time.monotonic()
-    model, tokenizer = load_shard(plan.source, plan.revision, group)
+    model, tokenizer = load_shard(plan.source, plan.revision, group, plan.parallelism)
     draft = load_model(plan.draft_source)[0] if plan.draft_source else None
     speculation = (SpeculationConfig(**{**plan.speculation, "method": Method(plan.speculation["method"])})
                    if plan.speculation else NO_SPECULATION)

@@ -29,6 +29,7 @@ log = structlog.get_logger(__name__)
 routes = web.RouteTableDef()
 MAX_BODY_BYTES = 16 * 1024 * 1024  # --max-body-bytes; larger bodies get a 413
 HEAP_TRIM_SECONDS = 30.0
+PROBES = ("/healthz", "/readyz", "/metrics")  # polled by orchestrators: a 503 while loading is not news for the log
 
 
 @web.middleware
@@ -71,15 +72,16 @@ async def request_context(request: web.Request, handler) -> web.StreamResponse:
 
 def record_request(request: web.Request, status: int, seconds: float) -> None:
     """Count the request in ``http_requests_total`` and log it: inference
-    routes at info, every client error at warning and server error at error,
-    so a client sending a field specd refuses, or a wrong URL, shows up."""
+    routes at info, every other client error at warning and server error at
+    error (probes aside), so a client sending a field specd refuses, or a
+    wrong URL, shows up."""
     route = request.match_info.route
     handler = route.resource.canonical if route.resource is not None else "none"  # an unmatched path
     metrics = request.app[REGISTRY].metrics
     metrics.http_requests.labels(request.method, handler, str(status)).inc()
     metrics.http_request_duration.labels(request.method, handler).observe(seconds)
     level = "error" if status >= 500 else "warning" if status >= 400 else "info"
-    if level != "info" or request.path.startswith("/v1/"):
+    if request.path.startswith("/v1/") or (level != "info" and handler not in PROBES):
         getattr(log, level)("request", method=request.method, path=request.path, status=status,
                             seconds=round(seconds, 4))
 

@@ -1,0 +1,89 @@
+"""Pipeline parallelism: Models on a 2-rank ring Topology with ``parallelism:
+pipeline``, each rank holding half the layers, against the same checkpoints in
+one process of the same daemon. The forged Llama has no ``pipeline()`` in mlx-lm
+(split by ``specd.parallel.pipeline``); Ministral 3 has one, and it is used."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import pytest
+from conftest import model_manifest, start_daemon
+from test_tensor_parallel import METHODS, PROMPTS, client_for, complete, model_status, pairing, topology, wait_ready
+
+from specd.api.manifest import ManifestError, parse_documents
+from specd.parallel.pipeline import layer_range
+
+
+@pytest.fixture(scope="module")
+def pp(forged, family_models, tmp_path_factory):
+    ministral = family_models("ministral3")
+    docs = [topology("pipe", parallelism="pipeline", stepTimeoutSeconds=30),
+            model_manifest("pp", forged / "target", topologyRef="pipe", maxBatchSize=8),
+            model_manifest("single", forged / "target", maxBatchSize=8),
+            pairing("pp", forged / "draft"), pairing("single", forged / "draft"),
+            model_manifest("pp-ministral", ministral, topologyRef="pipe", maxBatchSize=8),
+            model_manifest("single-ministral", ministral, maxBatchSize=8)]
+    daemon = start_daemon(tmp_path_factory.mktemp("pp"), {"models.yaml": "---\n".join(docs)})
+    yield daemon
+    daemon.stop()
+
+
+def test_layer_ranges_cover_the_stack_once_last_layers_on_rank_0():
+    for layers in (2, 5, 6, 61):
+        for size in (2, 3, 4):
+            if layers < size:
+                continue
+            ranges = [layer_range(layers, r, size) for r in range(size)]
+            assert ranges[0][1] == layers and ranges[-1][0] == 0
+            assert sorted(i for start, end in ranges for i in range(start, end)) == list(range(layers))
+
+
+def test_parallelism_is_tensor_or_pipeline():
+    text = topology("bad", parallelism="data")
+    with pytest.raises(ManifestError) as err:
+        parse_documents(text)
+    assert err.value.path == "spec.parallelism"
+
+
+@pytest.mark.parametrize("model,methods", [("pp", METHODS), ("pp-ministral", ["none", "ngram"])])
+def test_pipeline_matches_a_single_process_in_mixed_batches(pp, model, methods):
+    """Every prompt with every method at once: the two stages' batches mix plain,
+    n-gram and draft rows, and every greedy output is the single process's."""
+    wait_ready(pp, model, timeout=180)
+    single = model.replace("pp", "single")
+    client = client_for(pp)
+    status = model_status(pp, model)
+    assert [r["rank"] for r in status["group"]["ranks"]] == [0, 1]
+    jobs = [(p, m) for p in PROMPTS for m in methods]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        staged = list(pool.map(lambda j: complete(client, model, *j), jobs))
+    baseline = {p: complete(client, single, p, "none") for p in PROMPTS}
+    for (prompt, method), got in zip(jobs, staged):
+        assert got == baseline[prompt], (model, prompt, method)
+
+
+def test_each_stage_holds_part_of_the_weights(pp, forged):
+    """The group's weights are each rank's summed: every stage keeps the embedding, final norm
+    and head, and only its own layers, so the sum passes the checkpoint by those alone."""
+    status = wait_ready(pp, "pp", timeout=180)
+    tensors = mx.load(str(forged / "target" / "model.safetensors"))
+    whole = sum(v.nbytes for v in tensors.values())
+    shared = sum(v.nbytes for k, v in tensors.items() if ".layers." not in k)
+    assert status["weightBytes"] == whole + shared
+
+
+def test_pipeline_speculates_exactly_as_a_single_process(pp):
+    """Same rounds, proposals and acceptances for n-gram and the replicated draft model."""
+    wait_ready(pp, "pp", timeout=180)
+    client = client_for(pp)
+
+    def stats(model: str, method: str) -> dict:
+        reply = client.completions.create(model=model, prompt=PROMPTS[0] * 3, max_tokens=32, temperature=0,
+                                          extra_body={"speculation": {"method": method}})
+        return reply.usage.model_extra["speculation"]
+
+    for method in ("ngram", "draft"):
+        assert stats("pp", method) == stats("single", method)
+    assert stats("pp", "draft")["rounds"] > 0
