@@ -59,7 +59,7 @@ class StageEnd(nn.Module):
             return getattr(self["layer"], name)
 
     def __call__(self, h: mx.array, *args, **kwargs) -> mx.array:
-        rank, size = self.group.rank(), self.group.size()
+        rank = self.group.rank()
         if self.receive:
             h = mx.distributed.recv_like(h, rank + 1, group=self.group)
         h = self.layer(h, *args, **kwargs)
