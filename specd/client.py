@@ -249,7 +249,8 @@ def cmd_describe(client: Client, args) -> int:
     for key in ("labels", "annotations"):
         values = meta.get(key) or {}
         print(f"{key.capitalize() + ':':<14}" + (", ".join(f"{k}={v}" for k, v in values.items()) or "<none>"))
-    print(f"Generation:   {meta.get('generation')}   ResourceVersion: {meta.get('resourceVersion')}")
+    if "generation" in meta:  # a stored object's (a Node's record has none)
+        print(f"Generation:   {meta['generation']}   ResourceVersion: {meta.get('resourceVersion')}")
     print(f"Created:      {meta.get('creationTimestamp')}")
     print("Spec:")
     print("  " + yaml.safe_dump(obj.get("spec"), sort_keys=False).replace("\n", "\n  ").rstrip())

@@ -397,7 +397,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
-    return web.json_response({"object": "list", "data": [_model_entry(m) for m in registry.models.values()]})
+    models = sorted(registry.models.values(), key=lambda m: m.name)  # a stable order, whatever loaded first
+    return web.json_response({"object": "list", "data": [_model_entry(m) for m in models]})
 
 
 def _model_entry(m: ServedModel) -> dict:
