@@ -106,6 +106,24 @@ def test_joins_are_refused_with_the_reason(tmp_path, cluster):
         stray.stop(signal.SIGKILL)
 
 
+def test_a_replica_at_zero_is_woken_by_a_request(forged, tmp_path, cluster):
+    """``minReplicas: 0`` on a worker: never loaded, a request through the head loads it and is
+    answered; unloaded when idle, the next request wakes it again."""
+    h, workers = cluster
+    (tmp_path / "z.yaml").write_text(model_manifest("m", forged / "target", **BUDGETS).rstrip("\n")
+                                     + "\n  scaling: {minReplicas: 0, idleSeconds: 1}\n")
+    specd(h, "apply", "-f", str(tmp_path / "z.yaml"))
+
+    def worker_phase() -> str | None:
+        placed = get(h, "model", "m")["status"].get("replicas") or [{}]
+        worker = workers.get(placed[0].get("node"))
+        status, body = worker.get("/v1/models/m") if worker else (404, b"")  # its admin API is the head's alone
+        return json.loads(body).get("status") if status == 200 else None
+    for _ in range(2):
+        wait_for(lambda: worker_phase() == "Idle", 60, "the replica at zero")
+        assert chat(h.url, [{"role": "user", "content": "def f():"}]).usage.completion_tokens > 0
+
+
 def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_path, cluster):
     h, workers = cluster
     manifest = model_manifest("m", forged / "target", replicas=2, **BUDGETS)

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 from conftest import model_manifest, start_daemon
-from test_tensor_parallel import METHODS, PROMPTS, client_for, complete, model_status, pairing, topology, wait_ready
+from test_tensor_parallel import (METHODS, PROMPTS, assert_speculates_as_single, client_for, complete, model_status,
+                                  pairing, topology, wait_ready)
 
 from specd.api.manifest import ManifestError, parse_documents
 from specd.parallel.pipeline import layer_range
@@ -77,13 +78,4 @@ def test_each_stage_holds_part_of_the_weights(pp, forged):
 def test_pipeline_speculates_exactly_as_a_single_process(pp):
     """Same rounds, proposals and acceptances for n-gram and the replicated draft model."""
     wait_ready(pp, "pp", timeout=180)
-    client = client_for(pp)
-
-    def stats(model: str, method: str) -> dict:
-        reply = client.completions.create(model=model, prompt=PROMPTS[0] * 3, max_tokens=32, temperature=0,
-                                          extra_body={"speculation": {"method": method}})
-        return reply.usage.model_extra["speculation"]
-
-    for method in ("ngram", "draft"):
-        assert stats("pp", method) == stats("single", method)
-    assert stats("pp", "draft")["rounds"] > 0
+    assert_speculates_as_single(client_for(pp), "pp")

@@ -161,18 +161,23 @@ def test_greedy_output_matches_single_process_in_mixed_batches(tp):
         assert got == ref == baseline[prompt], (prompt, method)
 
 
-def test_group_speculates_exactly_as_a_single_process(tp):
-    """Same rounds, proposals and acceptances: the ranks' speculation is the single engine's."""
-    client = client_for(tp)
+def speculation_stats(client, model: str, method: str) -> dict:
+    """The speculation report of a greedy completion that repeats itself (so proposals match)."""
+    reply = client.completions.create(model=model, prompt=PROMPTS[0] * 3, max_tokens=32, temperature=0,
+                                      extra_body={"speculation": {"method": method}})
+    return reply.usage.model_extra["speculation"]
 
-    def stats(model: str, method: str) -> dict:
-        reply = client.completions.create(model=model, prompt=PROMPTS[0] * 3, max_tokens=32, temperature=0,
-                                          extra_body={"speculation": {"method": method}})
-        return reply.usage.model_extra["speculation"]
 
+def assert_speculates_as_single(client, model: str) -> None:
+    """Same rounds, proposals and acceptances as ``single``, n-gram and draft alike, and the draft drafts."""
     for method in ("ngram", "draft"):
-        assert stats("tp", method) == stats("single", method)
-    assert stats("tp", "draft")["rounds"] > 0
+        assert speculation_stats(client, model, method) == speculation_stats(client, "single", method)
+    assert speculation_stats(client, model, "draft")["rounds"] > 0
+
+
+def test_group_speculates_exactly_as_a_single_process(tp):
+    """The ranks' speculation is the single engine's."""
+    assert_speculates_as_single(client_for(tp), "tp")
 
 
 def test_structured_output_on_a_group_matches_a_single_process(tp):
@@ -202,7 +207,7 @@ from specd.engine.scheduler import EngineConfig
 args = json.loads(sys.argv[1])
 group = _join_group(SimpleNamespace(env=args["env"], backend="ring"))
 rank = group.rank()
-model, tokenizer = load_shard(args["target"], None, group)
+model, tokenizer = load_shard(args["target"], None, group, "tensor")
 engine = Engine("g", model, tokenizer, EngineConfig(max_batch_size=2))
 costs = engine.scheduler.speculator.costs
 for width in range(2, 64):  # rank 0 measured wide verify steps as free, rank 1 as dear
@@ -491,9 +496,11 @@ def netns_hosts(tmp_path_factory):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path_factory, netns_hosts):
+@pytest.mark.parametrize("parallelism", ["tensor", "pipeline"])
+def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path_factory, netns_hosts, parallelism):
     """Rank 1 in its own network namespace, reached over a veth link and started
-    through the ssh launcher (``SPECD_RSH``): same greedy tokens as one process."""
+    through the ssh launcher (``SPECD_RSH``): same greedy tokens as one process,
+    the ranks splitting every layer or the stack of layers."""
     ns, subnet, rsh = netns_hosts
     specd = Path(sys.executable).with_name("specd")
     topo = textwrap.dedent(f"""\
@@ -504,8 +511,9 @@ def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path
         spec:
           backend: ring
           launcher: ssh
-          port: {40000 + os.getpid() % 20000}
+          port: {40000 + os.getpid() % 20000 + 2 * (parallelism == "pipeline")}
           threadsPerRank: 1
+          parallelism: {parallelism}
           specdCommand: {specd}
           hosts:
             - {{name: here, address: {subnet}.1}}

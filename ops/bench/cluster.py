@@ -33,7 +33,7 @@ The Model is the demo target, in one run:
    kernel has no ``netem`` to add that latency (see ``LINKS``).
 
     specd forge models/test --preset test   # the tokenizer of the --big model
-    python ops/bench/cluster.py [--runs 3] [--big] [--links]
+    python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|links]
 """
 
 from __future__ import annotations
@@ -292,18 +292,20 @@ async def multiturn(workdir: Path, routing: str, runs: int, env: dict) -> dict:
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     env, _ = child_env()
-    if args.only_links:
-        return {"splits_over_links": await splits_over_links(workdir / "links", args.runs, env)}
-    out = {"throughput_c8": {"demo": compared(await throughput(workdir / "one", 1, args.runs, env, DEMO, 128),
-                                              await throughput(workdir / "two", 2, args.runs, env, DEMO, 128))}}
-    if args.big:
-        big = build("llama", workdir / "one-gb", REPO_ROOT / "models" / "test" / "target", overrides=ONE_GB)
-        out["throughput_c8"]["random 1 GB"] = compared(
-            await throughput(workdir / "big-one", 1, args.runs, env, big, 32),
-            await throughput(workdir / "big-two", 2, args.runs, env, big, 32))
-    out["multiturn_c4"] = {"prefix": await multiturn(workdir / "prefix", "prefix", args.runs, env),
-                           "round-robin": await multiturn(workdir / "rr", "round-robin", args.runs, env)}
-    if args.links:
+    parts = set(args.only or ("throughput", "multiturn", *(["links"] if args.links else [])))
+    out: dict = {}
+    if "throughput" in parts:
+        out["throughput_c8"] = {"demo": compared(await throughput(workdir / "one", 1, args.runs, env, DEMO, 128),
+                                                 await throughput(workdir / "two", 2, args.runs, env, DEMO, 128))}
+        if args.big:
+            big = build("llama", workdir / "one-gb", REPO_ROOT / "models" / "test" / "target", overrides=ONE_GB)
+            out["throughput_c8"]["random 1 GB"] = compared(
+                await throughput(workdir / "big-one", 1, args.runs, env, big, 32),
+                await throughput(workdir / "big-two", 2, args.runs, env, big, 32))
+    if "multiturn" in parts:
+        out["multiturn_c4"] = {"prefix": await multiturn(workdir / "prefix", "prefix", args.runs, env),
+                               "round-robin": await multiturn(workdir / "rr", "round-robin", args.runs, env)}
+    if "links" in parts:
         out["splits_over_links"] = await splits_over_links(workdir / "links", args.runs, env)
     return out
 
@@ -314,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big", action="store_true", help="also the throughput of a random 1 GB model")
     parser.add_argument("--links", action="store_true",
                         help="also tensor against pipeline parallelism over slowed links (root: netns and tc)")
-    parser.add_argument("--only-links", action="store_true", help="only that")
+    parser.add_argument("--only", action="append", choices=("throughput", "multiturn", "links"),
+                        help="only this part (repeatable)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -238,6 +238,16 @@ class Reconciler:
                 out.append(Replica(node, member.address))
         return out
 
+    def idle_replicas(self, name: str) -> list[Replica]:
+        """Remote replicas scaled to zero on Ready Nodes (``minReplicas: 0``): a request relayed to
+        one loads it there, and waits for it, as a request to a local Model at zero does."""
+        served = self.registry.models.get(name)
+        if served is None or self.cluster is None:
+            return []
+        return [Replica(node, member.address) for node in served.replica_nodes
+                if node != self.node.name and (member := self.cluster.members.get(node)) is not None
+                and member.ready and (member.model(name) or {}).get("phase") == Phase.IDLE.value]
+
     # -- the node's memory -------------------------------------------------
 
     def holdings(self) -> list[Holding]:

@@ -41,7 +41,7 @@ async def route_to_replica(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)  # the route says what is wrong with it
     if not served.replica_nodes:
         return await handler(request)
-    replicas = reconciler.ready_replicas(name)
+    replicas = reconciler.ready_replicas(name) or reconciler.idle_replicas(name)
     if not replicas:
         if reconciler.node.name in served.replica_nodes:
             return await handler(request)  # this node's replica loads: the route waits for it
