@@ -65,14 +65,13 @@ def _daemon(args: argparse.Namespace) -> int:
 def _serve_model(args: argparse.Namespace) -> int:
     """``specd serve``: the daemon, with the objects its command line declares."""
     from .api.manifest import ManifestError
-    from .serve import declared, documents, manifest_text
+    from .serve import declared, manifest_text
 
     try:
-        args.serve_text = declared(args)
+        docs, args.serve_text = declared(args)
     except (ValueError, ManifestError) as err:
         print(f"specd serve: {err}", file=sys.stderr)
         return 2
-    docs = documents(args)
     if args.dry_run:
         print(manifest_text(docs, args.output), end="")
         return 0
@@ -158,7 +157,7 @@ def _rank(args: argparse.Namespace) -> int:
 
 def _pull(args: argparse.Namespace) -> int:
     """``specd pull MODEL[@revision]``: fetch a hub checkpoint into the Hugging Face cache ahead
-    of its first load, with a progress bar; an interrupted pull resumes where it stopped."""
+    of its first load, with a progress bar; an interrupted pull keeps the files it finished."""
     from huggingface_hub.utils import disable_progress_bars
     from tqdm import tqdm
 

@@ -106,8 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="--dry-run's format")
 
 
-def declared(args: argparse.Namespace) -> str:
-    """The command line's manifest, checked as ``specd apply`` checks one (ValueError or ManifestError)."""
-    text = manifest_text(documents(args))
+def declared(args: argparse.Namespace) -> tuple[list[dict], str]:
+    """The command line's objects and their manifest, checked as ``specd apply`` checks one
+    (ValueError or ManifestError)."""
+    docs = documents(args)
+    text = manifest_text(docs)
     parse_documents(text, OWNER)
-    return text
+    return docs, text

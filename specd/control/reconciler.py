@@ -239,14 +239,15 @@ class Reconciler:
         return out
 
     def idle_replicas(self, name: str) -> list[Replica]:
-        """Remote replicas scaled to zero on Ready Nodes (``minReplicas: 0``): a request relayed to
-        one loads it there, and waits for it, as a request to a local Model at zero does."""
+        """A ``minReplicas: 0`` Model's remote replicas on Ready Nodes, none of them loaded: a request
+        relayed to one loads it there and waits for it, as a request to a local Model at zero does
+        (whatever the Node's last heartbeat said: it may predate the replica's unload or its apply)."""
         served = self.registry.models.get(name)
-        if served is None or self.cluster is None:
+        if served is None or self.cluster is None or served.spec.min_replicas != 0:
             return []
         return [Replica(node, member.address) for node in served.replica_nodes
                 if node != self.node.name and (member := self.cluster.members.get(node)) is not None
-                and member.ready and (member.model(name) or {}).get("phase") == Phase.IDLE.value]
+                and member.ready]
 
     # -- the node's memory -------------------------------------------------
 
