@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import yaml
 from conftest import ROOT, free_port, start_daemon
 from hub_mirror import HubMirror
 from specd.api.manifest import parse_documents
+from test_control_plane import wait_for
 from test_openai_api import scrape
 
 REPO = "specd/tiny"
@@ -29,15 +29,6 @@ REPO = "specd/tiny"
 def specd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **(env or {})}, timeout=timeout)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def model_status(daemon, name: str) -> dict:

@@ -96,8 +96,9 @@ def download(source: str, revision: str | None = None, progress: DownloadProgres
 
     watcher = threading.Thread(target=watch, name="download-progress", daemon=True)
     watcher.start()
-    try:
-        return Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
+    try:  # at the commit the listing resolved (and the cache recorded): the hub is not asked again
+        return Path(snapshot_download(source, revision=files[0].commit_hash if files else revision,
+                                      allow_patterns=patterns))
     finally:
         stop.set()
         watcher.join()
