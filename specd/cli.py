@@ -90,7 +90,7 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from .control.agent import NodeAgent
     from .control.cluster import Cluster
     from .control.node import Node
-    from .control.reconciler import Reconciler
+    from .control.plane import ControlPlane
     from .control.registry import ModelRegistry
     from .control.store import Store
     from . import serve
@@ -110,15 +110,15 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
         sync_owned(store, serve.OWNER, parse_documents(args.serve_text, serve.OWNER))
     node = Node(memory_limit=args.memory_limit, memory_reserve=args.memory_reserve, name=args.node_name)
     cluster = Cluster(store, args.cluster_token_file.read_text().strip()) if args.cluster_token_file else None
-    reconciler = Reconciler(store, ModelRegistry(Metrics(), load_timeout=args.load_timeout),
-                            drain_grace=args.drain_grace, node=node, cluster=cluster, routing=args.routing)
+    control = ControlPlane(store, ModelRegistry(Metrics(), load_timeout=args.load_timeout),
+                           drain_grace=args.drain_grace, node=node, cluster=cluster, routing=args.routing)
     agent = None
     if args.join is not None:
         address = args.advertise or f"http://{args.host}:{args.port}"
-        agent = NodeAgent(args.join, token, node.name, address, reconciler.node_report)
+        agent = NodeAgent(args.join, token, node.name, address, control.models.node_report)
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
-    app = create_app(reconciler, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
+    app = create_app(control, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
                      cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
                      stored_responses=ResponseStore(args.state_dir / "responses.db"),
                      drop_hosted_tools=args.drop_hosted_tools, agent=agent)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,18 +82,72 @@ def model_manifest(name: str, source: str | Path, **spec) -> str:
 
 
 @dataclass
+class NetnsHost:
+    """A second "host": a network namespace behind a veth pair."""
+
+    ns: str
+    subnet: str  # {subnet}.1 is this end, {subnet}.2 the namespace's
+    rsh: Path  # an ``SPECD_RSH`` that "ssh"es into the namespace
+    link: str  # the namespace's end of the veth
+
+    def cut(self, down: bool) -> None:
+        """Cut the host off (its end of the link down: this end keeps its address), or reconnect it."""
+        subprocess.run(["ip", "netns", "exec", self.ns, "ip", "link", "set", self.link, "down" if down else "up"],
+                       check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def netns_hosts(tmp_path_factory):
+    """A second "host": a network namespace joined to this one by a veth pair
+    (10.77.x.1 here, 10.77.x.2 there)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    tag = f"{os.getpid() % 250}"
+    ns, here, there = f"specd-tp-{tag}", f"sdtp{tag}a", f"sdtp{tag}b"
+    subnet = f"10.77.{tag}"
+    setup = [["ip", "netns", "add", ns],
+             ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+             ["ip", "link", "set", there, "netns", ns],
+             ["ip", "addr", "add", f"{subnet}.1/24", "dev", here], ["ip", "link", "set", here, "up"],
+             ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", there],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", there, "up"],
+             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
+    try:
+        for cmd in setup:
+            subprocess.run(cmd, check=True, capture_output=True)
+    except subprocess.CalledProcessError as err:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        pytest.skip(f"cannot make a network namespace here: {err.stderr.decode().strip()}")
+    rsh = tmp_path_factory.mktemp("rsh") / "netns-rsh"
+    rsh.write_text('#!/bin/sh\nhost="$1"; shift\nexec ip netns exec "$host" sh -c "$*"\n')
+    rsh.chmod(0o755)
+    try:
+        yield NetnsHost(ns, subnet, rsh, there)
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+@dataclass
 class Daemon:
     proc: subprocess.Popen
     port: int
     log_path: Path
+    host: str = "127.0.0.1"
+    admin_token: str | None = None  # sent with every request, when the daemon has one
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
-    def get(self, path: str) -> tuple[int, bytes]:
+    def get(self, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        """GET ``path`` (or POST ``body`` as JSON to it)."""
+        request = urllib.request.Request(self.url + path, None if body is None else json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        if self.admin_token is not None:
+            request.add_header("Authorization", f"Bearer {self.admin_token}")
         try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            with urllib.request.urlopen(request, timeout=10) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as err:
             return err.code, err.read()
@@ -106,21 +162,27 @@ class Daemon:
 
 
 def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, *extra: str,
-                 port: int | None = None, serve: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Daemon:
+                 port: int | None = None, serve: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1", netns: str | None = None, admin_token: str | None = None) -> Daemon:
     """Start ``specd daemon`` (or ``specd serve SERVE...``) as its own process on a free
-    loopback port (or ``port``), with ``env`` added to the environment."""
+    port (or ``port``) of ``host`` (in network namespace ``netns``), with ``env`` added to
+    the environment, and ``admin_token`` as its admin token (needed off loopback)."""
     mdir = tmp / "manifests"
     mdir.mkdir(parents=True, exist_ok=True)
     for fname, text in manifests.items():
         (mdir / fname).write_text(text)
     port = port or free_port()
     log_path = tmp / f"daemon-{port}.log"
+    if admin_token is not None:
+        (tmp / "admin-token").write_text(admin_token)
+        extra += ("--admin-token-file", str(tmp / "admin-token"))
     command = ["serve", *serve] if serve else ["daemon", "--manifests", str(mdir)]
-    cmd = [sys.executable, "-m", "specd.cli", *command,
-           "--state-dir", str(tmp / "state"), "--host", "127.0.0.1", "--port", str(port), *extra]
+    cmd = ([] if netns is None else ["ip", "netns", "exec", netns]) + [
+        sys.executable, "-m", "specd.cli", *command,
+        "--state-dir", str(tmp / "state"), "--host", host, "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    daemon = Daemon(proc, port, log_path)
+    daemon = Daemon(proc, port, log_path, host, admin_token)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:

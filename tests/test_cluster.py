@@ -11,6 +11,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -194,6 +195,57 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
     finally:
         h2.stop(signal.SIGKILL)
 
+
+
+def model_status(daemon, name: str = "m") -> dict:
+    return json.loads(daemon.get(f"/apis/specd.dev/v1alpha1/models/{name}")[1])["status"]
+
+
+def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_path, netns_hosts):
+    """Two hosts: the head and worker w1 here, worker w2 in its own network namespace, joined over
+    a veth link with the token. Their replicas answer through the head as one engine does. The
+    link is cut: w2 is NotReady, and every request goes to w1. The link is back: w2 is Ready
+    again and its replica serves again."""
+    token = token_file(tmp_path)
+    h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "1Mi",
+                     "--node-name", "head", host=f"{netns_hosts.subnet}.1", admin_token="head-admin-token")
+    daemons = [h]
+    try:
+        daemons.append(w1 := worker(tmp_path, "w1", h.url, token))
+        daemons.append(w2 := start_daemon(tmp_path / "w2", {}, True, "--join", h.url, "--token-file", str(token),
+                                          "--node-name", "w2", "--memory-limit", "2Gi",
+                                          host=f"{netns_hosts.subnet}.2", netns=netns_hosts.ns))
+        wait_for(lambda: node_ready(h, "w1") and node_ready(h, "w2"), 30, "workers joined")
+        assert nodes(h)["w2"]["spec"]["address"] == w2.url
+        manifest = yaml.safe_load(model_manifest("m", forged / "target", replicas=2, **BUDGETS))
+        assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
+        wait_for(lambda: model_status(h).get("readyReplicas") == 2, 120, "two replicas")
+
+        text = code_sample("speculation")
+        prompts = [[{"role": "user", "content": text[i * 300:i * 300 + 200]}] for i in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            through_head = list(pool.map(lambda p: chat(h.url, p).choices[0].message.content, prompts))
+        alone = [chat(w1.url, p).choices[0].message.content for p in prompts]
+        assert through_head == alone
+        assert routed(h).get("w2", 0) >= 1, routed(h)
+
+        netns_hosts.cut(True)
+        try:
+            wait_for(lambda: not node_ready(h, "w2"), 30, "w2 NotReady")
+            wait_for(lambda: model_status(h).get("readyReplicas") == 1, 30, "one replica left")
+            before = routed(h)
+            assert [chat(h.url, p).choices[0].message.content for p in prompts[:3]] == alone[:3]
+            after = routed(h)
+            assert after["w1"] == before["w1"] + 3 and after["w2"] == before["w2"], (before, after)
+            assert any(e["reason"] == "NodeNotReady" for e in node_events(h, "w2"))
+        finally:
+            netns_hosts.cut(False)
+        wait_for(lambda: node_ready(h, "w2"), 30, "w2 heard from again")
+        wait_for(lambda: model_status(h).get("readyReplicas") == 2, 60, "two replicas again")
+        assert sorted(r["node"] for r in model_status(h)["replicas"]) == ["w1", "w2"]
+    finally:
+        for d in daemons:
+            d.stop(signal.SIGKILL)
 
 
 def test_the_router_keeps_conversations_with_their_prefix_and_spreads_the_rest():

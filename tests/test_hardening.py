@@ -549,7 +549,7 @@ def test_fuzzed_admin_applies_answer_a_status_and_store_nothing_refused(daemon, 
     assert stored(daemon) == before  # a dry run, or a refusal, stores nothing
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=15, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 @given(raw=manifest_files())
 def test_fuzzed_manifest_files_through_apply_f(daemon, tmp_path_factory, raw):
     path = tmp_path_factory.mktemp("fuzz") / "m.yaml"

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -464,44 +463,12 @@ def test_rank_0_losing_a_peer_that_never_exits_says_so():
     assert group_failure([("fatal", PEER_LOST), ("exit", 0, 1)]) == f"rank 0 stopped the group: {PEER_LOST}"
 
 
-@pytest.fixture(scope="module")
-def netns_hosts(tmp_path_factory):
-    """A second "host": a network namespace joined to this one by a veth pair
-    (10.77.x.1 here, 10.77.x.2 there), and an ``SPECD_RSH`` that "ssh"es into it."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    tag = f"{os.getpid() % 250}"
-    ns, here, there = f"specd-tp-{tag}", f"sdtp{tag}a", f"sdtp{tag}b"
-    subnet = f"10.77.{tag}"
-    setup = [["ip", "netns", "add", ns],
-             ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
-             ["ip", "link", "set", there, "netns", ns],
-             ["ip", "addr", "add", f"{subnet}.1/24", "dev", here], ["ip", "link", "set", here, "up"],
-             ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", there],
-             ["ip", "netns", "exec", ns, "ip", "link", "set", there, "up"],
-             ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"]]
-    try:
-        for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True)
-    except subprocess.CalledProcessError as err:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-        pytest.skip(f"cannot make a network namespace here: {err.stderr.decode().strip()}")
-    rsh = tmp_path_factory.mktemp("rsh") / "netns-rsh"
-    rsh.write_text('#!/bin/sh\nhost="$1"; shift\nexec ip netns exec "$host" sh -c "$*"\n')
-    rsh.chmod(0o755)
-    try:
-        yield ns, subnet, rsh
-    finally:
-        subprocess.run(["ip", "link", "del", here], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-
-
 @pytest.mark.parametrize("parallelism", ["tensor", "pipeline"])
 def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path_factory, netns_hosts, parallelism):
     """Rank 1 in its own network namespace, reached over a veth link and started
     through the ssh launcher (``SPECD_RSH``): same greedy tokens as one process,
     the ranks splitting every layer or the stack of layers."""
-    ns, subnet, rsh = netns_hosts
+    ns, subnet, rsh = netns_hosts.ns, netns_hosts.subnet, netns_hosts.rsh
     specd = Path(sys.executable).with_name("specd")
     topo = textwrap.dedent(f"""\
         apiVersion: specd.dev/v1alpha1

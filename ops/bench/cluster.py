@@ -6,12 +6,17 @@ Nodes really have twice the compute; the head (no room of its own,
 ``--memory-limit 1Mi``: it only places and relays) shares the last core.
 The Model is the demo target, in one run:
 
-1. **Throughput** at 8 concurrent greedy completions of 128 tokens (code
-   prompts): 2 replicas on 2 Nodes against 1 replica on 1 Node, both through
-   the head; tokens/s, median of ``--runs``; on the demo target, and with
-   ``--big`` also on a random-weight Llama of about 1 GB (32 tokens each), whose
-   steps cost more as the batch grows (the demo target's barely do: one
-   replica at 8 requests costs about what it does at 4).
+1. **Throughput** at 8 concurrent greedy completions: 2 replicas on 2 Nodes
+   against 1 replica on 1 Node, both through the head; tokens/s, median of
+   ``--runs``. Two workloads on the demo target: 128-token completions of short
+   code prompts (completion tokens/s: decoding is the work), and agent-like
+   requests, about 1,500 tokens of code each and 32-token replies (prompt and
+   completion tokens/s: prefill is the work). With ``--big`` also decoding on a
+   random-weight Llama of about 1 GB (32 tokens each). Eight requests on one
+   replica decode as one batch of 8, on two as two batches of 4, so for decoding
+   two replicas gain what a step at batch 8 costs over one at batch 4 (little:
+   decoding is bound by reading the weights, on a Mac too); prefill's compute
+   grows with its tokens, so there two replicas can double it.
 2. **Multi-turn routing** over 2 replicas: 4 conversations at once, each with
    its own context (about 1,500 tokens of Python, a different file for each, as
    agents working on different code) and 6 turns (replies of
@@ -127,25 +132,43 @@ async def serving(session: aiohttp.ClientSession, head: str, replicas: int, mode
     await until(ready, "replicas")
 
 
-async def completion(session: aiohttp.ClientSession, head: str, prompt: str, max_tokens: int) -> int:
+async def completion(session: aiohttp.ClientSession, head: str, prompt: str, max_tokens: int) -> tuple[int, int]:
+    """Prompt and completion tokens of one greedy completion."""
     body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     async with session.post(f"{head}/v1/completions", json=body) as r:
         r.raise_for_status()
-        return (await r.json())["usage"]["completion_tokens"]
+        usage = (await r.json())["usage"]
+        return usage["prompt_tokens"], usage["completion_tokens"]
 
 
-async def throughput(workdir: Path, replicas: int, runs: int, env: dict, model: Path, max_tokens: int) -> list[float]:
+def decode_prompts(run: int) -> list[str]:
+    """8 short code prompts (about 100 tokens): the completions' decoding is the work."""
     source = (REPO_ROOT / "tests" / "data" / "speculation_sample.txt").read_text()
+    return [source[(run * 8 + i) * 250:(run * 8 + i) * 250 + 400] for i in range(8)]
+
+
+def agent_prompts(run: int) -> list[str]:
+    """8 agent-like prompts: about 1,500 tokens of code each, none sharing a prefix with
+    another or with an earlier run's (each opens with its own line), so prefill is the work."""
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO))
+    return [f"# session {run}-{i}\n" + contexts(tokenizer, 1500, i) for i in range(8)]
+
+
+async def throughput(workdir: Path, replicas: int, runs: int, env: dict, model: Path, max_tokens: int,
+                     prompts=decode_prompts, counted: str = "completion") -> list[float]:
+    """Tokens per second of 8 concurrent completions, one rate per run: the completion tokens,
+    or (``counted="all"``) prompt and completion tokens together."""
     rates = []
     with cluster(workdir, replicas, "prefix", env) as head:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
             await serving(session, head, replicas, model)
-            await completion(session, head, source[:100], 4)
+            await completion(session, head, "def warm_up():", 4)
             for run in range(runs):
-                prompts = [source[(run * 8 + i) * 250:(run * 8 + i) * 250 + 400] for i in range(8)]
+                batch = prompts(run)
                 started = time.perf_counter()
-                tokens = await asyncio.gather(*(completion(session, head, p, max_tokens) for p in prompts))
-                rates.append(sum(tokens) / (time.perf_counter() - started))
+                usage = await asyncio.gather(*(completion(session, head, p, max_tokens) for p in batch))
+                tokens = sum(c + (p if counted == "all" else 0) for p, c in usage)
+                rates.append(tokens / (time.perf_counter() - started))
     return rates
 
 
@@ -297,6 +320,9 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     if "throughput" in parts:
         out["throughput_c8"] = {"demo": compared(await throughput(workdir / "one", 1, args.runs, env, DEMO, 128),
                                                  await throughput(workdir / "two", 2, args.runs, env, DEMO, 128))}
+        out["throughput_c8"]["demo, agent-like"] = compared(
+            await throughput(workdir / "agent-one", 1, args.runs, env, DEMO, 32, agent_prompts, "all"),
+            await throughput(workdir / "agent-two", 2, args.runs, env, DEMO, 32, agent_prompts, "all"))
         if args.big:
             big = build("llama", workdir / "one-gb", REPO_ROOT / "models" / "test" / "target", overrides=ONE_GB)
             out["throughput_c8"]["random 1 GB"] = compared(

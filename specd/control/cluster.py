@@ -7,7 +7,8 @@ name no other live Node holds, and the same specd and MLX versions; every
 refusal is an event on the Node. A joined Node is stored (kind ``Node``) in the
 head's SQLite store, which stays the only source of truth: a restarted head
 knows its Nodes, and each is ``NotReady`` until its next heartbeat. A Node
-that misses ``MISSED_HEARTBEATS`` heartbeats is ``NotReady`` with the reason.
+that misses ``MISSED_HEARTBEATS`` heartbeats is ``NotReady`` with the reason
+(``reconcilers/node.py`` checks each Node when its heartbeat is due).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import hmac
 import importlib.metadata
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -65,6 +66,7 @@ class Cluster:
         self.token = token
         self._token = f"Bearer {token}".encode()
         self.members: dict[str, Member] = {}
+        self.on_heartbeat: Callable[[str], None] = lambda name: None  # the Node reconciler looks at it
         for obj in store.list("Node"):  # a restarted head knows its Nodes, each NotReady until it is heard from
             spec = obj.spec
             self.members[obj.name] = Member(obj.name, spec["address"], spec.get("instance", ""), spec.get("chip", ""),
@@ -108,27 +110,28 @@ class Cluster:
         if not member.ready:
             member.ready, member.reason = True, "HeartbeatReceived"
             self.store.record_event("Node", name, "Normal", "NodeReady", "heartbeats received")
-            self._write(member)
+            self.write_status(member)
+        self.on_heartbeat(name)
 
-    def check_health(self) -> list[Member]:
-        """Mark Nodes not heard from lately NotReady; returns the ones that just went."""
-        now, lost = time.monotonic(), []
-        for member in self.members.values():
-            silent = member.last_seen is None or now - member.last_seen > MISSED_HEARTBEATS * HEARTBEAT_SECONDS
-            if member.ready and silent:
-                member.ready = False
-                member.reason = "NodeStatusUnknown"
-                seconds = now - member.last_seen
-                self.store.record_event("Node", member.name, "Warning", "NodeNotReady",
-                                        f"no heartbeat for {seconds:.0f}s")
-                self._write(member)
-                lost.append(member)
-        return lost
+    def silent_for(self, member: Member) -> float:
+        """Seconds until a Ready Node that sends no more heartbeats is NotReady (<= 0: it is due)."""
+        if member.last_seen is None:
+            return 0.0
+        return member.last_seen + MISSED_HEARTBEATS * HEARTBEAT_SECONDS - time.monotonic()
+
+    def check_health(self, member: Member) -> None:
+        """A Ready Node not heard from lately becomes NotReady, with an event."""
+        if member.ready and self.silent_for(member) < 0:
+            member.ready = False
+            member.reason = "NodeStatusUnknown"
+            silent = "" if member.last_seen is None else f" for {time.monotonic() - member.last_seen:.0f}s"
+            self.store.record_event("Node", member.name, "Warning", "NodeNotReady", f"no heartbeat{silent}")
+            self.write_status(member)
 
     def ready(self) -> list[Member]:
         return [m for m in self.members.values() if m.ready]
 
-    def _write(self, member: Member) -> None:
+    def write_status(self, member: Member) -> None:
         try:
             self.store.set_status("Node", member.name, {"conditions": [self.condition(member)]})
         except NotFound:

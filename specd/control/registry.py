@@ -1,6 +1,6 @@
 """What is actually running: one entry per Model, with its engine and what it was built from.
 
-The reconciler changes entries; the HTTP layer only reads them (``engine``,
+The Model reconciler changes entries; the HTTP layer only reads them (``engine``,
 ``not_ready``).  Swapping an entry's engine is one assignment, so a request
 either gets the old engine or the new one, never neither.
 """
@@ -206,7 +206,7 @@ class ModelRegistry:
         self.metrics = metrics
         self.models: dict[str, ServedModel] = {}
         self.load_timeout = load_timeout
-        self.on_demand: Callable[[], None] = lambda: None  # the reconciler's trigger
+        self.on_demand: Callable[[str], None] = lambda name: None  # the Model reconciler looks at it
 
     async def engine(self, name: str) -> ServingEngine:
         """The engine generating for ``name``, once it is loaded (a Model at zero starts
@@ -227,13 +227,13 @@ class ModelRegistry:
         if served.engine is not None:
             return served.engine
         served.demand += 1
-        self.on_demand()
+        self.on_demand(name)
         deadline = time.monotonic() + self.load_timeout
         try:
             while served.engine is None:
                 if served.phase is Phase.FAILED and served.retry_at is None:
                     raise ModelNotReady(f"model {name!r} is {served.phase.value}: {served.reason}")
-                try:  # the reconciler's next pass places it, evicting idle Models if it must
+                try:  # the Model reconciler places it, evicting idle Models if it must
                     await asyncio.wait_for(served.changed.wait(), max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
                     raise ModelNotReady(f"model {name!r} is still {served.phase.value} after "

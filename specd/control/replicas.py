@@ -20,7 +20,7 @@ ADMIN = "/apis/specd.dev/v1alpha1/models"
 class RemoteReplicas:
     def __init__(self, token: str, spawn: Callable):
         self._headers = {"Authorization": f"Bearer {token}"}
-        self._spawn = spawn
+        self._spawn = spawn  # runs a call; its end looks at the Model again
         self._applied: dict[tuple[str, str], tuple] = {}  # (model, node) -> (generation, node instance)
         self._busy: set[tuple[str, str]] = set()
 
@@ -31,12 +31,12 @@ class RemoteReplicas:
             return
         spec = {k: v for k, v in spec.items() if k != "replicas"}  # one replica on that Node
         manifest = {"apiVersion": API_VERSION, "kind": "Model", "metadata": {"name": model}, "spec": spec}
-        self._spawn(self._call(key, "PUT", f"{member.address}{ADMIN}/{model}", manifest, version))
+        self._spawn(self._call(key, "PUT", f"{member.address}{ADMIN}/{model}", manifest, version), model)
 
     def remove(self, member: Member, model: str) -> None:
         key = (model, member.name)
         if key not in self._busy:
-            self._spawn(self._call(key, "DELETE", f"{member.address}{ADMIN}/{model}", None, None))
+            self._spawn(self._call(key, "DELETE", f"{member.address}{ADMIN}/{model}", None, None), model)
 
     async def _call(self, key: tuple[str, str], method: str, url: str, body: Any, version: tuple | None) -> None:
         self._busy.add(key)

@@ -102,6 +102,7 @@ class Store:
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
         self._watchers: list[Callable[[str, str], None]] = []
+        self._status_watchers: list[Callable[[str, str], None]] = []
 
     def close(self) -> None:
         self._db.close()
@@ -109,6 +110,10 @@ class Store:
     def watch(self, callback: Callable[[str, str], None]) -> None:
         """``callback(kind, name)`` after every committed change to an object."""
         self._watchers.append(callback)
+
+    def watch_status(self, callback: Callable[[str, str], None]) -> None:
+        """``callback(kind, name)`` after an object's status changed."""
+        self._status_watchers.append(callback)
 
     def _notify(self, changed: list[tuple[str, str]]) -> None:
         for kind, name in changed:
@@ -126,6 +131,12 @@ class Store:
         if row is None:
             raise NotFound(f'{kind} "{name}" not found')
         return self._row(row)
+
+    def find(self, kind: str, name: str) -> StoredObject | None:
+        try:
+            return self.get(kind, name)
+        except NotFound:
+            return None
 
     def list(self, kind: str | None = None) -> list[StoredObject]:
         if kind is None:
@@ -214,9 +225,13 @@ class Store:
         """Write an object's observed status.  Not a change of desired state:
         neither the generation nor the resourceVersion moves, so a manifest
         read with ``get -o yaml`` applies back cleanly while status churns."""
+        text = json.dumps(status)
         with self._lock:
-            self._db.execute("UPDATE objects SET status=? WHERE kind=? AND name=? AND status != ?",
-                             (json.dumps(status), kind, name, json.dumps(status)))
+            changed = self._db.execute("UPDATE objects SET status=? WHERE kind=? AND name=? AND status != ?",
+                                       (text, kind, name, text)).rowcount
+        if changed:
+            for callback in self._status_watchers:
+                callback(kind, name)
 
     def record_event(self, kind: str, name: str, type_: str, reason: str, message: str) -> None:
         with self._lock:

@@ -1,13 +1,15 @@
 """What serves a Model, as the control plane and the HTTP routes see it.
 
-A local ``Engine`` (one process) and a tensor-parallel group's client
+A local ``Engine`` (one process) and a tensor- or pipeline-parallel group's client
 (``parallel.group.GroupClient``, whose engine runs in rank processes) both
-implement it; the registry, the reconciler and the server use nothing else.
+implement ``ServingEngine``; the registry, the reconcilers and the server use
+nothing else. Only a local engine changes its drafter while it serves
+(``SwappableDrafter``); a group is restarted with its new DraftPairing.
 """
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Protocol, runtime_checkable
 
 import mlx.nn as nn
 
@@ -38,10 +40,6 @@ class ServingEngine(Protocol):
         """The attached drafter's method (a draft model or an EAGLE head), if any."""
 
     @property
-    def drafter_module(self) -> nn.Module | None:
-        """The attached draft model or EAGLE head, to keep when only a pairing's settings change."""
-
-    @property
     def in_flight(self) -> int: ...
 
     def start(self) -> None: ...
@@ -57,12 +55,6 @@ class ServingEngine(Protocol):
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None: ...
 
-    def load_drafter(self, method: Method, source: str, pairing: str) -> nn.Module:
-        """Load (blocking) a pairing's drafter, checked against this target."""
-
-    def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
-        """Attach, change or detach the pairing between steps."""
-
     def speculation_status(self) -> dict: ...
 
     def prefix_cache_status(self) -> dict:
@@ -76,3 +68,18 @@ class ServingEngine(Protocol):
 
     def exported_metrics(self) -> str | None:
         """Prometheus text of series kept outside the daemon's registry (a group's rank 0)."""
+
+
+@runtime_checkable
+class SwappableDrafter(Protocol):
+    """An engine whose DraftPairing is attached, changed or detached while it serves."""
+
+    @property
+    def drafter_module(self) -> nn.Module | None:
+        """The attached draft model or EAGLE head, to keep when only a pairing's settings change."""
+
+    def load_drafter(self, method: Method, source: str, pairing: str) -> nn.Module:
+        """Load (blocking) a pairing's drafter, checked against this target."""
+
+    def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
+        """Attach, change or detach the pairing between steps."""

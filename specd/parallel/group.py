@@ -20,7 +20,6 @@ from dataclasses import asdict
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
-import mlx.nn as nn
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -63,7 +62,6 @@ class GroupClient:
         self.max_context: int = info["max_context"]
         self.vocab_size: int = info["vocab_size"]
         self.drafter: Method | None = Method(info["drafter"]) if info["drafter"] else None
-        self.drafter_module = None  # the drafter lives in the ranks
         self.weight_bytes: int = info["weight_bytes"]
         self.speculation = speculation
         self.failure: str | None = None  # set once; the reconciler restarts the group
@@ -106,12 +104,6 @@ class GroupClient:
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         self._send(("policy", policy, name))
-
-    def load_drafter(self, method: Method, source: str, pairing: str) -> nn.Module:
-        raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
-
-    def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
-        raise NotImplementedError("a tensor-parallel group restarts to change its DraftPairing")
 
     def group_status(self) -> dict:
         return {"ranks": self.ranks(), "parallelism": self.topology.parallelism, "steps": self.status.get("steps"),

@@ -19,7 +19,7 @@ from ..core.memory import gib
 from ..control.resources import memory_request
 from ..control.store import Conflict, NotFound, Store, now_iso
 from .bodies import BodyError, json_body
-from .keys import ADMIN_TOKEN, RECONCILER, STORE
+from .keys import ADMIN_TOKEN, MODELS, STORE
 
 PREFIX = "/apis/specd.dev/v1alpha1"
 KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "SpecPolicy",
@@ -102,7 +102,7 @@ def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[st
     this node, and a ``resources.memory`` below what the weights alone take. Read from
     checkpoints already on this machine only (a hub checkpoint not yet downloaded is checked
     when it loads)."""
-    node = request.app[RECONCILER].node
+    node = request.app[MODELS].node
     warnings = []
     for i, resource in enumerate(resources):
         spec = resource.spec
@@ -167,23 +167,23 @@ async def apply(request: web.Request) -> web.Response:
 
 def _node_objects(request: web.Request) -> list[dict[str, Any]]:
     """This daemon's node and, on a head, the Nodes that joined it, as ``get nodes`` shows them."""
-    reconciler = request.app[RECONCILER]
-    status = reconciler.node.status(reconciler.holdings(), reconciler.in_use())
+    models = request.app[MODELS]
+    status = models.node.status(models.holdings(), models.in_use())
     name = status.pop("name")
     status["conditions"] = [{"type": "Ready", "status": "True", "reason": "DaemonRunning",
                              "message": "this daemon serves the node", "lastTransitionTime": STARTED_AT}]
     out = [{"apiVersion": API_VERSION, "kind": "Node", "metadata": {"name": name, "creationTimestamp": STARTED_AT},
-            "spec": {"role": "head" if reconciler.cluster else "standalone"}, "status": status}]
-    if reconciler.cluster is not None:
+            "spec": {"role": "head" if models.cluster else "standalone"}, "status": status}]
+    if models.cluster is not None:
         stored = {o.name: o for o in _store(request).list("Node")}
-        for member in reconciler.cluster.members.values():
+        for member in models.cluster.members.values():
             reported = {k: v for k, v in member.status.items() if k not in ("name", "served")}
             obj = stored.get(member.name)
             out.append({"apiVersion": API_VERSION, "kind": "Node",
                         "metadata": {"name": member.name, "creationTimestamp": obj.created if obj else None},
                         "spec": {"role": "worker", "address": member.address},
                         "status": {**reported, "chip": member.chip, "allocatable": member.allocatable,
-                                   "conditions": [reconciler.cluster.condition(member)]}})
+                                   "conditions": [models.cluster.condition(member)]}})
     return out
 
 
@@ -209,7 +209,7 @@ async def restart_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     try:
         _store(request).get("Model", name)
-        request.app[RECONCILER].restart(name)
+        request.app[MODELS].restart(name)
     except (NotFound, KeyError):
         raise StatusError(404, "NotFound", f'Model "{name}" not found') from None
     return web.json_response({"kind": "Model", "name": name, "action": "restarted"})

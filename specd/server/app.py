@@ -10,18 +10,17 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..control.reconciler import Reconciler
+from ..control.plane import ControlPlane
 from ..control.watcher import ManifestDirectory
 from ..parallel.group import with_engine_metrics
 from ..engine.engine import return_freed_memory
 from ..control.agent import NodeAgent
-from ..control.cluster import HEARTBEAT_SECONDS
 from . import admin, anthropic, cluster_api, embeddings, openai, responses
 from .access import api_access, cors_headers
 from .completion import WAITING_STREAM, stream_error
 from .errors import APIError
 from .proxy import route_to_replica
-from .keys import (ADMIN_TOKEN, API_KEYS, CLUSTER, CORS_ORIGINS, DROP_HOSTED_TOOLS, RECONCILER, REGISTRY,
+from .keys import (ADMIN_TOKEN, API_KEYS, CLUSTER, CORS_ORIGINS, DROP_HOSTED_TOOLS, MODELS, REGISTRY,
                    RESPONSES, STARTED, STORE)
 from .response_store import ResponseStore
 
@@ -118,32 +117,24 @@ async def return_freed_memory_every(seconds: float) -> None:
         await asyncio.to_thread(return_freed_memory)
 
 
-async def watch_nodes(reconciler: Reconciler) -> None:
-    """A head's health checks: a Node that went silent is NotReady, and a pass reschedules its replicas."""
-    while True:
-        await asyncio.sleep(HEARTBEAT_SECONDS / 2)
-        if reconciler.cluster.check_health():
-            reconciler.trigger()
-
-
-def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = None,
+def create_app(control: ControlPlane, manifests: ManifestDirectory | None = None,
                admin_token: str | None = None, drain_grace: float = 30.0, api_keys: tuple[bytes, ...] = (),
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
                stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False,
                agent: NodeAgent | None = None) -> web.Application:
-    """App factory.  The reconciler starts after the server listens, so
+    """App factory.  The control plane starts after the server listens, so
     ``/healthz`` and ``/readyz`` answer while weights load.  Stored Responses
     live in ``stored_responses`` (the daemon's is in its state directory;
     without one they last as long as the app). ``drop_hosted_tools`` leaves
     hosted tools (web search, ...) out of Responses requests instead of refusing them. A head
-    (``reconciler.cluster``) takes Nodes on its cluster API; a worker's ``agent`` joins its head."""
+    (``control.cluster``) takes Nodes on its cluster API; a worker's ``agent`` joins its head."""
     app = web.Application(middlewares=[request_context, api_access, admin.admin_guard, route_to_replica],
                           client_max_size=max_body_bytes)
-    app[REGISTRY] = reconciler.registry
-    app[STORE] = reconciler.store
-    app[RECONCILER] = reconciler
-    if reconciler.cluster is not None:
-        app[CLUSTER] = reconciler.cluster
+    app[REGISTRY] = control.registry
+    app[STORE] = control.store
+    app[MODELS] = control.models
+    if control.cluster is not None:
+        app[CLUSTER] = control.cluster
     app[RESPONSES] = stored_responses if stored_responses is not None else ResponseStore()
     app[API_KEYS] = api_keys
     app[CORS_ORIGINS] = cors_origins
@@ -162,22 +153,20 @@ def create_app(reconciler: Reconciler, manifests: ManifestDirectory | None = Non
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(reconciler.run()),
+        tasks = [asyncio.create_task(control.run()),
                  asyncio.create_task(return_freed_memory_every(HEAP_TRIM_SECONDS))]
         if manifests is not None:
             tasks.append(asyncio.create_task(manifests.watch(stop)))
         if agent is not None:
             tasks.append(asyncio.create_task(agent.run()))
-        if reconciler.cluster is not None:
-            tasks.append(asyncio.create_task(watch_nodes(reconciler)))
         app[STARTED].set()
         yield
         stop.set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await reconciler.registry.shutdown(drain_grace)
-        reconciler.store.close()
+        await control.registry.shutdown(drain_grace)
+        control.store.close()
         app[RESPONSES].close()
 
     app.cleanup_ctx.append(control_plane)

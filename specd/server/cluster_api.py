@@ -9,7 +9,7 @@ from aiohttp import web
 
 from ..control.cluster import Refused
 from .bodies import BodyError, json_body
-from .keys import CLUSTER, RECONCILER
+from .keys import CLUSTER
 
 routes = web.RouteTableDef()
 
@@ -43,7 +43,6 @@ async def join(request: web.Request) -> web.Response:
                                await _body(request))
     except (Refused, KeyError, TypeError, ValueError) as err:
         return _refusal(err if isinstance(err, Refused) else Refused(400, "BadRequest", f"bad join: {err}"))
-    request.app[RECONCILER].trigger()
     return web.json_response({"joined": request.match_info["name"]})
 
 

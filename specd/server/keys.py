@@ -7,14 +7,14 @@ import asyncio
 from aiohttp import web
 
 from ..control.cluster import Cluster
-from ..control.reconciler import Reconciler
+from ..control.reconcilers.model import ModelReconciler
 from ..control.registry import ModelRegistry
 from ..control.store import Store
 from .response_store import ResponseStore
 
 REGISTRY = web.AppKey("registry", ModelRegistry)
 STORE = web.AppKey("store", Store)
-RECONCILER = web.AppKey("reconciler", Reconciler)
+MODELS = web.AppKey("models", ModelReconciler)  # where each Model runs: its engine, replicas, memory
 CLUSTER = web.AppKey("cluster", Cluster)  # absent: this daemon is no head
 ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configured
 API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open

@@ -21,7 +21,7 @@ from aiohttp import web
 from ..control.cluster import HEARTBEAT_SECONDS, Member
 from .completion import stream_error
 from .errors import APIError, unavailable
-from .keys import RECONCILER
+from .keys import MODELS
 
 ROUTED = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings")
 RELAYED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "X-Request-Id")
@@ -29,32 +29,32 @@ RELAYED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "X-Request-Id
 
 @web.middleware
 async def route_to_replica(request: web.Request, handler) -> web.StreamResponse:
-    reconciler = request.app[RECONCILER]
-    if reconciler.cluster is None or request.method != "POST" or request.path not in ROUTED:
+    models = request.app[MODELS]
+    if models.cluster is None or request.method != "POST" or request.path not in ROUTED:
         return await handler(request)
     raw = await request.read()
     try:
         body = json.loads(raw)
         name = body["model"]
-        served = reconciler.registry.models[name]
+        served = models.registry.models[name]
     except (ValueError, TypeError, KeyError):
         return await handler(request)  # the route says what is wrong with it
     if not served.replica_nodes:
         return await handler(request)
-    replicas = reconciler.ready_replicas(name) or reconciler.idle_replicas(name)
+    replicas = models.ready_replicas(name) or models.idle_replicas(name)
     if not replicas:
-        if reconciler.node.name in served.replica_nodes:
+        if models.node.name in served.replica_nodes:
             return await handler(request)  # this node's replica loads: the route waits for it
         raise unavailable(f"model {name!r} has no ready replica ({served.reason})", 5)
-    replica = reconciler.router.pick(name, replicas, body)
-    reconciler.metrics.routed_requests.labels(name, replica.node).inc()
-    reconciler.router.started(name, replica.node)
+    replica = models.router.pick(name, replicas, body)
+    models.metrics.routed_requests.labels(name, replica.node).inc()
+    models.router.started(name, replica.node)
     try:
         if replica.address is None:
             return await handler(request)
-        return await relay(request, replica.address, raw, reconciler.cluster.members[replica.node])
+        return await relay(request, replica.address, raw, models.cluster.members[replica.node])
     finally:
-        reconciler.router.finished(name, replica.node)
+        models.router.finished(name, replica.node)
 
 
 async def relay(request: web.Request, address: str, raw: bytes, member: Member) -> web.StreamResponse:

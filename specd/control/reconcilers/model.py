@@ -1,44 +1,42 @@
-"""The reconcile loop: desired state (the store) -> running engines -> status.
+"""The Model reconciler: a Model's desired state (the store) -> its running engine or replicas -> status.
 
-Level-triggered and idempotent, in the manner of controller-runtime: any
-change (an apply, a finished load, a timer) just asks for another pass, and a
-pass compares everything desired with everything running and acts on the
-difference.  Running it twice changes nothing.  Slow work (loading weights)
-runs in tasks whose completion triggers the next pass.
+Level-triggered and idempotent, in the manner of controller-runtime: a look at a
+Model compares what is desired with what runs and acts on the difference, and
+looking twice changes nothing. Slow work (reading a checkpoint's memory request,
+loading weights, draining) runs in tasks whose completion queues the Model again;
+``reconcile`` returns when to look again unasked (an idle timeout, a backoff).
+A Model's DraftPairing and SpecPolicy are applied here, to its engine, between steps;
+their own reconcilers report on them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
-from ..api.manifest import SPEC_PARSERS, DraftPairingSpec, ModelSpec, TopologySpec
-from ..engine.engine import return_freed_memory
-from ..engine.interface import ServingEngine
-from ..core.request import Method, NO_SPECULATION
-from .registry import (
-    ModelRegistry,
-    Pairing,
-    Phase,
-    Policy,
-    ServedModel,
-    build_engine,
-    build_group,
-)
-from .cluster import Cluster
-from .node import Holding, Node
-from .placement import Candidate, place
-from .replicas import RemoteReplicas
-from .routing import Replica, Router
-from .download import DownloadProgress
-from .resources import MemoryRequest, memory_request
-from .store import Store, StoredObject, now_iso
+from ...api.manifest import SPEC_PARSERS, ModelSpec, TopologySpec
+from ...core.request import Method, NO_SPECULATION
+from ...engine.engine import return_freed_memory
+from ...engine.interface import ServingEngine, SwappableDrafter
+from ..cluster import Cluster
+from ..conditions import condition
+from ..download import DownloadProgress
+from ..manager import Result
+from ..node import Holding, Node
+from ..placement import Candidate, place
+from ..registry import ModelRegistry, Pairing, Phase, ServedModel, build_engine, build_group
+from ..replicas import RemoteReplicas
+from ..resources import MemoryRequest, memory_request
+from ..routing import Replica, Router
+from ..store import Store, StoredObject
+from .draft_pairing import chosen_pairings
+from .spec_policy import policy_for, stored_policies
 
 log = structlog.get_logger(__name__)
-RESYNC_SECONDS = 5.0
+KIND = "Model"
 DOWNLOAD_STATUS_SECONDS = 1.0  # how often a downloading Model's status and metrics follow its progress
 
 
@@ -69,20 +67,14 @@ def can_pass(exc: BaseException) -> bool:
     return "out of memory" in text or "malloc" in text
 
 
-def condition(type_: str, ok: bool, reason: str, message: str, generation: int,
-              previous: dict[str, Any]) -> dict[str, Any]:
-    """A status condition; lastTransitionTime moves only when the status flips."""
-    status = "True" if ok else "False"
-    old = next((c for c in previous.get("conditions", []) if c.get("type") == type_), None)
-    since = old["lastTransitionTime"] if old and old.get("status") == status else now_iso()
-    return {"type": type_, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": since, "observedGeneration": generation}
+class ModelReconciler:
+    kind = KIND
 
-
-class Reconciler:
-    def __init__(self, store: Store, registry: ModelRegistry, drain_grace: float = 30.0, node: Node | None = None,
-                 cluster: Cluster | None = None, routing: str = "prefix"):
+    def __init__(self, store: Store, registry: ModelRegistry, enqueue: Callable[[str, str], None],
+                 drain_grace: float = 30.0, node: Node | None = None, cluster: Cluster | None = None,
+                 routing: str = "prefix"):
         self.store = store
+        self.enqueue = enqueue  # the manager's: look at an object of any kind soon
         self.cluster = cluster  # this daemon is a head: Nodes join it, Models' replicas are placed on them
         self.router = Router(routing)
         self.remote = RemoteReplicas(cluster.token, self._spawn) if cluster is not None else None
@@ -90,74 +82,66 @@ class Reconciler:
         self.metrics = registry.metrics
         self.drain_grace = drain_grace
         self.node = node or Node()
-        self._wake = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._background: set[asyncio.Task] = set()
-        self._timer: asyncio.TimerHandle | None = None
         self._drains: dict[str, asyncio.Task] = {}  # unloads in progress, by Model
-        store.watch(lambda kind, name: self.trigger())
-        registry.on_demand = self.trigger
+        registry.on_demand = self.look
         self.metrics.node_info(self.node.name, self.node.capacity, self.node.allocatable)
 
-    def trigger(self) -> None:
-        """Ask for a pass (callable from any thread)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._wake.set)
+    def names(self) -> set[str]:
+        return {o.name for o in self.store.list(KIND)} | set(self.registry.models)
 
-    async def run(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._wake.set()
-        while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), RESYNC_SECONDS)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-            try:
-                self.reconcile()
-            except Exception:
-                log.exception("reconcile pass failed")
+    def look(self, name: str) -> None:
+        """Look at the Model soon (callable from any thread: an engine's fault, a request's demand)."""
+        self.enqueue(KIND, name)
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def look_at_all(self) -> None:
+        """Memory was freed, or the cluster changed: every Model may place differently now."""
+        for name in self.names():
+            self.look(name)
+
+    def _spawn(self, coro, model: str) -> asyncio.Task:
+        """Run slow work for a Model; its end looks at the Model again."""
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        task.add_done_callback(lambda _: self._wake.set())
+        task.add_done_callback(lambda _: self.look(model))
         return task
 
-    # -- one pass --------------------------------------------------------
+    # -- one look --------------------------------------------------------
 
-    def reconcile(self) -> None:
-        objects = {kind: {o.name: o for o in self.store.list(kind)} for kind in SPEC_PARSERS}
-        models, pairings = objects["Model"], objects["DraftPairing"]
-        policies, topologies = objects["SpecPolicy"], objects["Topology"]
-        policy_specs = [Policy(o.name, o.generation, SPEC_PARSERS["SpecPolicy"](o.spec))
-                        for o in sorted(policies.values(), key=lambda o: o.name)]
-        by_target = self._pairings_by_target(pairings)
-        for name in list(self.registry.models):
-            if name not in models:
+    def reconcile(self, name: str) -> Result:
+        obj = self.store.find(KIND, name)
+        if obj is None:
+            if name in self.registry.models:
                 self._remove(name)
-        for name, obj in models.items():
-            spec: ModelSpec = SPEC_PARSERS["Model"](obj.spec)
-            pairing = by_target.get(name)
-            self._reconcile_model(obj, spec, pairing, topologies)
-            served = self.registry.models.get(name)
-            if served is not None and served.engine is not None:
-                self._note_faults(served)
-                if served.spec.task == "embed":  # speculation is for generation
-                    continue
-                if spec.topology_ref is None:  # a group's pairing is part of its placement
+            return Result()
+        spec: ModelSpec = SPEC_PARSERS[KIND](obj.spec)
+        pairing = chosen_pairings(self.store).get(name)
+        self._reconcile_model(obj, spec, pairing)
+        served = self.registry.models[name]
+        if served.engine is not None:
+            self._note_faults(served)
+            if served.spec.task == "generate":  # speculation is for generation
+                if isinstance(served.engine, SwappableDrafter):  # a group's pairing is part of its placement
                     self._reconcile_pairing(served, pairing)
-                self._reconcile_policy(served, obj, policy_specs)
-        if self.cluster is not None:
-            self._remove_strays(models)
-        self._write_status(models, pairings, policies, policy_specs, topologies, by_target)
+                self._reconcile_policy(served, obj)
+        self.store.set_status(KIND, name, self._model_status(obj, served))
         holdings = self.holdings()
         self.metrics.node_memory(self.node.requested(holdings), sum(self.in_use().values()),
                                  sum(1 for m in self.registry.models.values() if m.engine is not None))
-        for served in self.registry.models.values():
-            served.notify()
-        self._wake_for_idle()
+        served.notify()
+        return Result(self._next_look(served))
+
+    def _next_look(self, served: ServedModel) -> float | None:
+        """When to look again unasked: when the Model may go idle, or its backoff ends. A time
+        already past was acted on in this look, or waits for a task whose end looks again."""
+        now, due = time.monotonic(), []
+        if served.engine is not None and served.spec.min_replicas == 0:
+            due.append(served.last_used + served.spec.idle_seconds - now)
+        if served.retry_at is not None:
+            due.append(served.retry_at - now)
+        due = [d for d in due if d > 0]
+        return min(due) + 0.05 if due else None
 
     def restart(self, name: str) -> None:
         """``specd rollout restart``: load the Model again now (a failed one skips its backoff,
@@ -167,7 +151,7 @@ class Reconciler:
         if served.engine is None:
             served.phase = Phase.PENDING
         self.store.record_event("Model", name, "Normal", "RestartRequested", "rollout restart")
-        self.trigger()
+        self.look(name)
 
     def node_report(self) -> dict[str, Any]:
         """What a worker tells its head in each heartbeat: its memory and the Models it serves."""
@@ -188,7 +172,7 @@ class Reconciler:
         if request is None:
             served.replica_nodes = current  # a restarted head keeps the placement it stored
             if served.task is None or served.task.done():
-                served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing))
+                served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing), served.name)
             return False
         members = self.cluster.members
         # what this node could give: idle Models at minReplicas 0 make room when it loads (``_place``)
@@ -199,6 +183,7 @@ class Reconciler:
         nodes, short = place(spec.replicas, request.total, current, candidates)
         for gone in set(served.replica_nodes) - set(nodes):
             self.router.forget(served.name, gone)
+            self.enqueue("Node", gone)  # what it still runs of the Model is deleted from it
             if gone != self.node.name:
                 self.store.record_event("Model", served.name, "Warning", "Rescheduled",
                                         f"replica on Node {gone} moved: the Node is "
@@ -214,15 +199,6 @@ class Reconciler:
         if not here:
             served.phase, served.reason = Phase.PENDING, short or f"replicas on {', '.join(nodes)}"
         return here
-
-    def _remove_strays(self, models: dict[str, StoredObject]) -> None:
-        """What a Ready worker runs that no placement puts there (a Model deleted, or moved while
-        the worker was away) is deleted from it."""
-        for member in self.cluster.ready():
-            for model in member.status.get("served", {}):
-                served = self.registry.models.get(model)
-                if model not in models or served is None or member.name not in served.replica_nodes:
-                    self.remote.remove(member, model)
 
     def ready_replicas(self, name: str) -> list[Replica]:
         """The replicas a request for the Model may go to now."""
@@ -299,7 +275,7 @@ class Reconciler:
                     if served.engine is None:
                         served.phase, served.reason = Phase.DOWNLOADING, progress.message()
                     self.metrics.model_download(served.name, progress.done, progress.total)
-                    self.trigger()
+                    self.look(served.name)
             request = reading.result()
         except asyncio.CancelledError:
             raise
@@ -352,33 +328,15 @@ class Reconciler:
         self.metrics.model_unloads.labels(served.name, reason.lower()).inc()
         log.info("model unloaded", model=served.name, reason=reason)
         self.store.record_event("Model", served.name, "Normal", reason, message)
-        self._drains[served.name] = self._spawn(self._drain(served.name, engine))
+        self._drains[served.name] = self._spawn(self._drain(served.name, engine), served.name)
+        self.look(served.name)
 
     def _idle(self, served: ServedModel, now: float) -> bool:
         return (served.engine is not None and served.spec.min_replicas == 0 and not served.demand
                 and served.loading_generation is None and served.engine.in_flight == 0
                 and now - served.last_used >= served.spec.idle_seconds)
 
-    def _wake_for_idle(self) -> None:
-        """A pass when the next loaded Model at minReplicas 0 becomes idle."""
-        now = time.monotonic()
-        due = [m.last_used + m.spec.idle_seconds - now for m in self.registry.models.values()
-               if m.engine is not None and m.spec.min_replicas == 0]
-        if self._timer is not None:
-            self._timer.cancel()
-        if due and self._loop is not None:
-            self._timer = self._loop.call_later(max(0.05, min(due) + 0.05), self.trigger)
-
-    def _pairings_by_target(self, pairings: dict[str, StoredObject]) -> dict[str, Pairing]:
-        """One pairing per target: the oldest wins, later ones report a conflict."""
-        chosen: dict[str, Pairing] = {}
-        for obj in sorted(pairings.values(), key=lambda o: (o.created, o.name)):
-            spec: DraftPairingSpec = SPEC_PARSERS["DraftPairing"](obj.spec)
-            chosen.setdefault(spec.target_ref, Pairing(obj.name, obj.generation, spec))
-        return chosen
-
-    def _reconcile_model(self, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None,
-                         topologies: dict[str, StoredObject]) -> None:
+    def _reconcile_model(self, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None) -> None:
         served = self.registry.models.get(obj.name)
         if served is None:
             served = ServedModel(obj.name, obj.generation, spec)
@@ -391,7 +349,7 @@ class Reconciler:
             self._unload(served, "Idle", f"unloaded after {served.spec.idle_seconds:g}s without requests")
         topology, placement = None, None
         if spec.topology_ref is not None:
-            topo = topologies.get(spec.topology_ref)
+            topo = self.store.find("Topology", spec.topology_ref)
             if topo is None:
                 if served.engine is None:
                     served.spec, served.generation = spec, obj.generation
@@ -420,7 +378,7 @@ class Reconciler:
                 if served.task is None or served.task.done():
                     if served.engine is None and not served.unschedulable:
                         served.phase, served.reason = Phase.PENDING, "reading its memory request"
-                    served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing))
+                    served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing), served.name)
                 return
             placed = self._place(served, request)
             if placed is None:
@@ -431,7 +389,8 @@ class Reconciler:
         served.loading_generation, served.restart = obj.generation, False
         if served.engine is None:  # a restarting group keeps its last failure as the reason
             served.phase, served.reason = Phase.LOADING, served.reason if topology is not None else ""
-        served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement, drains))
+        served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement, drains),
+                                  served.name)
 
     def _note_faults(self, served: ServedModel) -> None:
         """An event for every engine fault since the last pass (the engine recovers by itself)."""
@@ -451,7 +410,7 @@ class Reconciler:
         served.retry_at = time.monotonic() + _backoff(served.restarts)
         self.metrics.model_ready.labels(served.name).set(0)
         self.store.record_event("Model", served.name, "Warning", "GroupFailed", group.failure)
-        self._spawn(group.shutdown(0))
+        self._spawn(group.shutdown(0), served.name)
 
     async def _load(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None,
                     topology: TopologySpec | None = None, placement: tuple | None = None,
@@ -469,13 +428,13 @@ class Reconciler:
             self.store.record_event("Model", served.name, "Normal", "Loading", f"loading {spec.source}")
             if topology is None:
                 built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing, request,
-                                                self.trigger)
+                                                lambda: self.look(served.name))
             else:
                 if served.engine is not None:
                     old, served.engine, served.phase = served.engine, None, Phase.LOADING
                     self.metrics.model_ready.labels(served.name).set(0)
                     await self._drain(served.name, old)
-                built = await build_group(served.name, spec, topology, pairing, self.trigger)
+                built = await build_group(served.name, spec, topology, pairing, lambda: self.look(served.name))
         except asyncio.CancelledError:  # a newer generation replaces this load (and may have reserved already)
             if served.loading_request is request:
                 served.loading_request = None
@@ -503,7 +462,7 @@ class Reconciler:
         self.store.record_event("Model", served.name, "Normal", "Ready",
                                 f"serving generation {generation} ({served.load_seconds:.2f}s to load)")
         if old is not None:
-            self._spawn(self._drain(served.name, old))
+            self._spawn(self._drain(served.name, old), served.name)
 
     def _load_failed(self, served: ServedModel, generation: int, spec: ModelSpec, exc: Exception,
                      topology: TopologySpec | None = None, placement: tuple | None = None) -> None:
@@ -536,6 +495,7 @@ class Reconciler:
         await asyncio.to_thread(return_freed_memory)
         if self._drains.get(name) is asyncio.current_task():
             del self._drains[name]
+        self.look_at_all()  # the memory it held may place another Model
 
     def _remove(self, name: str) -> None:
         """The Model was deleted: stop routing to it, let in-flight requests finish."""
@@ -544,7 +504,10 @@ class Reconciler:
             served.task.cancel()
         self.metrics.forget_model(name)
         if served.engine is not None:
-            self._spawn(self._drain(name, served.engine))
+            self._spawn(self._drain(name, served.engine), name)
+        if self.cluster is not None:
+            for member in self.cluster.ready():  # its replicas there are deleted
+                self.enqueue("Node", member.name)
         log.info("model removed", model=name)
 
     def _reconcile_pairing(self, served: ServedModel, pairing: Pairing | None) -> None:
@@ -563,7 +526,7 @@ class Reconciler:
             served.engine.configure_speculation(pairing.speculation(), drafter)
             served.pairing, served.pairing_error = pairing, ""
             return
-        served.task = self._spawn(self._attach_draft(served, pairing))
+        served.task = self._spawn(self._attach_draft(served, pairing), served.name)
 
     async def _attach_draft(self, served: ServedModel, pairing: Pairing) -> None:
         engine = served.engine
@@ -579,9 +542,9 @@ class Reconciler:
         served.pairing, served.pairing_error = pairing, ""
         self.store.record_event("DraftPairing", pairing.name, "Normal", "Attached", f"drafting for {served.name}")
 
-    def _reconcile_policy(self, served: ServedModel, obj: StoredObject, policies: list[Policy]) -> None:
+    def _reconcile_policy(self, served: ServedModel, obj: StoredObject) -> None:
         """The first policy (by name) whose selector matches the Model's labels."""
-        policy = next((p for p in policies if p.spec.selects(obj.labels)), None)
+        policy = policy_for(stored_policies(self.store), obj.labels)
         if served.policy == policy:
             return
         m = self.metrics
@@ -598,28 +561,6 @@ class Reconciler:
                                     f"SpecPolicy {policy.name} generation {policy.generation}")
 
     # -- status ----------------------------------------------------------
-
-    def _write_status(self, models, pairings, policies, policy_specs: list[Policy], topologies, by_target) -> None:
-        for name, obj in models.items():
-            self.store.set_status("Model", name, self._model_status(obj, self.registry.models.get(name)))
-        for name, obj in pairings.items():
-            self.store.set_status("DraftPairing", name, self._pairing_status(obj, by_target))
-        for policy in policy_specs:
-            name, obj, spec = policy.name, policies[policy.name], policy.spec
-            selected = sorted(n for n, m in models.items()
-                              if spec.selects(m.labels) and m.spec.get("task", "generate") == "generate")
-            applied = sorted(n for n, s in self.registry.models.items() if s.policy and s.policy.name == name)
-            ok = applied == selected
-            self.store.set_status("SpecPolicy", name, {
-                "observedGeneration": obj.generation, "selectedModels": selected, "appliedModels": applied,
-                "conditions": [condition("Ready", ok, "Applied" if ok else "Pending",
-                                         f"applied to {len(applied)} of {len(selected)} selected models",
-                                         obj.generation, obj.status)]})
-        for name, obj in topologies.items():
-            self.store.set_status("Topology", name, {
-                "observedGeneration": obj.generation,
-                "conditions": [condition("Ready", True, "Validated", "hosts and backend are valid",
-                                         obj.generation, obj.status)]})
 
     def _model_status(self, obj: StoredObject, served: ServedModel | None) -> dict[str, Any]:
         if served is None:
@@ -717,29 +658,3 @@ class Reconciler:
         message = (f"all ranks up; restarted {served.restarts} times, last failure: {served.last_failure}"
                    if served.restarts else "all ranks up")
         return condition("Degraded", False, "AllRanksUp", message, obj.generation, obj.status)
-
-    def _pairing_status(self, obj: StoredObject, by_target: dict[str, Pairing]) -> dict[str, Any]:
-        spec: DraftPairingSpec = SPEC_PARSERS["DraftPairing"](obj.spec)
-        served = self.registry.models.get(spec.target_ref)
-        chosen = by_target.get(spec.target_ref)
-        status: dict[str, Any] = {"observedGeneration": obj.generation}
-        if chosen is not None and chosen.name != obj.name:
-            ok, reason, message = False, "Conflict", f'Model "{spec.target_ref}" already has DraftPairing "{chosen.name}"'
-        elif served is None:
-            ok, reason, message = False, "TargetNotFound", f'Model "{spec.target_ref}" does not exist (yet)'
-        elif served.spec.task == "embed":
-            ok, reason = False, "TargetServesEmbeddings"
-            message = f'Model "{spec.target_ref}" generates nothing to speculate on'
-        elif served.engine is None:
-            ok, reason, message = False, "TargetNotReady", f'Model "{spec.target_ref}" is {served.phase.value}'
-        elif served.pairing_error and served.pairing and served.pairing.name == obj.name:
-            ok, reason, message = False, "DraftLoadFailed", served.pairing_error
-        elif served.pairing is not None and served.pairing.name == obj.name and served.pairing.generation == obj.generation:
-            ok, reason, message = True, "Attached", f"{spec.method} speculation for {spec.target_ref}"
-            rate = served.engine.speculation_status().get("acceptanceRate")
-            if rate is not None:
-                status["acceptanceRate"] = rate
-        else:
-            ok, reason, message = False, "Attaching", f"attaching to {spec.target_ref}"
-        status["conditions"] = [condition("Ready", ok, reason, message, obj.generation, obj.status)]
-        return status

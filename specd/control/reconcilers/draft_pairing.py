@@ -1,0 +1,74 @@
+"""The DraftPairing reconciler: which pairing each target takes, and how attaching it went.
+
+A target takes one pairing, the oldest; later ones report a conflict. The drafter
+itself is attached by the Model reconciler, since it is part of what the Model loads
+and of its memory request; this reconciler reports on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...api.manifest import SPEC_PARSERS, DraftPairingSpec
+from ..conditions import condition
+from ..manager import Result
+from ..registry import ModelRegistry, Pairing
+from ..store import Store, StoredObject
+
+KIND = "DraftPairing"
+
+
+def chosen_pairings(store: Store) -> dict[str, Pairing]:
+    """One pairing per target Model: the oldest wins."""
+    chosen: dict[str, Pairing] = {}
+    for obj in sorted(store.list(KIND), key=lambda o: (o.created, o.name)):
+        spec: DraftPairingSpec = SPEC_PARSERS[KIND](obj.spec)
+        chosen.setdefault(spec.target_ref, Pairing(obj.name, obj.generation, spec))
+    return chosen
+
+
+class DraftPairingReconciler:
+    kind = KIND
+
+    def __init__(self, store: Store, registry: ModelRegistry):
+        self.store, self.registry = store, registry
+
+    def names(self) -> list[str]:
+        return [o.name for o in self.store.list(KIND)]
+
+    def targeting(self, model: str) -> list[str]:
+        """The pairings whose target is ``model`` (they report on it)."""
+        return [o.name for o in self.store.list(KIND) if o.spec.get("targetRef") == model]
+
+    def reconcile(self, name: str) -> Result:
+        obj = self.store.find(KIND, name)
+        if obj is None:
+            return Result()
+        self.store.set_status(KIND, name, self._status(obj, chosen_pairings(self.store)))
+        return Result()
+
+    def _status(self, obj: StoredObject, by_target: dict[str, Pairing]) -> dict[str, Any]:
+        spec: DraftPairingSpec = SPEC_PARSERS[KIND](obj.spec)
+        served = self.registry.models.get(spec.target_ref)
+        chosen = by_target.get(spec.target_ref)
+        status: dict[str, Any] = {"observedGeneration": obj.generation}
+        if chosen is not None and chosen.name != obj.name:
+            ok, reason, message = False, "Conflict", f'Model "{spec.target_ref}" already has DraftPairing "{chosen.name}"'
+        elif served is None:
+            ok, reason, message = False, "TargetNotFound", f'Model "{spec.target_ref}" does not exist (yet)'
+        elif served.spec.task == "embed":
+            ok, reason = False, "TargetServesEmbeddings"
+            message = f'Model "{spec.target_ref}" generates nothing to speculate on'
+        elif served.engine is None:
+            ok, reason, message = False, "TargetNotReady", f'Model "{spec.target_ref}" is {served.phase.value}'
+        elif served.pairing_error and served.pairing and served.pairing.name == obj.name:
+            ok, reason, message = False, "DraftLoadFailed", served.pairing_error
+        elif served.pairing is not None and served.pairing.name == obj.name and served.pairing.generation == obj.generation:
+            ok, reason, message = True, "Attached", f"{spec.method} speculation for {spec.target_ref}"
+            rate = served.engine.speculation_status().get("acceptanceRate")
+            if rate is not None:
+                status["acceptanceRate"] = rate
+        else:
+            ok, reason, message = False, "Attaching", f"attaching to {spec.target_ref}"
+        status["conditions"] = [condition("Ready", ok, reason, message, obj.generation, obj.status)]
+        return status

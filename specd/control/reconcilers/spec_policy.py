@@ -1,0 +1,50 @@
+"""The SpecPolicy reconciler: which generating Models each policy selects and which it is applied to.
+
+A Model takes the first policy, by name, whose selector matches its labels; the Model
+reconciler applies it to the engine between steps, and this one reports on it.
+"""
+
+from __future__ import annotations
+
+from ...api.manifest import SPEC_PARSERS
+from ..conditions import condition
+from ..manager import Result
+from ..registry import ModelRegistry, Policy
+from ..store import Store
+
+KIND = "SpecPolicy"
+
+
+def stored_policies(store: Store) -> list[Policy]:
+    """Every SpecPolicy, by name: the order in which they are matched."""
+    return [Policy(o.name, o.generation, SPEC_PARSERS[KIND](o.spec)) for o in store.list(KIND)]
+
+
+def policy_for(policies: list[Policy], labels: dict[str, str]) -> Policy | None:
+    return next((p for p in policies if p.spec.selects(labels)), None)
+
+
+class SpecPolicyReconciler:
+    kind = KIND
+
+    def __init__(self, store: Store, registry: ModelRegistry):
+        self.store, self.registry = store, registry
+
+    def names(self) -> list[str]:
+        return [o.name for o in self.store.list(KIND)]
+
+    def reconcile(self, name: str) -> Result:
+        obj = self.store.find(KIND, name)
+        if obj is None:
+            return Result()
+        spec = SPEC_PARSERS[KIND](obj.spec)
+        selected = sorted(m.name for m in self.store.list("Model")
+                          if spec.selects(m.labels) and m.spec.get("task", "generate") == "generate")
+        applied = sorted(n for n, s in self.registry.models.items() if s.policy and s.policy.name == name)
+        ok = applied == selected
+        self.store.set_status(KIND, name, {
+            "observedGeneration": obj.generation, "selectedModels": selected, "appliedModels": applied,
+            "conditions": [condition("Ready", ok, "Applied" if ok else "Pending",
+                                     f"applied to {len(applied)} of {len(selected)} selected models",
+                                     obj.generation, obj.status)]})
+        return Result()
