@@ -261,7 +261,7 @@ class ModelReconciler:
         return served.spec_request[1] if served.spec_request is not None and served.spec_request[0] == key else None
 
     async def _read_request(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None) -> None:
-        """Read the spec's memory request from its checkpoint, off the loop (the pass after places it).
+        """Read the spec's memory request from its checkpoint, off the loop (the look after places it).
         A hub checkpoint the cache lacks is downloaded first: meanwhile the Model is ``Downloading``,
         with its progress in status and metrics every ``DOWNLOAD_STATUS_SECONDS``."""
         key = _request_key(spec, pairing, self.node.allocatable)
@@ -393,7 +393,7 @@ class ModelReconciler:
                                   served.name)
 
     def _note_faults(self, served: ServedModel) -> None:
-        """An event for every engine fault since the last pass (the engine recovers by itself)."""
+        """An event for every engine fault since the last look (the engine recovers by itself)."""
         engine = served.engine
         if engine.faults > served.faults_seen:
             self.store.record_event("Model", served.name, "Warning", "EngineFault",
