@@ -319,6 +319,53 @@ def test_an_idle_group_is_not_mistaken_for_a_hung_one(tp):
     assert model_status(tp, "tp")["group"]["restarts"] == restarts
 
 
+def _ranks_of(daemon_pid: int) -> list[int]:
+    """The daemon's rank processes (its children started with a group plan), by rank."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != daemon_pid:
+                continue
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in v)
+        except OSError:
+            continue
+        if "SPECD_GROUP" in env:
+            found[int(env["MLX_RANK"])] = int(proc.name)
+    return [found[r] for r in sorted(found)]
+
+
+def test_ranks_leave_when_the_daemon_is_killed_mid_start(forged, tmp_path):
+    """The daemon is SIGKILLed while its group starts (rank 1 held stopped, so rank 0 waits for it
+    in the group's join): both ranks leave, on the end of the stdin the daemon held open, rather
+    than waiting forever for a peer or a daemon that is gone."""
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("finds the ranks through /proc")
+    docs = [topology(), model_manifest("tp", forged / "target", topologyRef="loopback")]
+    daemon = start_daemon(tmp_path, {"models.yaml": "---\n".join(docs)}, False)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline, "the group's ranks never started"
+            ranks = _ranks_of(daemon.proc.pid)
+            time.sleep(0.02)
+        os.kill(ranks[1], signal.SIGSTOP)
+    finally:
+        daemon.stop(signal.SIGKILL)
+    try:
+        wait_gone = time.monotonic() + 30
+        while _alive(ranks[0]) and time.monotonic() < wait_gone:
+            time.sleep(0.05)
+        assert not _alive(ranks[0]), "rank 0 outlived the daemon"
+    finally:
+        os.kill(ranks[1], signal.SIGCONT)
+    wait_gone = time.monotonic() + 30
+    while _alive(ranks[1]) and time.monotonic() < wait_gone:
+        time.sleep(0.05)
+    assert not _alive(ranks[1]), "rank 1 outlived the daemon"
+
+
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killed_rank_fails_the_stream_then_the_group_restarts(tp, victim):
     """The error names the killed rank, whichever rank notices first (the

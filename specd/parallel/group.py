@@ -298,12 +298,15 @@ def _how(code: int) -> str:
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill the ranks here, and close their stdin: a rank started over ssh sees it end and leaves."""
     for proc in procs:
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        if proc.stdin is not None:
+            proc.stdin.close()
 
 
 def _reap(procs: list[subprocess.Popen], timeout: float) -> None:
@@ -345,7 +348,9 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_fai
     procs = []
     for rank in range(topology.tensor_parallel_size):
         cmd, env = rank_command(topology, rank, plan)
-        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
+        # the daemon holds each rank's stdin open and never writes to it: when the daemon is gone,
+        # killed mid-start too, the rank (or ssh, for it) reads the end of it and the rank leaves
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, start_new_session=True))
     log.info("group starting", model=name, backend=topology.backend, parallelism=topology.parallelism,
              ranks=[p.pid for p in procs])
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -187,7 +188,24 @@ def _join_group(plan: GroupPlan) -> mx.distributed.Group:
     return mx.distributed.init(backend=plan.backend, strict=True)
 
 
+def _leave_with_the_daemon() -> None:
+    """The daemon holds this process's stdin open (through ssh for a remote rank) and never
+    writes to it: its end means the daemon is gone, so the rank is killed, whatever it was
+    doing. The watcher is a forked process, not a thread: a rank waiting in the group's join
+    (``mx.distributed.init``) holds the GIL, so no thread of its own could run."""
+    rank = os.getpid()
+    if os.fork() == 0:
+        try:
+            while os.read(0, 4096):
+                pass
+            if os.getppid() == rank:  # else the rank is gone already (and its pid may be another's)
+                os.kill(rank, signal.SIGKILL)
+        finally:
+            os._exit(0)
+
+
 def run(plan: GroupPlan) -> int:
+    _leave_with_the_daemon()
     group = _join_group(plan)
     rank = group.rank()
     structlog.contextvars.bind_contextvars(model=plan.model, rank=rank)
