@@ -100,6 +100,7 @@ class HubMirror:
         self.repos = {repo_id: Path(d) for repo_id, d in repos.items()}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.range_requests: list[tuple[str, int]] = []  # (filename, start) of every GET resumed past 0
+        self.bytes_sent: dict[str, int] = {}  # bytes of each file's content served, by filename
         self._rate = bytes_per_second
         self._cuts: dict[str, int] = {}
         self._hashes: dict[tuple[Path, int, int], _File] = {}
@@ -277,6 +278,7 @@ class HubMirror:
                         size = min(size, cut - sent)
                     await response.write(f.read(size))
                     sent += size
+                    self.bytes_sent[filename] = self.bytes_sent.get(filename, 0) + size
                     if cut is not None and sent >= cut:
                         assert request.transport is not None
                         request.transport.close()  # flushes what was written: the client sees a short body

@@ -20,6 +20,7 @@ import yaml
 from conftest import ROOT, free_port, start_daemon
 from hub_mirror import HubMirror
 from specd.api.manifest import parse_documents
+from specd.control.resources import safetensors_bytes
 from test_control_plane import wait_for
 from test_openai_api import scrape
 
@@ -100,6 +101,27 @@ def test_serve_hub_model_without_network_backs_off(tmp_path, hub_env):
         assert "BackOff" in listed.stdout, listed.stdout
     finally:
         daemon.stop()
+
+
+def test_a_hub_model_that_can_never_fit_is_not_downloaded(forged, tmp_path, hub_env):
+    """A hub Model bigger than the node is Unschedulable with the numbers, read from its
+    safetensors header on the hub (a range request) and its config.json: its weights are
+    never downloaded."""
+    mirror = HubMirror({REPO: forged / "target"})
+    env = {**hub_env, "HF_ENDPOINT": mirror.start()}
+    daemon = start_daemon(tmp_path, {}, False, "--memory-limit", "32Mi", serve=(REPO,), env=env)
+    try:
+        wait_for(lambda: ready_reason(daemon, "tiny") == "Unschedulable", 60, "Unschedulable")
+        status = model_status(daemon, "tiny")
+        message = next(c["message"] for c in status["conditions"] if c["type"] == "Ready")
+        assert "can never fit" in message, message
+        assert status["resources"]["requests"]["weights"] == safetensors_bytes(forged / "target")
+        weights = (forged / "target" / "model.safetensors").stat().st_size
+        assert 0 < mirror.bytes_sent["model.safetensors"] < weights, mirror.bytes_sent  # the header's range only
+        assert "download" not in status
+    finally:
+        daemon.stop()
+        mirror.stop()
 
 
 def fetched(mirror: HubMirror) -> Counter:

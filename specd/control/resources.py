@@ -78,8 +78,11 @@ def safetensors_bytes(directory: Path) -> int:
 
 
 def read_config(directory: Path) -> dict:
-    """The checkpoint's configuration, a nested ``text_config`` taking precedence."""
-    config = json.loads((directory / "config.json").read_text())
+    return text_config(json.loads((directory / "config.json").read_text()))
+
+
+def text_config(config: dict) -> dict:
+    """A checkpoint's configuration, a nested ``text_config`` taking precedence."""
     nested = config.get("text_config")
     return {**config, **nested} if isinstance(nested, dict) else config
 
@@ -98,15 +101,60 @@ def kv_token_bytes(config: dict, quantization: KVQuantization | None) -> int:
 def memory_request(spec: ModelSpec, drafter_source: str | None, allocatable: int,
                    local_only: bool = False, progress: DownloadProgress | None = None) -> MemoryRequest:
     """What the Model asks of a node with ``allocatable`` bytes (default budgets are shares of it);
-    hub checkpoints are downloaded first (``progress``) unless ``local_only``."""
+    hub checkpoints are downloaded first (``progress``) unless ``local_only``. A hub checkpoint
+    not cached yet is first measured where it is (``remote_request``): one that could never fit
+    this node is not downloaded at all."""
+    if not local_only and not is_local_source(spec.source) and cached_checkpoint(spec.source, spec.revision) is None:
+        try:
+            remote = remote_request(spec, drafter_source, allocatable)
+        except Exception:  # nothing to read there (offline, the hub down): the download says why
+            remote = None
+        if remote is not None and remote.total > allocatable:
+            return remote
     directory = checkpoint_dir(spec.source, spec.revision, local_only, progress)
-    weights = safetensors_bytes(directory)
     drafter = 0
     if drafter_source:
         drafter = safetensors_bytes(checkpoint_dir(drafter_source, None, local_only, progress, DRAFTER_FILES))
+    return _request(spec, safetensors_bytes(directory), drafter, read_config(directory), allocatable)
+
+
+def remote_request(spec: ModelSpec, drafter_source: str | None, allocatable: int) -> MemoryRequest:
+    """The request of a hub checkpoint read on the hub: its safetensors headers (HTTP range
+    requests, as ``huggingface_hub.get_safetensors_metadata`` reads them) and ``config.json``."""
+    from huggingface_hub import hf_hub_download
+
+    config = json.loads(Path(hf_hub_download(spec.source, "config.json", revision=spec.revision)).read_text())
+    drafter = 0
+    if drafter_source:
+        drafter = (safetensors_bytes(Path(resolve_source(drafter_source))) if is_local_source(drafter_source)
+                   else hub_safetensors_bytes(drafter_source, None))
+    return _request(spec, hub_safetensors_bytes(spec.source, spec.revision), drafter, text_config(config), allocatable)
+
+
+def hub_safetensors_bytes(source: str, revision: str | None) -> int:
+    """``safetensors_bytes`` of a hub checkpoint, from the headers alone."""
+    from huggingface_hub import get_safetensors_metadata
+
+    metadata = get_safetensors_metadata(source, revision=revision)
+    return sum(t.data_offsets[1] - t.data_offsets[0] for f in metadata.files_metadata.values()
+               for t in f.tensors.values())
+
+
+def cached_checkpoint(source: str, revision: str | None) -> Path | None:
+    """The hub checkpoint's snapshot directory if the cache holds its configuration and weights."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        directory = Path(snapshot_download(source, revision=revision, allow_patterns=MODEL_FILES,
+                                           local_files_only=True))
+    except Exception:
+        return None
+    return directory if (directory / "config.json").exists() and any(directory.glob("*.safetensors")) else None
+
+
+def _request(spec: ModelSpec, weights: int, drafter: int, config: dict, allocatable: int) -> MemoryRequest:
     if spec.task == "embed":
         return MemoryRequest(weights, 0, 0, 0, ENGINE_OVERHEAD, spec.memory)
-    config = read_config(directory)
     kv = spec.kv_cache_max_bytes
     if kv is None:
         quantization = KVQuantization(spec.kv_cache_bits, spec.kv_cache_group_size) if spec.kv_cache_bits else None
