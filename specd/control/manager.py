@@ -97,12 +97,20 @@ class Manager:
                 await asyncio.sleep(0)  # requests and heartbeats go on between objects
 
     def _changed(self, kind: str, name: str, status: bool) -> None:
-        if not status and kind in self.reconcilers:
-            self.enqueue(kind, name)
+        """A store change (from any thread): its watches are mapped on the loop, where the
+        reconcilers' state is only ever touched."""
+        if self._loop is None:
+            self._map_change(kind, name, status)
+        else:
+            self._loop.call_soon_threadsafe(self._map_change, kind, name, status)
+
+    def _map_change(self, kind: str, name: str, status: bool) -> None:
+        if not status:
+            self._add((kind, name))
         for target, mapper, on_status in self._watches.get(kind, []):
             if on_status or not status:
                 for mapped in list(mapper(name)):
-                    self.enqueue(target, mapped)
+                    self._add((target, mapped))
 
     def _add(self, key: Key) -> None:
         if key[0] in self.reconcilers:
