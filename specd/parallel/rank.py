@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -188,20 +188,19 @@ def _join_group(plan: GroupPlan) -> mx.distributed.Group:
     return mx.distributed.init(backend=plan.backend, strict=True)
 
 
+# Reads stdin to its end, then kills its parent (the rank) if that still is its parent.
+_LIFELINE = ("import os, signal, sys\n"
+             "while os.read(0, 4096):\n    pass\n"
+             "if os.getppid() == int(sys.argv[1]):\n    os.kill(int(sys.argv[1]), signal.SIGKILL)\n")
+
+
 def _leave_with_the_daemon() -> None:
     """The daemon holds this process's stdin open (through ssh for a remote rank) and never
     writes to it: its end means the daemon is gone, so the rank is killed, whatever it was
-    doing. The watcher is a forked process, not a thread: a rank waiting in the group's join
-    (``mx.distributed.init``) holds the GIL, so no thread of its own could run."""
-    rank = os.getpid()
-    if os.fork() == 0:
-        try:
-            while os.read(0, 4096):
-                pass
-            if os.getppid() == rank:  # else the rank is gone already (and its pid may be another's)
-                os.kill(rank, signal.SIGKILL)
-        finally:
-            os._exit(0)
+    doing. The watcher is a small process of its own, not a thread: a rank waiting in the
+    group's join (``mx.distributed.init``) holds the GIL, so no thread of its own could run
+    (and a process started afresh, not forked, is safe beside Metal on macOS)."""
+    subprocess.Popen([sys.executable, "-c", _LIFELINE, str(os.getpid())])
 
 
 def run(plan: GroupPlan) -> int:
