@@ -196,7 +196,6 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
         h2.stop(signal.SIGKILL)
 
 
-
 def model_status(daemon, name: str = "m") -> dict:
     return json.loads(daemon.get(f"/apis/specd.dev/v1alpha1/models/{name}")[1])["status"]
 
