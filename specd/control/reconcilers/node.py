@@ -44,10 +44,10 @@ class NodeReconciler:
         if member is None:
             return Result()
         self.cluster.check_health(member)
-        self.cluster.write_status(member)
         reported = _reported(member)
-        if self._seen.get(name) != reported:
+        if self._seen.get(name) != reported:  # first looked at (a head restarted: NotReady until heard from)
             self._seen[name] = reported
+            self.cluster.write_status(member)
             self.look_at_models()
         if not member.ready:
             return Result()
