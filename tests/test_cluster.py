@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import code_sample, model_manifest, start_daemon
 from specd.control.cluster import versions
 from test_control_plane import get, specd, wait_for
+from test_serve_and_pull import model_status
 
 BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
 
@@ -196,10 +197,6 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
         h2.stop(signal.SIGKILL)
 
 
-def model_status(daemon, name: str = "m") -> dict:
-    return json.loads(daemon.get(f"/apis/specd.dev/v1alpha1/models/{name}")[1])["status"]
-
-
 def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_path, netns_hosts):
     """Two hosts: the head and worker w1 here, worker w2 in its own network namespace, joined over
     a veth link with the token. Their replicas answer through the head as one engine does. The
@@ -218,7 +215,7 @@ def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_p
         assert nodes(h)["w2"]["spec"]["address"] == w2.url
         manifest = yaml.safe_load(model_manifest("m", forged / "target", replicas=2, **BUDGETS))
         assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
-        wait_for(lambda: model_status(h).get("readyReplicas") == 2, 120, "two replicas")
+        wait_for(lambda: model_status(h, "m").get("readyReplicas") == 2, 120, "two replicas")
 
         text = code_sample("speculation")
         prompts = [[{"role": "user", "content": text[i * 300:i * 300 + 200]}] for i in range(6)]
@@ -231,7 +228,7 @@ def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_p
         netns_hosts.cut(True)
         try:
             wait_for(lambda: not node_ready(h, "w2"), 30, "w2 NotReady")
-            wait_for(lambda: model_status(h).get("readyReplicas") == 1, 30, "one replica left")
+            wait_for(lambda: model_status(h, "m").get("readyReplicas") == 1, 30, "one replica left")
             before = routed(h)
             assert [chat(h.url, p).choices[0].message.content for p in prompts[:3]] == alone[:3]
             after = routed(h)
@@ -240,8 +237,8 @@ def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_p
         finally:
             netns_hosts.cut(False)
         wait_for(lambda: node_ready(h, "w2"), 30, "w2 heard from again")
-        wait_for(lambda: model_status(h).get("readyReplicas") == 2, 60, "two replicas again")
-        assert sorted(r["node"] for r in model_status(h)["replicas"]) == ["w1", "w2"]
+        wait_for(lambda: model_status(h, "m").get("readyReplicas") == 2, 60, "two replicas again")
+        assert sorted(r["node"] for r in model_status(h, "m")["replicas"]) == ["w1", "w2"]
     finally:
         for d in daemons:
             d.stop(signal.SIGKILL)

@@ -25,6 +25,7 @@ import mlx_lm
 import openai
 import pytest
 from conftest import model_manifest, run_engine, start_daemon
+from test_control_plane import wait_for
 
 from specd.api.manifest import SPEC_PARSERS
 from specd.core.grammar import json_schema_grammar
@@ -354,17 +355,11 @@ def test_ranks_leave_when_the_daemon_is_killed_mid_start(forged, tmp_path):
     finally:
         daemon.stop(signal.SIGKILL)
     try:
-        wait_gone = time.monotonic() + 30
-        while _alive(ranks[0]) and time.monotonic() < wait_gone:
-            time.sleep(0.05)
-        assert not _alive(ranks[0]), "rank 0 outlived the daemon"
+        wait_for(lambda: not _alive(ranks[0]), 30, "rank 0 to leave with the daemon")
     finally:
         with contextlib.suppress(ProcessLookupError):  # its own lifeline may have killed it already
             os.kill(ranks[1], signal.SIGCONT)
-    wait_gone = time.monotonic() + 30
-    while _alive(ranks[1]) and time.monotonic() < wait_gone:
-        time.sleep(0.05)
-    assert not _alive(ranks[1]), "rank 1 outlived the daemon"
+    wait_for(lambda: not _alive(ranks[1]), 30, "rank 1 to leave with the daemon")
 
 
 @pytest.mark.parametrize("victim", [1, 0])

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..api.manifest import ModelSpec
 from ..core.cache import side_token_bytes
 from ..core.kv import KVQuantization
-from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, resolve_source
+from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, resolve_source, with_text_config
 from ..engine.kv_manager import KVManager, default_max_bytes as default_kv_bytes
 from .download import DRAFTER_FILES, MODEL_FILES, DownloadProgress, download
 
@@ -78,13 +78,7 @@ def safetensors_bytes(directory: Path) -> int:
 
 
 def read_config(directory: Path) -> dict:
-    return text_config(json.loads((directory / "config.json").read_text()))
-
-
-def text_config(config: dict) -> dict:
-    """A checkpoint's configuration, a nested ``text_config`` taking precedence."""
-    nested = config.get("text_config")
-    return {**config, **nested} if isinstance(nested, dict) else config
+    return with_text_config(json.loads((directory / "config.json").read_text()))
 
 
 def kv_token_bytes(config: dict, quantization: KVQuantization | None) -> int:
@@ -128,7 +122,7 @@ def remote_request(spec: ModelSpec, drafter_source: str | None, allocatable: int
     if drafter_source:
         drafter = (safetensors_bytes(Path(resolve_source(drafter_source))) if is_local_source(drafter_source)
                    else hub_safetensors_bytes(drafter_source, None))
-    return _request(spec, hub_safetensors_bytes(spec.source, spec.revision), drafter, text_config(config), allocatable)
+    return _request(spec, hub_safetensors_bytes(spec.source, spec.revision), drafter, with_text_config(config), allocatable)
 
 
 def hub_safetensors_bytes(source: str, revision: str | None) -> int:

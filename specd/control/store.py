@@ -138,6 +138,9 @@ class Store:
         except NotFound:
             return None
 
+    def names(self, kind: str) -> list[str]:
+        return [name for (name,) in self._db.execute("SELECT name FROM objects WHERE kind=? ORDER BY name", (kind,))]
+
     def list(self, kind: str | None = None) -> list[StoredObject]:
         if kind is None:
             rows = self._db.execute("SELECT * FROM objects ORDER BY kind, name").fetchall()

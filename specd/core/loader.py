@@ -39,15 +39,19 @@ def load_model(source: str, revision: str | None = None) -> tuple[nn.Module, obj
 
 
 def text_config(model: nn.Module) -> dict:
-    """The language model's configuration: the model's args, with a nested
-    ``text_config`` (multimodal checkpoints: Mistral 3, Qwen 3.5, Llama 4,
-    Gemma 3) taking precedence."""
+    """The language model's configuration: the model's args (``with_text_config``)."""
     args = getattr(model, "args", None)
-    values = dict(vars(args)) if args is not None and not isinstance(args, dict) else dict(args or {})
+    return with_text_config(dict(vars(args)) if args is not None and not isinstance(args, dict) else dict(args or {}))
+
+
+def with_text_config(values: dict) -> dict:
+    """A configuration (a model's args, a checkpoint's ``config.json``) with its nested
+    ``text_config`` (multimodal checkpoints: Mistral 3, Qwen 3.5, Llama 4, Gemma 3)
+    taking precedence."""
     nested = values.get("text_config")
-    if nested is not None:
-        values.update(nested if isinstance(nested, dict) else vars(nested))
-    return values
+    if isinstance(nested, dict):
+        return {**values, **nested}
+    return {**values, **vars(nested)} if hasattr(nested, "__dict__") else values
 
 
 def weight_bytes(model: nn.Module) -> int:

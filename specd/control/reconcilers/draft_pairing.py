@@ -34,7 +34,7 @@ class DraftPairingReconciler:
         self.store, self.registry = store, registry
 
     def names(self) -> list[str]:
-        return [o.name for o in self.store.list(KIND)]
+        return self.store.names(KIND)
 
     def targeting(self, model: str) -> list[str]:
         """The pairings whose target is ``model`` (they report on it)."""

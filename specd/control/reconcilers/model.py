@@ -88,7 +88,7 @@ class ModelReconciler:
         self.metrics.node_info(self.node.name, self.node.capacity, self.node.allocatable)
 
     def names(self) -> set[str]:
-        return {o.name for o in self.store.list(KIND)} | set(self.registry.models)
+        return set(self.store.names(KIND)) | set(self.registry.models)
 
     def look(self, name: str) -> None:
         """Look at the Model soon (callable from any thread: an engine's fault, a request's demand)."""

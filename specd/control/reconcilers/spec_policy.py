@@ -31,7 +31,7 @@ class SpecPolicyReconciler:
         self.store, self.registry = store, registry
 
     def names(self) -> list[str]:
-        return [o.name for o in self.store.list(KIND)]
+        return self.store.names(KIND)
 
     def reconcile(self, name: str) -> Result:
         obj = self.store.find(KIND, name)

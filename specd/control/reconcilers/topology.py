@@ -17,7 +17,7 @@ class TopologyReconciler:
         self.store = store
 
     def names(self) -> list[str]:
-        return [o.name for o in self.store.list(KIND)]
+        return self.store.names(KIND)
 
     def using(self, topology: str) -> list[str]:
         """The Models that run a group on ``topology``."""
