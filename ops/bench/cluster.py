@@ -28,17 +28,24 @@ The Model is the demo target, in one run:
 
 3. **Tensor against pipeline parallelism over a link** (``--links``, root:
    network namespaces and ``tc``): the demo target on a 2-rank ring Topology,
-   rank 1 in its own network namespace behind a veth pair (bare, and shaped to
-   1 Gbit/s by ``tc tbf`` at both ends), one group per split, the link changed
+   rank 1 in its own network namespace, one group per split, the link changed
    under the running groups; decode tokens/s of one stream and of 4 at once
    (128 tokens, greedy, plain decoding), against the same target in one
-   process. A tensor-parallel forward all-reduces twice per layer, a pipeline
-   hands one hidden state down and gathers it once, so a link's latency costs
-   the first 2 x layers round trips a token and the second about 2; this
-   kernel has no ``netem`` to add that latency (see ``LINKS``).
+   process. Two sets of links:
+
+   - bandwidth: a veth pair, bare and shaped to 1 Gbit/s by ``tc tbf`` at both ends;
+   - latency (``delayed_link.py``): the ranks reach each other only through a
+     relay that holds every chunk back by a one-way delay (this kernel has no
+     ``netem``): 0 (the relay alone), 0.05, 0.25 and 1 ms.
+
+   A tensor-parallel forward all-reduces twice per layer, a pipeline hands one
+   hidden state down and gathers it once, so each ms of one-way latency costs the
+   first about 4 x layers + 1 crossings a token and the second about 5 (fitted
+   from the 1 ms setting, printed as ``crossings``); the faster split of each
+   setting is what ``docs/tensor-parallel.md``'s rule picks.
 
     specd forge models/test --preset test   # the tokenizer of the --big model
-    python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|links]
+    python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|links|latency]
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from pathlib import Path
 import aiohttp
 from transformers import AutoTokenizer
 
+from delayed_link import delayed_link
 from multiturn import chat_turns, conversation
 from serve_vs_mlx_lm import child_env, free_port, stop_group
 from spec_decode import machine_info, write_result
@@ -172,9 +180,8 @@ async def throughput(workdir: Path, replicas: int, runs: int, env: dict, model: 
     return rates
 
 
-# What each end of the veth does to what it sends (a tc qdisc). This kernel has no sch_netem (and
-# there is no iptables or nft for a delaying relay), so link latency cannot be added here: the
-# Ethernet-like setting is its bandwidth only.
+# What each end of the veth does to what it sends (a tc qdisc): bandwidth only. Latency is added by
+# the relay of ``delayed_link.py`` (``splits_over_latency``): this kernel has no sch_netem.
 LINKS = {"veth": None, "1 Gbit/s (tbf)": "tbf rate 1gbit burst 32kbit latency 50ms"}
 
 
@@ -240,41 +247,82 @@ async def decode_rate(session: aiohttp.ClientSession, url: str, model: str, stre
     return statistics.median(rates)
 
 
+@contextlib.asynccontextmanager
+async def split_group(home: Path, parallelism: str, ns: str, subnet: str, rsh: Path, port: int, env: dict):
+    """A daemon serving the demo target split over a 2-rank ring across the link (``demo``) and in
+    one process (``single``); yields a session and its URL once both are ready."""
+    (home / "manifests").mkdir(parents=True)
+    (home / "manifests" / "link.yaml").write_text(
+        "\n---\n".join(json.dumps(d) for d in split_manifests(parallelism, ns, subnet, port)))
+    # not pinned: its ranks inherit its CPU affinity, and each needs a core of its own
+    with daemon(home / "d", None, {**env, "SPECD_RSH": str(rsh)}, "--manifests", str(home / "manifests")) as url:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            async def ready():
+                try:
+                    async with session.get(f"{url}/readyz") as r:
+                        return r.status == 200
+                except aiohttp.ClientError:
+                    return False
+            try:
+                await until(ready, f"the {parallelism} group")
+            except RuntimeError:
+                print((home / "d" / "daemon.log").read_text()[-3000:], file=sys.stderr)
+                raise
+            yield session, url
+
+
+async def rates(session: aiohttp.ClientSession, url: str, model: str, runs: int) -> dict:
+    await decode_rate(session, url, model, 1, 1)  # warm-up on this link
+    return {f"c{c}": await decode_rate(session, url, model, c, runs) for c in (1, 4)}
+
+
 async def splits_over_links(workdir: Path, runs: int, env: dict) -> dict:
     """tokens/s per link and split (and in one process), one group per split."""
     out: dict = {}
     with namespace_link(workdir) as (ns, subnet, rsh, set_link):
         for parallelism in ("tensor", "pipeline"):
-            home = workdir / parallelism
-            (home / "manifests").mkdir(parents=True)
             port = 41000 + (os.getpid() % 1000) * 4 + (parallelism == "pipeline") * 2
-            (home / "manifests" / "link.yaml").write_text(
-                "\n---\n".join(json.dumps(d) for d in split_manifests(parallelism, ns, subnet, port)))
             set_link(None)
-            # not pinned: its ranks inherit its CPU affinity, and each needs a core of its own
-            with daemon(home / "d", None, {**env, "SPECD_RSH": str(rsh)}, "--manifests",
-                        str(home / "manifests")) as url:
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-                    async def ready():
-                        try:
-                            async with session.get(f"{url}/readyz") as r:
-                                return r.status == 200
-                        except aiohttp.ClientError:
-                            return False
-                    try:
-                        await until(ready, f"the {parallelism} group")
-                    except RuntimeError:
-                        print((home / "d" / "daemon.log").read_text()[-3000:], file=sys.stderr)
-                        raise
-                    for link, qdisc in LINKS.items():
-                        set_link(qdisc)
-                        await decode_rate(session, url, "demo", 1, 1)  # warm-up on this link
-                        cell = out.setdefault(link, {})
-                        cell[parallelism] = {f"c{c}": await decode_rate(session, url, "demo", c, runs) for c in (1, 4)}
-                        if parallelism == "tensor":
-                            cell["one process"] = {f"c{c}": await decode_rate(session, url, "single", c, runs)
-                                                   for c in (1, 4)}
+            async with split_group(workdir / parallelism, parallelism, ns, subnet, rsh, port, env) as (session, url):
+                for link, qdisc in LINKS.items():
+                    set_link(qdisc)
+                    cell = out.setdefault(link, {})
+                    cell[parallelism] = await rates(session, url, "demo", runs)
+                    if parallelism == "tensor":
+                        cell["one process"] = await rates(session, url, "single", runs)
             set_link(None)
+    return out
+
+
+# One-way latencies added by the relay (``delayed_link.py``): 0 (the relay alone), about what IP over
+# Thunderbolt adds, a switched Ethernet LAN, and a slow or wireless one.
+LATENCIES_MS = {"relay only": 0.0, "Thunderbolt-like, 0.05 ms": 0.05, "Ethernet-like, 0.25 ms": 0.25,
+                "slow LAN, 1 ms": 1.0}
+
+
+async def splits_over_latency(workdir: Path, runs: int, env: dict) -> dict:
+    """tokens/s per one-way latency and split (and in one process), one group per split."""
+    out: dict = {}
+    base = 43000 + (os.getpid() % 500) * 4
+    ports = {"tensor": base, "pipeline": base + 2}
+    with delayed_link(workdir, [(p, p + 1) for p in ports.values()]) as link:
+        for parallelism, port in ports.items():
+            link.set_delay(0)
+            async with split_group(workdir / parallelism, parallelism, link.ns, link.subnet, link.rsh, port,
+                                   env) as (session, url):
+                for setting, ms in LATENCIES_MS.items():
+                    link.set_delay(ms)
+                    cell = out.setdefault(setting, {})
+                    cell[parallelism] = await rates(session, url, "demo", runs)
+                    if parallelism == "tensor" and ms == 0:
+                        cell["one process"] = await rates(session, url, "single", runs)
+    for cell in out.values():
+        cell["faster"] = max(("tensor", "pipeline"), key=lambda split: cell[split]["c1"])
+    slowest, bare = out[max(LATENCIES_MS, key=LATENCIES_MS.get)], out[min(LATENCIES_MS, key=LATENCIES_MS.get)]
+    # each one-way crossing of the link a token waits for costs it the added latency once
+    out["crossings_per_token"] = {
+        split: (1 / slowest[split]["c1"] - 1 / bare[split]["c1"]) / (max(LATENCIES_MS.values()) / 1000)
+        for split in ("tensor", "pipeline")}
     return out
 
 
@@ -315,7 +363,7 @@ async def multiturn(workdir: Path, routing: str, runs: int, env: dict) -> dict:
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     env, _ = child_env()
-    parts = set(args.only or ("throughput", "multiturn", *(["links"] if args.links else [])))
+    parts = set(args.only or ("throughput", "multiturn", *(["links", "latency"] if args.links else [])))
     out: dict = {}
     if "throughput" in parts:
         out["throughput_c8"] = {"demo": compared(await throughput(workdir / "one", 1, args.runs, env, DEMO, 128),
@@ -333,6 +381,8 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
                                "round-robin": await multiturn(workdir / "rr", "round-robin", args.runs, env)}
     if "links" in parts:
         out["splits_over_links"] = await splits_over_links(workdir / "links", args.runs, env)
+    if "latency" in parts:
+        out["splits_over_latency"] = await splits_over_latency(workdir / "latency", args.runs, env)
     return out
 
 
@@ -341,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--big", action="store_true", help="also the throughput of a random 1 GB model")
     parser.add_argument("--links", action="store_true",
-                        help="also tensor against pipeline parallelism over slowed links (root: netns and tc)")
-    parser.add_argument("--only", action="append", choices=("throughput", "multiturn", "links"),
+                        help="also tensor against pipeline parallelism over slowed links and added latency (root: netns, tc)")
+    parser.add_argument("--only", action="append", choices=("throughput", "multiturn", "links", "latency"),
                         help="only this part (repeatable)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -354,9 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     for routing, r in results.get("multiturn_c4", {}).items():
         print(f"multi-turn c=4, {routing:>11}: hit rate {r['hit_rate']:.2f}, later-turn TTFT "
               f"{1000 * r['later_turn_ttft_s']:.0f} ms")
-    for link, cell in results.get("splits_over_links", {}).items():
-        print(f"{link:>18}: " + "; ".join(f"{split} {r['c1']:.1f} tok/s (c=4 {r['c4']:.1f})"
-                                          for split, r in cell.items()))
+    latency = dict(results.get("splits_over_latency", {}))
+    crossings = latency.pop("crossings_per_token", None)
+    for link, cell in {**results.get("splits_over_links", {}), **latency}.items():
+        print(f"{link:>26}: " + "; ".join(f"{split} {r['c1']:.1f} tok/s (c=4 {r['c4']:.1f})"
+                                          for split, r in cell.items() if split != "faster")
+              + (f"; faster: {cell['faster']}" if "faster" in cell else ""))
+    if crossings:
+        print("link crossings a token waits for: " + ", ".join(f"{k} {v:.1f}" for k, v in crossings.items()))
     write_result(args.out, {**machine_info(args), "results": results})
     print(json.dumps({m: round(t["ratio"], 3) for m, t in results.get("throughput_c8", {}).items()}))
     return 0
