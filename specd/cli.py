@@ -115,7 +115,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     agent = None
     if args.join is not None:
         address = args.advertise or f"http://{args.host}:{args.port}"
-        agent = NodeAgent(args.join, token, node.name, address, control.models.node_report)
+        agent = NodeAgent(args.join, token, node.name, address, control.models.node_report,
+                          control.models.reserved_by_head)
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
     app = create_app(control, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,

@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import code_sample, model_manifest, start_daemon
 from specd.control.cluster import versions
-from test_control_plane import get, specd, wait_for
+from test_control_plane import get, ready, specd, wait_for
 from test_serve_and_pull import model_status
+from test_tensor_parallel import topology
 
 BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
 
@@ -195,6 +196,59 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
         wait_for(lambda: get(h2, "model", "m")["status"].get("readyReplicas") == 2, 120, "two replicas again")
     finally:
         h2.stop(signal.SIGKILL)
+
+
+def test_a_model_too_big_for_any_node_runs_as_a_group_across_two(forged, tmp_path):
+    """Two Nodes of 160 MiB; a Model that asks 193 MiB fits neither (Unschedulable, with the
+    numbers). On a two-rank Topology over the head and w1 each rank asks half the weights and
+    budgets plus an engine's overhead (129 MiB): rank 0's share is held on the head, rank 1's
+    on w1, which the head reserves there. w1 then has no room for another Model, until the
+    group is deleted."""
+    token = token_file(tmp_path)
+    h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "160Mi",
+                     "--node-name", "head")
+    w1 = start_daemon(tmp_path / "w1", {}, True, "--join", h.url, "--token-file", str(token), "--node-name", "w1",
+                      "--memory-limit", "160Mi")
+    budgets = {"kvCache": "{maxBytes: 64Mi}", "prefixCache": "{maxBytes: 64Mi}"}
+    request = 202443008  # weights 1,116,416 + KV 64 MiB + prefix 64 MiB + overhead 64 MiB
+    share = -(-1116416 // 2) + 32 * 2**20 + 32 * 2**20 + 64 * 2**20
+
+    def scheduled(name: str) -> dict | None:
+        conditions = get(h, "model", name)["status"].get("conditions", [])
+        return next((c for c in conditions if c["type"] == "Scheduled"), None)
+
+    def held_on_w1() -> dict[str, int]:
+        return {m["name"]: m["requested"] for m in nodes(h)["w1"]["status"].get("models", [])}
+    try:
+        wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
+        (tmp_path / "whole.yaml").write_text(model_manifest("whole", forged / "target", **budgets))
+        specd(h, "apply", "-f", str(tmp_path / "whole.yaml"))
+        refused = wait_for(lambda: scheduled("whole"), 60, "the whole Model refused")
+        assert refused["reason"] == "Unschedulable" and "each needs 193.1 MiB" in refused["message"], refused
+        specd(h, "delete", "model", "whole")
+
+        (tmp_path / "split.yaml").write_text(topology("pair", ("head", "w1")) + "---\n"
+                                             + model_manifest("split", forged / "target", topologyRef="pair", **budgets))
+        specd(h, "apply", "-f", str(tmp_path / "split.yaml"))
+        wait_for(lambda: ready(h, "model", "split"), 120, "the group serving")
+        status = get(h, "model", "split")["status"]
+        assert status["group"]["memory"] == {"head": share, "w1": share}
+        assert status["resources"]["requests"]["memory"] == share < request
+        wait_for(lambda: held_on_w1().get("split ranks") == share, 30, "w1 counting rank 1's share")
+        client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert client.completions.create(model="split", prompt="def f():", max_tokens=4).usage.completion_tokens == 4
+
+        small = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}  # 97 MiB: more than either has left
+        (tmp_path / "other.yaml").write_text(model_manifest("other", forged / "target", **small))
+        specd(h, "apply", "-f", str(tmp_path / "other.yaml"))
+        refused = wait_for(lambda: scheduled("other"), 60, "no room left on either Node")
+        assert refused["reason"] == "Unschedulable", refused
+        specd(h, "delete", "model", "split")
+        wait_for(lambda: "split ranks" not in held_on_w1(), 30, "w1's share given back")
+        wait_for(lambda: get(h, "model", "other")["status"].get("readyReplicas") == 1, 120, "the other Model placed")
+    finally:
+        for d in (h, w1):
+            d.stop(signal.SIGKILL)
 
 
 def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_path, netns_hosts):

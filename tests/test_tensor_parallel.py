@@ -43,7 +43,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "size"], "additionalProperties": False}
 
 
-def topology(name: str = "loopback", **extra) -> str:
+def topology(name: str = "loopback", hosts: tuple[str, str] = ("rank0", "rank1"), **extra) -> str:
+    """Two ranks on this machine; ``hosts`` names them (a cluster Node's name puts a rank's memory there)."""
     fields = "".join(f"\n  {k}: {v}" for k, v in extra.items())
     return textwrap.dedent(f"""\
         apiVersion: specd.dev/v1alpha1
@@ -55,8 +56,8 @@ def topology(name: str = "loopback", **extra) -> str:
           launcher: local
           threadsPerRank: 1
           hosts:
-            - {{name: rank0, address: 127.0.0.1}}
-            - {{name: rank1, address: 127.0.0.1}}""") + fields + "\n"
+            - {{name: {hosts[0]}, address: 127.0.0.1}}
+            - {{name: {hosts[1]}, address: 127.0.0.1}}""") + fields + "\n"
 
 
 def pairing(target: str, draft) -> str:

@@ -4,7 +4,9 @@ The worker serves its replicas with its own engines, control plane and state
 directory, and takes control only from the head: its admin API needs the same
 cluster token (``--join`` sets it as the admin token). Each heartbeat carries
 what the head places and routes by: the node's memory and, for each Model it
-serves, whether it is ready and how busy it is.
+serves, whether it is ready and how busy it is. Its answer says what memory the
+head's groups hold here for ranks the head started on this Mac, which the
+worker then counts as held (``on_reserved``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ REJOIN_SECONDS = 5.0  # after a refusal or an unreachable head
 
 
 class NodeAgent:
-    def __init__(self, head: str, token: str, name: str, address: str, report: Callable[[], dict[str, Any]]):
+    def __init__(self, head: str, token: str, name: str, address: str, report: Callable[[], dict[str, Any]],
+                 on_reserved: Callable[[dict[str, int]], None] = lambda reserved: None):
         self.head, self.name, self.address, self.report = head.rstrip("/"), name, address, report
+        self.on_reserved = on_reserved
         self._headers = {"Authorization": f"Bearer {token}"}
         self.instance = uuid.uuid4().hex  # this daemon process: a restarted one is a new instance
         self.joined = False
@@ -58,3 +62,5 @@ class NodeAgent:
             if r.status != 200:  # the head restarted without us, or refuses us now: join again
                 self.joined = False
                 log.warning("heartbeat refused", status=r.status)
+                return
+            self.on_reserved((await r.json()).get("reserved", {}))

@@ -67,6 +67,9 @@ class Cluster:
         self._token = f"Bearer {token}".encode()
         self.members: dict[str, Member] = {}
         self.on_heartbeat: Callable[[str], None] = lambda name: None  # the Node reconciler looks at it
+        # memory the head's groups hold on Nodes for ranks it started there: Node -> {holder: bytes},
+        # sent back on each heartbeat so that the worker counts it as held
+        self.reserved: dict[str, dict[str, int]] = {}
         for obj in store.list("Node"):  # a restarted head knows its Nodes, each NotReady until it is heard from
             spec = obj.spec
             self.members[obj.name] = Member(obj.name, spec["address"], spec.get("instance", ""), spec.get("chip", ""),
@@ -113,6 +116,28 @@ class Cluster:
             self.write_status(member)
         self.on_heartbeat(name)
 
+    def reserve(self, model: str, on_nodes: dict[str, int]) -> None:
+        """The Model's group holds these bytes on these Nodes now (nothing elsewhere)."""
+        holder = rank_holder(model)
+        for node in set(self.reserved) | set(on_nodes):
+            held = self.reserved.setdefault(node, {})
+            if node in on_nodes:
+                held[holder] = on_nodes[node]
+            else:
+                held.pop(holder, None)
+
+    def free_on(self, member: Member, holder: str | None = None) -> int:
+        """What a Node could still give: its allocatable less what it last reported requested, and
+        less what the head reserved there since; ``holder``'s own reservation counted as free."""
+        reported = {m.get("name"): m.get("requested", 0) for m in member.status.get("models", [])}
+        free = member.allocatable - member.status.get("requested", 0)
+        for name, held in self.reserved.get(member.name, {}).items():
+            if name not in reported:
+                free -= held
+            if name == holder:
+                free += held if name not in reported else reported[name]
+        return free
+
     def silent_for(self, member: Member) -> float:
         """Seconds until a Ready Node that sends no more heartbeats is NotReady (<= 0: it is due)."""
         if member.last_seen is None:
@@ -142,6 +167,11 @@ class Cluster:
             f"last heartbeat {time.monotonic() - member.last_seen:.1f}s ago"
         return {"type": "Ready", "status": "True" if member.ready else "False", "reason": member.reason,
                 "message": seen}
+
+
+def rank_holder(model: str) -> str:
+    """How a Node lists the memory it holds for ranks of a Model's group the head started there."""
+    return f"{model} ranks"
 
 
 def _shown(v: dict[str, str | None]) -> str:

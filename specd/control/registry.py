@@ -104,6 +104,7 @@ class ServedModel:
     failures: int = 0  # loads in a row that failed for a reason that can pass (retried with backoff)
     restart: bool = False  # rollout restart asked for a fresh load
     replica_nodes: list[str] = field(default_factory=list)  # on a head: the Nodes its replicas are placed on
+    group_memory: dict[str, int] = field(default_factory=dict)  # a group's bytes on each Node its ranks run on
     replicas_short: str = ""  # why some replicas fit no Node
     elsewhere: bool = False  # on a head: every replica runs on other Nodes
     changed: asyncio.Event = field(default_factory=asyncio.Event)

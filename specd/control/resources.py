@@ -50,6 +50,18 @@ class MemoryRequest:
                 "override": self.override is not None}
 
 
+def rank_request(request: MemoryRequest, ranks: int, held: int = 1) -> MemoryRequest:
+    """What ``held`` of a group's ``ranks`` ranks ask of one node: each rank holds its slice of the
+    weights, the KV and the prefix cache (a tensor-parallel shard of every layer, or a pipeline
+    stage's layers; the embedding and head a pipeline keeps on each stage are not counted), and a
+    drafter and an engine's overhead of its own."""
+    def part(n: int) -> int:
+        return -(-n // ranks) * held
+    return MemoryRequest(part(request.weights), part(request.kv_cache), part(request.prefix_cache),
+                         request.drafter * held, request.overhead * held,
+                         None if request.override is None else part(request.override))
+
+
 def checkpoint_dir(source: str, revision: str | None = None, local_only: bool = False,
                    progress: DownloadProgress | None = None, patterns: list[str] = MODEL_FILES) -> Path:
     """The checkpoint's local directory: a path as given, or the hub snapshot (downloaded,

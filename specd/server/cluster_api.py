@@ -48,9 +48,10 @@ async def join(request: web.Request) -> web.Response:
 
 @routes.post("/cluster/v1/nodes/{name}/heartbeat")
 async def heartbeat(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
     try:
-        _cluster(request).heartbeat(request.match_info["name"], request.headers.get("Authorization", ""),
-                                    await _body(request))
+        cluster = _cluster(request)
+        cluster.heartbeat(name, request.headers.get("Authorization", ""), await _body(request))
     except Refused as refused:
         return _refusal(refused)
-    return web.json_response({})
+    return web.json_response({"reserved": cluster.reserved.get(name, {})})  # ranks the head started there

@@ -21,15 +21,16 @@ from ...api.manifest import SPEC_PARSERS, ModelSpec, TopologySpec
 from ...core.request import Method, NO_SPECULATION
 from ...engine.engine import return_freed_memory
 from ...engine.interface import ServingEngine, SwappableDrafter
-from ..cluster import Cluster
+from ...parallel.topology import is_local
+from ..cluster import Cluster, rank_holder
 from ..conditions import condition
 from ..download import DownloadProgress
 from ..manager import Result
 from ..node import Holding, Node
-from ..placement import Candidate, place
+from ..placement import Candidate, fits_group, place
 from ..registry import ModelRegistry, Pairing, Phase, ServedModel, build_engine, build_group
 from ..replicas import RemoteReplicas
-from ..resources import MemoryRequest, memory_request
+from ..resources import MemoryRequest, memory_request, rank_request
 from ..routing import Replica, Router
 from ..store import Store, StoredObject
 from .draft_pairing import chosen_pairings
@@ -84,6 +85,7 @@ class ModelReconciler:
         self.node = node or Node()
         self._background: set[asyncio.Task] = set()
         self._drains: dict[str, asyncio.Task] = {}  # unloads in progress, by Model
+        self.head_reserved: dict[str, int] = {}  # on a worker: what the head's groups hold here (their ranks)
         registry.on_demand = self.look
         self.metrics.node_info(self.node.name, self.node.capacity, self.node.allocatable)
 
@@ -178,8 +180,8 @@ class ModelReconciler:
         # what this node could give: idle Models at minReplicas 0 make room when it loads (``_place``)
         mine = self.node.free([h for h in self.holdings() if h.model != served.name and not h.evictable])
         candidates = [Candidate(self.node.name, mine, True)] + [
-            Candidate(m.name, m.allocatable - m.status.get("requested", 0)
-                      + (request.total if m.model(served.name) else 0), m.ready) for m in members.values()]
+            Candidate(m.name, self.cluster.free_on(m) + (request.total if m.model(served.name) else 0), m.ready)
+            for m in members.values()]
         nodes, short = place(spec.replicas, request.total, current, candidates)
         for gone in set(served.replica_nodes) - set(nodes):
             self.router.forget(served.name, gone)
@@ -238,7 +240,15 @@ class ModelReconciler:
                 out.append(Holding(m.name, m.request, False, evictable, prio, m.last_used))
             if m.loading_request is not None:
                 out.append(Holding(m.name, m.loading_request, True, False, prio, m.last_used))
+        for holder, held in self.head_reserved.items():
+            out.append(Holding(holder, MemoryRequest(0, 0, 0, 0, 0, override=held), False, False, 0, 0.0))
         return out
+
+    def reserved_by_head(self, reserved: dict[str, int]) -> None:
+        """On a worker: the memory the head's groups hold here now, for ranks it started on this Mac."""
+        if reserved != self.head_reserved:
+            self.head_reserved = dict(reserved)
+            self.look_at_all()  # less room here: a Model waiting for it is told why
 
     def in_use(self) -> dict[str, int]:
         """What each loaded Model really holds (``model_in_use``)."""
@@ -303,12 +313,7 @@ class ModelReconciler:
         if replace:
             victims = self.node.make_room(request.total, others)
         if victims is None:
-            message = self.node.unschedulable(served.name, request.total, others + old)
-            if message != served.unschedulable:
-                self.store.record_event("Model", served.name, "Warning", "Unschedulable", message)
-            served.unschedulable = message
-            if served.engine is None:
-                served.phase, served.reason = Phase.PENDING, message
+            self._refuse(served, self.node.unschedulable(served.name, request.total, others + old))
             return None
         served.unschedulable, served.loading_request = "", request
         for victim in victims:
@@ -318,6 +323,40 @@ class ModelReconciler:
             self._unload(served, "Replaced", "unloaded to make room for its new generation")
         names = [v.model for v in victims] + ([served.name] if replace else [])
         return [self._drains[n] for n in names if n in self._drains]
+
+    def _refuse(self, served: ServedModel, message: str) -> None:
+        """The Model cannot be placed now: ``Unschedulable``, with the numbers (an event when they change)."""
+        if message != served.unschedulable:
+            self.store.record_event("Model", served.name, "Warning", "Unschedulable", message)
+        served.unschedulable = message
+        if served.engine is None:
+            served.phase, served.reason = Phase.PENDING, message
+
+    def _group_request(self, served: ServedModel, topology: TopologySpec, request: MemoryRequest) -> MemoryRequest | None:
+        """A group's request of this node: the shares of its ranks here. Its ranks on the
+        cluster's other Nodes (a Topology host named as a Node) must fit there (None, and
+        Unschedulable with the numbers, if they do not); ``served.group_memory`` keeps the
+        bytes on each Node, which the head reserves there once this node's part is placed.
+        A host that is neither this node nor a Node of the cluster is not counted."""
+        hosts = topology.hosts[: topology.tensor_parallel_size]
+        members = self.cluster.members if self.cluster is not None else {}
+        share = rank_request(request, len(hosts)).total
+        elsewhere: dict[str, int] = {}
+        here = 0
+        for host in hosts:
+            if host.name in members and host.name != self.node.name:
+                elsewhere[host.name] = elsewhere.get(host.name, 0) + share
+            elif host.name == self.node.name or is_local(host.address):
+                here += 1
+        if elsewhere:
+            short = fits_group(elsewhere, [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name)), m.ready)
+                                           for m in members.values()])
+            if short:
+                self._refuse(served, short)
+                self.cluster.reserve(served.name, {})
+                return None
+        served.group_memory = {**({self.node.name: share * here} if here else {}), **elsewhere}
+        return rank_request(request, len(hosts), here)
 
     def _unload(self, served: ServedModel, reason: str, message: str) -> None:
         """Stop routing to the Model's engine and give its memory back once it drained."""
@@ -358,6 +397,10 @@ class ModelReconciler:
             # a group is started for one topology generation and one pairing: either changing restarts it
             topology, placement = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
             self._check_group(served)
+        elif served.group_memory:  # no longer a group: nothing held for its ranks elsewhere
+            served.group_memory = {}
+            if self.cluster is not None:
+                self.cluster.reserve(served.name, {})
         if self.cluster is not None and topology is None and not self._placed_here(served, obj, spec, pairing):
             return
         restart_due = served.retry_at is not None and now >= served.retry_at
@@ -371,19 +414,23 @@ class ModelReconciler:
             served.spec, served.generation, served.unschedulable = spec, obj.generation, ""
             served.phase, served.reason = Phase.IDLE, "minReplicas 0: the first request loads it"
             return
-        drains: list[asyncio.Task] = []
-        if topology is None:  # placed on this node by its memory request
-            request = self._cached_request(served, spec, pairing)
+        request = self._cached_request(served, spec, pairing)  # placed on this node by its memory request
+        if request is None:
+            if served.task is None or served.task.done():
+                if served.engine is None and not served.unschedulable:
+                    served.phase, served.reason = Phase.PENDING, "reading its memory request"
+                served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing), served.name)
+            return
+        if topology is not None:  # a group: its ranks' shares, here and on the Nodes they run on
+            request = self._group_request(served, topology, request)
             if request is None:
-                if served.task is None or served.task.done():
-                    if served.engine is None and not served.unschedulable:
-                        served.phase, served.reason = Phase.PENDING, "reading its memory request"
-                    served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing), served.name)
                 return
-            placed = self._place(served, request)
-            if placed is None:
-                return
-            drains = placed
+        drains = self._place(served, request)
+        if topology is not None and self.cluster is not None:  # the ranks' shares on other Nodes, once it fits here
+            self.cluster.reserve(served.name, {} if drains is None else
+                                 {n: b for n, b in served.group_memory.items() if n != self.node.name})
+        if drains is None:
+            return
         if served.task is not None:
             served.task.cancel()
         served.loading_generation, served.restart = obj.generation, False
@@ -406,6 +453,7 @@ class ModelReconciler:
         if group is None or not group.failure:
             return
         served.engine, served.restarts, served.last_failure = None, served.restarts + 1, group.failure
+        served.request = None  # its ranks are killed: the memory is free until the restart places it again
         served.phase, served.reason = Phase.FAILED, group.failure
         served.retry_at = time.monotonic() + _backoff(served.restarts)
         self.metrics.model_ready.labels(served.name).set(0)
@@ -506,6 +554,7 @@ class ModelReconciler:
         if served.engine is not None:
             self._spawn(self._drain(name, served.engine), name)
         if self.cluster is not None:
+            self.cluster.reserve(name, {})  # its group's ranks elsewhere
             for member in self.cluster.ready():  # its replicas there are deleted
                 self.enqueue("Node", member.name)
         log.info("model removed", model=name)
@@ -616,7 +665,7 @@ class ModelReconciler:
         if served.spec.topology_ref is not None:
             running = served.engine.group_status() if served.engine is not None else None
             status["group"] = {"topology": served.spec.topology_ref, "restarts": served.restarts,
-                               "lastFailure": served.last_failure or None,
+                               "lastFailure": served.last_failure or None, "memory": served.group_memory,
                                **(running or {"ranks": [], "steps": None, "controlBytes": None})}
         if served.load_seconds is not None:
             status.update(loadSeconds=round(served.load_seconds, 3), weightBytes=served.weight_bytes,
