@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import code_sample, model_manifest, start_daemon
 from specd.control.cluster import versions
+from specd.control.placement import Candidate, place_group
 from test_control_plane import get, ready, specd, wait_for
 from test_serve_and_pull import model_status
 from test_tensor_parallel import topology
@@ -198,56 +199,60 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
         h2.stop(signal.SIGKILL)
 
 
-def test_a_model_too_big_for_any_node_runs_as_a_group_across_two(forged, tmp_path):
-    """Two Nodes of 160 MiB; a Model that asks 193 MiB fits neither (Unschedulable, with the
-    numbers). On a two-rank Topology over the head and w1 each rank asks half the weights and
-    budgets plus an engine's overhead (129 MiB): rank 0's share is held on the head, rank 1's
-    on w1, which the head reserves there. w1 then has no room for another Model, until the
-    group is deleted."""
+def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_lost(forged, tmp_path):
+    """Nodes of 160, 160 and 190 MiB; a Model that asks 193 MiB fits none (Unschedulable, with the
+    numbers). On a Topology of two ranks over the head, w1 and w2 each rank asks half the weights
+    and budgets plus an engine's overhead (129 MiB): rank 0's share is held on the head, rank 1
+    goes to the Node with the most room (w2), which the head reserves it on. When w2 is lost the
+    group fails at once, naming the Node, and starts again with rank 1 on w1."""
     token = token_file(tmp_path)
     h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "160Mi",
                      "--node-name", "head")
-    w1 = start_daemon(tmp_path / "w1", {}, True, "--join", h.url, "--token-file", str(token), "--node-name", "w1",
-                      "--memory-limit", "160Mi")
+    workers = {name: start_daemon(tmp_path / name, {}, True, "--join", h.url, "--token-file", str(token),
+                                  "--node-name", name, "--memory-limit", limit)
+               for name, limit in (("w1", "160Mi"), ("w2", "190Mi"))}
     budgets = {"kvCache": "{maxBytes: 64Mi}", "prefixCache": "{maxBytes: 64Mi}"}
-    request = 202443008  # weights 1,116,416 + KV 64 MiB + prefix 64 MiB + overhead 64 MiB
-    share = -(-1116416 // 2) + 32 * 2**20 + 32 * 2**20 + 64 * 2**20
+    share = -(-1116416 // 2) + 32 * 2**20 + 32 * 2**20 + 64 * 2**20  # weights 1,116,416, budgets, overhead
+    client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def scheduled(name: str) -> dict | None:
-        conditions = get(h, "model", name)["status"].get("conditions", [])
-        return next((c for c in conditions if c["type"] == "Scheduled"), None)
-
-    def held_on_w1() -> dict[str, int]:
-        return {m["name"]: m["requested"] for m in nodes(h)["w1"]["status"].get("models", [])}
+    def held_on(node: str) -> dict[str, int]:
+        return {m["name"]: m["requested"] for m in nodes(h)[node]["status"].get("models", [])}
     try:
-        wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
+        wait_for(lambda: node_ready(h, "w1") and node_ready(h, "w2"), 30, "workers joined")
         (tmp_path / "whole.yaml").write_text(model_manifest("whole", forged / "target", **budgets))
         specd(h, "apply", "-f", str(tmp_path / "whole.yaml"))
-        refused = wait_for(lambda: scheduled("whole"), 60, "the whole Model refused")
+        refused = wait_for(lambda: next((c for c in get(h, "model", "whole")["status"].get("conditions", [])
+                                         if c["type"] == "Scheduled"), None), 60, "the whole Model refused")
         assert refused["reason"] == "Unschedulable" and "each needs 193.1 MiB" in refused["message"], refused
         specd(h, "delete", "model", "whole")
 
-        (tmp_path / "split.yaml").write_text(topology("pair", ("head", "w1")) + "---\n"
-                                             + model_manifest("split", forged / "target", topologyRef="pair", **budgets))
+        (tmp_path / "split.yaml").write_text(topology("pool", ("head", "w1", "w2"), tensorParallelSize=2) + "---\n"
+                                             + model_manifest("split", forged / "target", topologyRef="pool", **budgets))
         specd(h, "apply", "-f", str(tmp_path / "split.yaml"))
         wait_for(lambda: ready(h, "model", "split"), 120, "the group serving")
         status = get(h, "model", "split")["status"]
-        assert status["group"]["memory"] == {"head": share, "w1": share}
-        assert status["resources"]["requests"]["memory"] == share < request
-        wait_for(lambda: held_on_w1().get("split ranks") == share, 30, "w1 counting rank 1's share")
-        client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert status["group"]["memory"] == {"head": share, "w2": share}
+        assert status["resources"]["requests"]["memory"] == share
+        wait_for(lambda: held_on("w2").get("split ranks") == share, 30, "w2 counting rank 1's share")
+        assert nodes(h)["w2"]["status"]["free"] == 190 * 2**20 - share
         assert client.completions.create(model="split", prompt="def f():", max_tokens=4).usage.completion_tokens == 4
 
-        small = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}  # 97 MiB: more than either has left
-        (tmp_path / "other.yaml").write_text(model_manifest("other", forged / "target", **small))
-        specd(h, "apply", "-f", str(tmp_path / "other.yaml"))
-        refused = wait_for(lambda: scheduled("other"), 60, "no room left on either Node")
-        assert refused["reason"] == "Unschedulable", refused
+        # w2 is lost mid-stream: the stream ends with an error naming it, and rank 1 moves to w1
+        stream = client.completions.create(model="split", prompt="def f():", max_tokens=1500, stream=True,
+                                           logit_bias={"0": -100, "2": -100})
+        next(iter(stream))
+        workers["w2"].proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(openai.APIError, match="Node w2 is NotReady"):
+            for _ in stream:
+                pass
+        wait_for(lambda: ready(h, "model", "split") and get(h, "model", "split")["status"]["group"]["memory"]
+                 == {"head": share, "w1": share}, 120, "the group again, on w1")
+        wait_for(lambda: held_on("w1").get("split ranks") == share, 30, "w1 counting rank 1's share")
+        assert client.completions.create(model="split", prompt="def f():", max_tokens=4).usage.completion_tokens == 4
         specd(h, "delete", "model", "split")
-        wait_for(lambda: "split ranks" not in held_on_w1(), 30, "w1's share given back")
-        wait_for(lambda: get(h, "model", "other")["status"].get("readyReplicas") == 1, 120, "the other Model placed")
+        wait_for(lambda: "split ranks" not in held_on("w1"), 30, "w1's share given back")
     finally:
-        for d in (h, w1):
+        for d in (h, *workers.values()):
             d.stop(signal.SIGKILL)
 
 
@@ -296,6 +301,17 @@ def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_p
     finally:
         for d in daemons:
             d.stop(signal.SIGKILL)
+
+
+def test_a_group_s_ranks_go_to_its_nodes_with_room_first():
+    mib = 2**20
+    nodes = [Candidate("a", 100 * mib, True), Candidate("b", 300 * mib, True), Candidate("c", 500 * mib, False),
+             Candidate("d", 50 * mib, True)]
+    assert place_group(["a", "b", "c", "d", "x"], 2, 100 * mib, nodes) == (["b", "a"], "")  # most free first
+    assert place_group(["x", "a", "y"], 3, 100 * mib, nodes) == (["a", "x", "y"], "")  # then hosts that are no Node
+    chosen, short = place_group(["c", "d"], 1, 100 * mib, nodes)
+    assert chosen == [] and short == ("1 of its ranks fit no host of its Topology: each needs 100.0 MiB; "
+                                      "Node c is not Ready; Node d has 50.0 MiB free")
 
 
 def test_the_router_keeps_conversations_with_their_prefix_and_spreads_the_rest():

@@ -43,9 +43,10 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "size"], "additionalProperties": False}
 
 
-def topology(name: str = "loopback", hosts: tuple[str, str] = ("rank0", "rank1"), **extra) -> str:
-    """Two ranks on this machine; ``hosts`` names them (a cluster Node's name puts a rank's memory there)."""
+def topology(name: str = "loopback", hosts: tuple[str, ...] = ("rank0", "rank1"), **extra) -> str:
+    """Hosts on this machine, named ``hosts`` (a cluster Node's name puts a rank's memory there)."""
     fields = "".join(f"\n  {k}: {v}" for k, v in extra.items())
+    listed = "".join(f"\n    - {{name: {h}, address: 127.0.0.1}}" for h in hosts)
     return textwrap.dedent(f"""\
         apiVersion: specd.dev/v1alpha1
         kind: Topology
@@ -55,9 +56,7 @@ def topology(name: str = "loopback", hosts: tuple[str, str] = ("rank0", "rank1")
           backend: ring
           launcher: local
           threadsPerRank: 1
-          hosts:
-            - {{name: {hosts[0]}, address: 127.0.0.1}}
-            - {{name: {hosts[1]}, address: 127.0.0.1}}""") + fields + "\n"
+          hosts:""") + listed + fields + "\n"
 
 
 def pairing(target: str, draft) -> str:

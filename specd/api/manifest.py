@@ -347,7 +347,7 @@ class TopologySpec:
 
     backend: str
     hosts: tuple[TopologyHost, ...]
-    tensor_parallel_size: int  # ranks in the group (its first hosts), whichever the split
+    tensor_parallel_size: int  # ranks in the group, whichever the split: rank 0 on hosts[0], the others placed on the rest
     launcher: str = "ssh"  # ssh: remote ranks through ssh (local ones directly); local: all on this machine
     port: int | None = None  # first rank's listening port (ranks use port + rank); None: free ports when local
     step_timeout_seconds: float = 60.0  # a step that takes longer means a rank hung

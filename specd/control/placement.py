@@ -2,9 +2,9 @@
 
 A replica stays where it runs while its Node is Ready; missing ones go to the
 Ready Nodes with room for the Model's memory request, the most free memory
-first, never two on one Node. A tensor- or pipeline-parallel group runs its
-ranks where its Topology says: it fits when each of those Nodes has room for
-the shares of the ranks it runs.
+first, never two on one Node. A tensor- or pipeline-parallel group runs rank 0
+beside the head and its other ranks on hosts of its Topology, the Nodes with
+room for a rank's share first.
 """
 
 from __future__ import annotations
@@ -34,14 +34,18 @@ def place(replicas: int, need: int, current: list[str], candidates: list[Candida
                     f"the most any other Ready Node has free is {gib(largest)}")
 
 
-def fits_group(shares: dict[str, int], candidates: list[Candidate]) -> str:
-    """Why a group's ranks do not fit the Nodes its Topology puts them on ("" if they do):
-    ``shares`` is the bytes its ranks need on each of those Nodes."""
-    known = {c.node: c for c in candidates}
-    for node, need in shares.items():
-        c = known.get(node)
-        if c is None or not c.ready:
-            return f"its ranks on Node {node} need {gib(need)}; the Node is not Ready"
-        if c.free < need:
-            return f"its ranks on Node {node} need {gib(need)}; the Node has {gib(c.free)} free"
-    return ""
+def place_group(pool: list[str], ranks: int, share: int, candidates: list[Candidate]) -> tuple[list[str], str]:
+    """The hosts of a group's ``ranks`` ranks after rank 0 (which runs beside the head), one a host,
+    from its Topology's other hosts (``pool``): the Ready Nodes with room for a rank's ``share``,
+    the most free first, then the hosts that are no Node of the cluster (their memory is not known
+    here), in the Topology's order; and why there are too few ("" if there are enough)."""
+    nodes = {c.node: c for c in candidates}
+    room = sorted((nodes[h] for h in pool if h in nodes and nodes[h].ready and nodes[h].free >= share),
+                  key=lambda c: -c.free)
+    chosen = ([c.node for c in room] + [h for h in pool if h not in nodes])[:ranks]
+    if len(chosen) == ranks:
+        return chosen, ""
+    others = "; ".join(f"Node {h} " + (f"has {gib(nodes[h].free)} free" if nodes[h].ready else "is not Ready")
+                       for h in pool if h in nodes and h not in chosen)
+    return chosen, (f"{ranks - len(chosen)} of its ranks fit no host of its Topology: each needs {gib(share)}; "
+                    f"{others or 'no other host is listed'}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import structlog
@@ -21,13 +22,14 @@ from ...api.manifest import SPEC_PARSERS, ModelSpec, TopologySpec
 from ...core.request import Method, NO_SPECULATION
 from ...engine.engine import return_freed_memory
 from ...engine.interface import ServingEngine, SwappableDrafter
+from ...parallel.group import GroupClient
 from ...parallel.topology import is_local
 from ..cluster import Cluster, rank_holder
 from ..conditions import condition
 from ..download import DownloadProgress
 from ..manager import Result
 from ..node import Holding, Node
-from ..placement import Candidate, fits_group, place
+from ..placement import Candidate, place, place_group
 from ..registry import ModelRegistry, Pairing, Phase, ServedModel, build_engine, build_group
 from ..replicas import RemoteReplicas
 from ..resources import MemoryRequest, memory_request, rank_request
@@ -332,31 +334,30 @@ class ModelReconciler:
         if served.engine is None:
             served.phase, served.reason = Phase.PENDING, message
 
-    def _group_request(self, served: ServedModel, topology: TopologySpec, request: MemoryRequest) -> MemoryRequest | None:
-        """A group's request of this node: the shares of its ranks here. Its ranks on the
-        cluster's other Nodes (a Topology host named as a Node) must fit there (None, and
-        Unschedulable with the numbers, if they do not); ``served.group_memory`` keeps the
-        bytes on each Node, which the head reserves there once this node's part is placed.
-        A host that is neither this node nor a Node of the cluster is not counted."""
-        hosts = topology.hosts[: topology.tensor_parallel_size]
-        members = self.cluster.members if self.cluster is not None else {}
-        share = rank_request(request, len(hosts)).total
-        elsewhere: dict[str, int] = {}
-        here = 0
-        for host in hosts:
-            if host.name in members and host.name != self.node.name:
-                elsewhere[host.name] = elsewhere.get(host.name, 0) + share
-            elif host.name == self.node.name or is_local(host.address):
-                here += 1
-        if elsewhere:
-            short = fits_group(elsewhere, [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name)), m.ready)
-                                           for m in members.values()])
-            if short:
-                self._refuse(served, short)
-                self.cluster.reserve(served.name, {})
-                return None
-        served.group_memory = {**({self.node.name: share * here} if here else {}), **elsewhere}
-        return rank_request(request, len(hosts), here)
+    def _group_request(self, served: ServedModel, topology: TopologySpec,
+                       request: MemoryRequest) -> tuple[MemoryRequest, TopologySpec] | None:
+        """Where a group's ranks run, and its request of this node (the shares of its ranks here).
+        Rank 0 runs beside this daemon; the others go to hosts of the Topology (``place_group``):
+        its Nodes with room first. ``served.group_memory`` keeps the bytes on each Node, which the
+        head reserves there once this node's part is placed. None: too few hosts have room
+        (Unschedulable, with the numbers). A host that is neither this node nor a Node of the
+        cluster is not counted."""
+        ranks, members = topology.tensor_parallel_size, self.cluster.members if self.cluster is not None else {}
+        share = rank_request(request, ranks).total
+        members = {n: m for n, m in members.items() if n != self.node.name}
+        candidates = [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name)), m.ready)
+                      for m in members.values()]
+        pool = [h.name for h in topology.hosts[1:]]
+        chosen, short = place_group(pool, ranks - 1, share, candidates)
+        if short:
+            self._refuse(served, short)
+            return None
+        by_name = {h.name: h for h in topology.hosts}
+        hosts = (topology.hosts[0], *(by_name[name] for name in chosen))
+        here = sum(h.name not in members and (h.name == self.node.name or is_local(h.address)) for h in hosts)
+        served.group_memory = {**({self.node.name: share * here} if here else {}),
+                               **{h.name: share for h in hosts if h.name in members}}
+        return rank_request(request, ranks, here), replace(topology, hosts=hosts)
 
     def _unload(self, served: ServedModel, reason: str, message: str) -> None:
         """Stop routing to the Model's engine and give its memory back once it drained."""
@@ -396,6 +397,7 @@ class ModelReconciler:
                 return
             # a group is started for one topology generation and one pairing: either changing restarts it
             topology, placement = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
+            self._lost_ranks(served)
             self._check_group(served)
         elif served.group_memory:  # no longer a group: nothing held for its ranks elsewhere
             served.group_memory = {}
@@ -421,10 +423,13 @@ class ModelReconciler:
                     served.phase, served.reason = Phase.PENDING, "reading its memory request"
                 served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing), served.name)
             return
-        if topology is not None:  # a group: its ranks' shares, here and on the Nodes they run on
-            request = self._group_request(served, topology, request)
-            if request is None:
+        if topology is not None:  # a group: its ranks' hosts, and their shares here and on those Nodes
+            grouped = self._group_request(served, topology, request)
+            if grouped is None:
+                if self.cluster is not None:
+                    self.cluster.reserve(served.name, {})
                 return
+            request, topology = grouped
         drains = self._place(served, request)
         if topology is not None and self.cluster is not None:  # the ranks' shares on other Nodes, once it fits here
             self.cluster.reserve(served.name, {} if drains is None else
@@ -446,6 +451,15 @@ class ModelReconciler:
             self.store.record_event("Model", served.name, "Warning", "EngineFault",
                                     f"{engine.faults - served.faults_seen} failed step(s); last: {engine.fault}")
             served.faults_seen = engine.faults
+
+    def _lost_ranks(self, served: ServedModel) -> None:
+        """A running group with a rank on a Node that is NotReady has lost that rank (the Mac is gone
+        or cut off): it fails now, and its restart places the rank on a host that is Ready."""
+        if not isinstance(served.engine, GroupClient) or self.cluster is None:
+            return
+        lost = [n for n in served.group_memory if (m := self.cluster.members.get(n)) is not None and not m.ready]
+        if lost:
+            served.engine.fail(f"Node {', '.join(lost)} is NotReady: its rank is lost")
 
     def _check_group(self, served: ServedModel) -> None:
         """A failed tensor-parallel group: stop routing to it and schedule a restart (with backoff)."""
