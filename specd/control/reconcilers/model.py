@@ -342,9 +342,9 @@ class ModelReconciler:
         head reserves there once this node's part is placed. None: too few hosts have room
         (Unschedulable, with the numbers). A host that is neither this node nor a Node of the
         cluster is not counted."""
-        ranks, members = topology.tensor_parallel_size, self.cluster.members if self.cluster is not None else {}
-        share = rank_request(request, ranks).total
-        members = {n: m for n, m in members.items() if n != self.node.name}
+        ranks, share = topology.tensor_parallel_size, rank_request(request, topology.tensor_parallel_size).total
+        members = {n: m for n, m in (self.cluster.members if self.cluster is not None else {}).items()
+                   if n != self.node.name}
         candidates = [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name)), m.ready)
                       for m in members.values()]
         pool = [h.name for h in topology.hosts[1:]]
