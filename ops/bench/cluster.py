@@ -65,7 +65,7 @@ from pathlib import Path
 import aiohttp
 from transformers import AutoTokenizer
 
-from delayed_link import delayed_link
+from delayed_link import delayed_link, netns_rsh
 from multiturn import chat_turns, conversation
 from serve_vs_mlx_lm import child_env, free_port, stop_group
 from spec_decode import machine_info, write_result
@@ -191,10 +191,7 @@ def namespace_link(workdir: Path):
     an rsh for the ssh launcher that runs a command in it. Yields (namespace, subnet, rsh, set_link)."""
     tag = os.getpid() % 250
     ns, here, there, subnet = f"specd-bench-{tag}", f"sdb{tag}a", f"sdb{tag}b", f"10.78.{tag}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    rsh = workdir / "netns-rsh"
-    rsh.write_text('#!/bin/sh\nhost="$1"; shift\nexec ip netns exec "$host" sh -c "$*"\n')
-    rsh.chmod(0o755)
+    rsh = netns_rsh(workdir)
     for cmd in (f"ip netns add {ns}", f"ip link add {here} type veth peer name {there}",
                 f"ip link set {there} netns {ns}", f"ip addr add {subnet}.1/24 dev {here}", f"ip link set {here} up",
                 f"ip netns exec {ns} ip addr add {subnet}.2/24 dev {there}",

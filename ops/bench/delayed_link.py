@@ -140,6 +140,15 @@ def relay(routes: list[str]) -> None:
         print(f"delay {line.strip()} ms", flush=True)
 
 
+def netns_rsh(workdir: Path) -> Path:
+    """An ``SPECD_RSH`` for the ssh launcher that runs a command in the network namespace named as its host."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    rsh = workdir / "netns-rsh"
+    rsh.write_text('#!/bin/sh\nhost="$1"; shift\nexec ip netns exec "$host" sh -c "$*"\n')
+    rsh.chmod(0o755)
+    return rsh
+
+
 class DelayedLink:
     """The namespaces and the relay; ``set_delay(ms)`` changes the one-way latency under running connections."""
 
@@ -170,10 +179,7 @@ def delayed_link(workdir: Path, port_pairs: list[tuple[int, int]]):
              f"ip netns exec {to_a} ip addr add {subnet}.1/24 dev {near_a}",
              f"ip netns exec {to_a} ip link set {near_a} up",
              *(f"ip netns exec {ns} ip link set lo up" for ns in (b, to_b, to_a))]
-    workdir.mkdir(parents=True, exist_ok=True)
-    rsh = workdir / "netns-rsh"
-    rsh.write_text('#!/bin/sh\nhost="$1"; shift\nexec ip netns exec "$host" sh -c "$*"\n')
-    rsh.chmod(0o755)
+    rsh = netns_rsh(workdir)
     proc = None
     try:
         for cmd in setup:

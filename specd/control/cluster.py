@@ -130,12 +130,11 @@ class Cluster:
         """What a Node could still give: its allocatable less what it last reported requested, and
         less what the head reserved there since; ``holder``'s own reservation counted as free."""
         reported = {m.get("name"): m.get("requested", 0) for m in member.status.get("models", [])}
+        reserved = self.reserved.get(member.name, {})
         free = member.allocatable - member.status.get("requested", 0)
-        for name, held in self.reserved.get(member.name, {}).items():
-            if name not in reported:
-                free -= held
-            if name == holder:
-                free += held if name not in reported else reported[name]
+        free -= sum(held for name, held in reserved.items() if name not in reported)
+        if holder in reserved:
+            free += reported.get(holder, reserved[holder])
         return free
 
     def silent_for(self, member: Member) -> float:
