@@ -161,14 +161,20 @@ class RowKV:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
         self.attends += 1
         out: list[mx.array | None] = []
+        in_place = self.quantization is None and sinks is None and self.tree is None
+        if in_place:
+            queries = queries * scale  # once for every row
         row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
         for b, ((skip, n), q) in enumerate(zip(self._written, row_queries)):
             if not n:  # a prompt that starts in a later chunk: its padding's output is never read
                 out.append(None)
                 continue
-            # the whole buffer, its columns past the row's end masked: no slice of it per layer
-            row = self._sdpa(q[:, :, skip:, :] if skip else q, self.keys[b], self.values[b], scale,
-                             self._mask(b, n, self.held[b], side_columns(self.keys[b])), sinks)
+            q = q[:, :, skip:, :] if skip else q
+            if in_place:
+                row = _attend_columns(q, self.keys[b], self.values[b], self.held[b], self.window)
+            else:  # the whole buffer, its columns past the row's end masked
+                row = self._sdpa(q, self.keys[b], self.values[b], scale,
+                                 self._mask(b, n, self.held[b], side_columns(self.keys[b])), sinks)
             out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
         if len(out) == 1:
             return out[0]
@@ -307,6 +313,24 @@ def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arr
         mx.eval(mask)
         _CAUSAL_MASKS[key] = mask
     return mask
+
+
+def _attend_columns(queries: mx.array, keys: mx.array, values: mx.array, held: int, window: int | None) -> mx.array:
+    """A row's ``n`` newest queries (1, heads, n, D), scaled, over the columns of its ``held`` that they
+    see (causally, within ``window``), read in place: a query's group of heads shares its
+    key-value head through a reshape rather than a broadcast copy, and a single query
+    needs no mask."""
+    _, heads, n, dims = queries.shape
+    kv_heads = keys.shape[1]
+    start = 0 if window is None else max(0, held - n - window + 1)
+    grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
+    scores = grouped @ keys[..., start:held, :].swapaxes(-1, -2)
+    if n > 1:
+        seen = _causal_mask(n, held - start, held - start, window)
+        scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, held - start), -mx.inf)
+        scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
+    out = mx.softmax(scores, axis=-1, precise=True) @ values[..., start:held, :]
+    return out.reshape(1, heads, n, values.shape[-1])
 
 
 def _regrown(kept: Side | None, like: Side, need: int) -> Side:
