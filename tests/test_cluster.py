@@ -4,6 +4,7 @@ placed by memory, requests routed by prefix and load, a Node lost and back, a he
 from __future__ import annotations
 
 import json
+import re
 import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -12,12 +13,16 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import code_sample, model_manifest, start_daemon
 from specd.control.cluster import versions
 from specd.control.placement import Candidate, place_group
+from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
+from specd.core.sampling import SamplingParams
+from specd.engine.remote import output_from_json, output_to_json, request_from_json, request_to_json
 from test_control_plane import get, ready, specd, wait_for
 from test_serve_and_pull import model_status
 from test_tensor_parallel import topology
@@ -199,6 +204,82 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
         h2.stop(signal.SIGKILL)
 
 
+def test_every_api_reaches_a_replica_on_another_node_as_that_node_answers(forged, tmp_path, cluster):
+    """The head tokenizes and checks each request and hands it to the worker's engine
+    (``RemoteEngine``): chat, completions with logprobs, Anthropic's Messages streamed, Responses
+    continued by ``previous_response_id`` (stored on the head) and embeddings come back as the
+    worker itself answers them; a prompt too long for the worker's context is refused by the head
+    with the worker's numbers; a client that leaves cancels its request on the worker."""
+    import anthropic
+    from specd.forge.embedding import build_embedding
+
+    h, workers = cluster
+    embedder = build_embedding(tmp_path / "embed", forged / "target", "lasttoken", seed=1)
+    (tmp_path / "m.yaml").write_text(model_manifest("m", forged / "target", **BUDGETS) + "---\n"
+                                     + model_manifest("e", embedder, task="embed"))
+    specd(h, "apply", "-f", str(tmp_path / "m.yaml"))
+    for name in ("m", "e"):
+        wait_for(lambda: get(h, "model", name)["status"].get("readyReplicas") == 1, 120, f"{name}'s replica")
+    node = get(h, "model", "m")["status"]["replicas"][0]["node"]
+    there = workers[node]
+    via_head, direct = (OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+                        for d in (h, there))
+    messages = [{"role": "user", "content": code_sample("speculation")[:300]}]
+    assert chat(h.url, messages).choices[0].message.content == chat(there.url, messages).choices[0].message.content
+
+    def logprobs(client):
+        out = client.completions.create(model="m", prompt="def f(x):", max_tokens=6, temperature=0, logprobs=2)
+        return out.choices[0].text, out.choices[0].logprobs.top_logprobs, out.usage.completion_tokens
+    logprobs(direct)  # the prompt in the worker's prefix cache: both answers below start from it
+    assert logprobs(via_head) == logprobs(direct)
+
+    def streamed(url: str) -> str:
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        with client.messages.stream(model="m", max_tokens=8, messages=messages, extra_body={"temperature": 0}) as stream:
+            return "".join(stream.text_stream)
+    assert streamed(h.url) == streamed(there.url)
+
+    first = via_head.responses.create(model="m", input="def f():", max_output_tokens=6, temperature=0)
+    second = via_head.responses.create(model="m", input="and g", previous_response_id=first.id,
+                                       max_output_tokens=6, temperature=0)
+    assert second.usage.input_tokens > first.usage.input_tokens  # the first turn's input and output came along
+
+    inputs = ["def f(x): return x", "class Stack:"]
+    vectors = [[d.embedding for d in c.embeddings.create(model="e", input=inputs).data] for c in (via_head, direct)]
+    assert vectors[0] == vectors[1] and len(vectors[0][0]) > 0
+
+    refusals = []
+    for client in (direct, via_head):  # the head checks against the worker's window (under its KV budget)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="m", prompt="x " * 20000, max_tokens=4)
+        refusals.append(re.search(r"context window is \d+ tokens", refused.value.message).group())
+    assert refusals[0] == refusals[1]
+
+    stream = via_head.completions.create(model="m", prompt="def f():", max_tokens=1500, stream=True,
+                                         logit_bias={"0": -100, "2": -100})
+    next(iter(stream))
+
+    def running() -> float:
+        text = there.get("/metrics")[1].decode()
+        return sum(s.value for f in text_string_to_metric_families(text) if f.name == "specd_num_requests_running"
+                   for s in f.samples if s.labels.get("model_name") == "m")
+    wait_for(lambda: running() == 1, 15, "the stream running on the worker")
+    stream.response.close()
+    wait_for(lambda: running() == 0, 15, "the worker cancelling the request its client left")
+
+    def generate_on_worker(body: bytes, token: str | None) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        req = urllib.request.Request(f"{there.url}/apis/specd.dev/v1alpha1/models/m/generate", body, headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, {}
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+    assert generate_on_worker(b'{"prompt_tokens": [1]}', None)[0] == 401  # only the head, with the token
+    status, body = generate_on_worker(b'{"prompt_tokens": [1]}', "s3cret-cluster-token")
+    assert status == 400 and "request_id" in body["message"], body
+
+
 def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_lost(forged, tmp_path):
     """Nodes of 160, 160 and 190 MiB; a Model that asks 193 MiB fits none (Unschedulable, with the
     numbers). On a Topology of two ranks over the head, w1 and w2 each rank asks half the weights
@@ -315,25 +396,54 @@ def test_a_group_s_ranks_go_to_its_nodes_with_room_first():
 
 
 def test_the_router_keeps_conversations_with_their_prefix_and_spreads_the_rest():
-    from specd.control.routing import Replica, Router
+    from specd.control.routing import Router
 
-    router, replicas = Router(), [Replica("a", None), Replica("b", "http://b")]
-    system = {"role": "system", "content": "x" * 3000}  # one system prompt for every conversation
-    histories = [[system, {"role": "user", "content": f"question {i} " * 40}] for i in range(4)]
+    router, nodes = Router(), ["a", "b"]
+    system = list(range(1000, 1800))  # one system prompt for every conversation
+    histories = [system + [i] * 100 for i in range(4)]
     homes = []
     for history in histories:  # four conversations open at once: they spread
-        home = router.pick("m", replicas, {"messages": history})
-        router.started("m", home.node)
-        homes.append(home.node)
+        home = router.pick("m", nodes, history)
+        router.started("m", home)
+        homes.append(home)
     assert sorted(homes) == ["a", "a", "b", "b"]
     for i, history in enumerate(histories):  # later turns, each while its conversation is not in flight
         router.finished("m", homes[i])
-        history += [{"role": "assistant", "content": "y" * 600}, {"role": "user", "content": "more " * 60}]
-        assert router.pick("m", replicas, {"messages": history}).node == homes[i]
+        history += [7] * 150 + [8] * 60
+        assert router.pick("m", nodes, history) == homes[i]
         router.started("m", homes[i])
     for _ in range(3):  # the home replica saturated: the conversation moves
         router.started("m", homes[0])
-    histories[0].append({"role": "user", "content": "again " * 60})
-    assert router.pick("m", replicas, {"messages": histories[0]}).node != homes[0]
+    histories[0] += [9] * 60
+    assert router.pick("m", nodes, histories[0]) != homes[0]
     rr = Router("round-robin")
-    assert [rr.pick("m", replicas, {}).node for _ in range(4)] == ["a", "b", "a", "b"]
+    assert [rr.pick("m", nodes, []) for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+TEXT = st.text(st.characters(codec="utf-8"), max_size=20)  # what the API edge lets in: no lone surrogates
+FLOAT = st.floats(allow_nan=False, allow_infinity=False, width=32)
+REQUESTS = st.builds(
+    GenerationRequest, TEXT, st.lists(st.integers(0, 2**31 - 1), max_size=8),
+    st.builds(SamplingParams, FLOAT, FLOAT, st.integers(0, 100), FLOAT, st.none() | st.integers(0, 2**63 - 1),
+              st.booleans(), st.integers(0, 20), st.lists(st.tuples(st.integers(0, 2**31 - 1), FLOAT),
+                                                          max_size=3).map(tuple)),
+    st.integers(1, 10**6), st.lists(TEXT, max_size=3).map(tuple),
+    st.none() | st.builds(SpeculationConfig, st.sampled_from(list(Method)), st.integers(0, 16)),
+    st.none() | TEXT)
+LOGPROBS = st.builds(TokenLogprob, st.integers(0, 2**31 - 1), FLOAT,
+                     st.lists(st.tuples(st.integers(0, 2**31 - 1), FLOAT), max_size=3).map(tuple))
+OUTPUTS = st.builds(StepOutput, st.text(st.characters(exclude_categories=()), max_size=20), st.lists(st.integers(0, 2**31 - 1), max_size=4),
+                    st.none() | st.lists(LOGPROBS, max_size=3), st.none() | st.sampled_from(["stop", "length"]),
+                    st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6), st.none() | TEXT,
+                    st.none() | TEXT, st.none() | st.builds(SpecStats, st.integers(0, 99), st.integers(0, 99),
+                                                            st.integers(0, 99), st.integers(0, 99),
+                                                            st.sampled_from(list(Method)), TEXT))
+
+
+@given(REQUESTS, OUTPUTS)
+@settings(max_examples=200, deadline=None)
+def test_what_a_head_and_a_worker_send_each_other_arrives_unchanged(request, output):
+    """A request to a worker's engine and each output back, through JSON as they cross (lone
+    surrogates in the output's text too: a model can emit them, and JSON escapes them)."""
+    assert request_from_json(json.loads(json.dumps(request_to_json(request)))) == request
+    assert output_from_json(json.loads(json.dumps(output_to_json(output)))) == output

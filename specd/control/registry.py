@@ -17,6 +17,7 @@ import structlog
 
 from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
 from .download import DownloadProgress
+from .replica_set import ReplicaSet
 from .resources import MemoryRequest
 from ..core.loader import context_window, load_embedding_model, load_model, weight_bytes
 from ..engine.embedder import Embedder, EmbedderConfig
@@ -107,6 +108,7 @@ class ServedModel:
     group_memory: dict[str, int] = field(default_factory=dict)  # a group's bytes on each Node its ranks run on
     replicas_short: str = ""  # why some replicas fit no Node
     elsewhere: bool = False  # on a head: every replica runs on other Nodes
+    replica_set: ReplicaSet | None = None  # on a head: what its requests go through, to one of its replicas
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def notify(self) -> None:
@@ -225,8 +227,13 @@ class ModelRegistry:
         if served.spec.task != task:
             raise WrongTask(f"model {name!r} serves spec.task {served.spec.task}, not {task}")
         served.last_used = time.monotonic()
+        replicas = served.replica_set
+        if replicas is not None and await replicas.wake():
+            return replicas
+        if replicas is not None and served.elsewhere:
+            raise ModelNotReady(f"model {name!r} has no ready replica ({served.reason})", 5)
         if served.engine is not None:
-            return served.engine
+            return replicas or served.engine
         served.demand += 1
         self.on_demand(name)
         deadline = time.monotonic() + self.load_timeout
@@ -247,7 +254,7 @@ class ModelRegistry:
         finally:
             served.demand -= 1
         served.last_used = time.monotonic()
-        return served.engine
+        return replicas or served.engine
 
     def engines(self) -> list[ServingEngine | Embedder]:
         return [m.engine for m in self.models.values() if m.engine is not None]
@@ -262,4 +269,5 @@ class ModelRegistry:
         for served in self.models.values():
             if served.task is not None:
                 served.task.cancel()
-        await asyncio.gather(*(e.shutdown(grace) for e in self.engines()))
+        await asyncio.gather(*(e.shutdown(grace) for e in self.engines()),
+                             *(m.replica_set.shutdown(grace) for m in self.models.values() if m.replica_set))

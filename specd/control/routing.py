@@ -1,46 +1,32 @@
 """Which replica serves a request: the one likely to hold its prefix, unless it is much busier.
 
 As SGLang's router does, the head keeps an approximate prefix index per
-replica: the text of each request it routed (its messages, prompt or input,
-canonically serialized) in ``CHUNK``-character blocks, each block's hash
-chained to the one before, so two requests share a leading run of hashes
-exactly as long as they share a leading run of text. A request goes to the
-replica holding the longest run of its blocks (the least busy among equals),
-unless that replica is busier than the least busy one by more than a margin
-(one request, or a quarter of the least busy one's, whichever is more); then,
-and when no replica holds any of it, to the least busy one. So conversations
-that open alike (one system prompt) still spread, and each stays where its
-history is.
+replica: the prompt tokens of each request it routed, in ``CHUNK``-token
+blocks, each block's hash chained to the one before, so two requests share a
+leading run of hashes exactly as long as they share a leading run of tokens
+(the head tokenizes every request itself, ``replica_set.py``). A request goes
+to the replica holding the longest run of its blocks (the least busy among
+equals), unless that replica is busier than the least busy one by more than a
+margin (one request, or a quarter of the least busy one's, whichever is more);
+then, and when no replica holds any of it, to the least busy one. So
+conversations that open alike (one system prompt) still spread, and each stays
+where its history is.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any
 
-CHUNK = 256  # characters per block
+CHUNK = 64  # tokens per block
 BLOCKS_PER_REPLICA = 65536  # blocks remembered per replica, least recently used dropped
-PROMPT_FIELDS = ("system", "instructions", "messages", "prompt", "input")
 
 
-@dataclass(frozen=True)
-class Replica:
-    node: str
-    address: str | None  # None: this daemon's own engine
-
-
-def prompt_text(body: dict[str, Any]) -> str:
-    """What of a request's body a replica's prefix cache would hold, as one string."""
-    return json.dumps([body.get(k) for k in PROMPT_FIELDS], ensure_ascii=False, sort_keys=True)[:-1]
-
-
-def block_hashes(text: str) -> list[bytes]:
+def block_hashes(tokens: list[int]) -> list[bytes]:
     out, previous = [], b""
-    for start in range(0, len(text) - CHUNK + 1, CHUNK):
-        previous = hashlib.blake2b(previous + text[start:start + CHUNK].encode("utf-8", "surrogatepass"),
+    for start in range(0, len(tokens) - CHUNK + 1, CHUNK):
+        previous = hashlib.blake2b(previous + array("q", tokens[start:start + CHUNK]).tobytes(),
                                    digest_size=16).digest()
         out.append(previous)
     return out
@@ -56,18 +42,19 @@ class Router:
         self.in_flight: dict[tuple[str, str], int] = {}  # (model, node) -> requests routed and not finished
         self._turns: dict[str, int] = {}
 
-    def pick(self, model: str, replicas: list[Replica], body: dict[str, Any]) -> Replica:
+    def pick(self, model: str, nodes: list[str], tokens: list[int]) -> str:
+        """The Node, of ``nodes`` (in a stable order), whose replica serves a request of ``tokens``."""
         if self.policy == "round-robin":
             turn = self._turns[model] = self._turns.get(model, -1) + 1
-            return sorted(replicas, key=lambda r: r.node)[turn % len(replicas)]
-        hashes = block_hashes(prompt_text(body))
-        load = {r: self.in_flight.get((model, r.node), 0) for r in replicas}
+            return nodes[turn % len(nodes)]
+        hashes = block_hashes(tokens)
+        load = {n: self.in_flight.get((model, n), 0) for n in nodes}
         least = min(load.values())
-        matched = {r: self._matched(model, r.node, hashes) for r in replicas}
-        best = max(replicas, key=lambda r: (matched[r], -load[r]))
+        matched = {n: self._matched(model, n, hashes) for n in nodes}
+        best = max(nodes, key=lambda n: (matched[n], -load[n]))
         if not matched[best] or load[best] > least + max(1, least // 4):
-            best = min(replicas, key=lambda r: (load[r], -matched[r]))
-        self._remember(model, best.node, hashes)
+            best = min(nodes, key=lambda n: (load[n], -matched[n]))
+        self._remember(model, best, hashes)
         return best
 
     def _matched(self, model: str, node: str, hashes: list[bytes]) -> int:

@@ -22,7 +22,8 @@ stays 0, or its logits are wrong) and runs row by row.
 from __future__ import annotations
 
 import sys
-
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Union
 
@@ -296,22 +297,34 @@ class RowKV:
         return sum(a.nbytes for a in self.arrays)
 
 
-_CAUSAL_MASKS: dict[tuple, mx.array] = {}  # evaluated: every layer and row of every engine thread shares them
+# Evaluated, shared by every layer and row of every engine thread, least recently used dropped past
+# MASK_CACHE_CELLS (a prefill chunk's mask over a long context is megabytes)
+_CAUSAL_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()
+_MASKS_LOCK = threading.Lock()
+MASK_CACHE_CELLS = 1 << 26
+_cached_cells = 0
 
 
 def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.array:
     """(n, capacity): the last ``n`` of ``held`` columns see themselves and what is
     before them (within ``window``), and nothing past ``held``."""
     key = (n, held, capacity, window)
-    mask = _CAUSAL_MASKS.get(key)
-    if mask is None:
-        if len(_CAUSAL_MASKS) > 8192:
-            _CAUSAL_MASKS.clear()
-        columns = mx.arange(capacity)[None, :]
-        rows = mx.arange(held - n, held)[:, None]
-        mask = (columns <= rows) if window is None else (columns <= rows) & (columns > rows - window)
-        mx.eval(mask)
-        _CAUSAL_MASKS[key] = mask
+    with _MASKS_LOCK:
+        mask = _CAUSAL_MASKS.get(key)
+        if mask is not None:
+            _CAUSAL_MASKS.move_to_end(key)
+            return mask
+    columns = mx.arange(capacity)[None, :]
+    rows = mx.arange(held - n, held)[:, None]
+    mask = (columns <= rows) if window is None else (columns <= rows) & (columns > rows - window)
+    mx.eval(mask)
+    global _cached_cells
+    with _MASKS_LOCK:
+        if key not in _CAUSAL_MASKS:
+            _CAUSAL_MASKS[key] = mask
+            _cached_cells += mask.size
+        while _cached_cells > MASK_CACHE_CELLS and len(_CAUSAL_MASKS) > 1:
+            _cached_cells -= _CAUSAL_MASKS.popitem(last=False)[1].size
     return mask
 
 

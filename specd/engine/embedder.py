@@ -47,6 +47,18 @@ class _Job:
         self.vectors = [None] * len(self.rows)
 
 
+def check_rows(rows: list[list[int]], model: str, max_context: int, vocab: int) -> None:
+    """Raise RequestRejected naming the first input that can never be embedded."""
+    for i, row in enumerate(rows):
+        if not row:
+            raise RequestRejected(f"input[{i}] is empty", f"input[{i}]")
+        if len(row) > max_context:
+            raise RequestRejected(f"input[{i}] has {len(row)} tokens; model {model!r} embeds at most "
+                                  f"{max_context}", f"input[{i}]")
+        if min(row) < 0 or max(row) >= vocab:
+            raise RequestRejected(f"input[{i}] holds a token id outside 0..{vocab - 1}", f"input[{i}]")
+
+
 class EmbeddingFailed(Exception):
     """The batch that held the request failed (HTTP 500); the embedder serves on."""
 
@@ -92,15 +104,7 @@ class Embedder:
         return None
 
     def check_rows(self, rows: list[list[int]]) -> None:
-        """Raise RequestRejected naming the first input that can never be embedded."""
-        for i, row in enumerate(rows):
-            if not row:
-                raise RequestRejected(f"input[{i}] is empty", f"input[{i}]")
-            if len(row) > self.max_context:
-                raise RequestRejected(f"input[{i}] has {len(row)} tokens; model {self.name!r} embeds at most "
-                                      f"{self.max_context}", f"input[{i}]")
-            if min(row) < 0 or max(row) >= self.vocab_size:
-                raise RequestRejected(f"input[{i}] holds a token id outside 0..{self.vocab_size - 1}", f"input[{i}]")
+        check_rows(rows, self.name, self.max_context, self.vocab_size)
 
     async def embed(self, rows: list[list[int]]) -> np.ndarray:
         """The embeddings of ``rows`` (token ids), ``[len(rows), dimensions]`` float32."""

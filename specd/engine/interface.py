@@ -1,9 +1,10 @@
 """What serves a Model, as the control plane and the HTTP routes see it.
 
-A local ``Engine`` (one process) and a tensor- or pipeline-parallel group's client
-(``parallel.group.GroupClient``, whose engine runs in rank processes) both
-implement ``ServingEngine``; the registry, the reconcilers and the server use
-nothing else. Only a local engine changes its drafter while it serves
+A local ``Engine`` (one process), a tensor- or pipeline-parallel group's client
+(``parallel.group.GroupClient``, whose engine runs in rank processes), a replica
+on another Node (``remote.RemoteEngine``) and, on a cluster head, a Model's
+replicas together (``control.replica_set.ReplicaSet``) all implement
+``ServingEngine``; the registry, the reconcilers and the server use nothing else. Only a local engine changes its drafter while it serves
 (``SwappableDrafter``); a group is restarted with its new DraftPairing.
 """
 

@@ -15,11 +15,10 @@ from ..control.watcher import ManifestDirectory
 from ..parallel.group import with_engine_metrics
 from ..engine.engine import return_freed_memory
 from ..control.agent import NodeAgent
-from . import admin, anthropic, cluster_api, embeddings, openai, responses
+from . import admin, anthropic, cluster_api, embeddings, openai, replica_api, responses
 from .access import api_access, cors_headers
 from .completion import WAITING_STREAM, stream_error
 from .errors import APIError
-from .proxy import route_to_replica
 from .keys import (ADMIN_TOKEN, API_KEYS, CLUSTER, CORS_ORIGINS, DROP_HOSTED_TOOLS, MODELS, REGISTRY,
                    RESPONSES, STARTED, STORE)
 from .response_store import ResponseStore
@@ -128,7 +127,7 @@ def create_app(control: ControlPlane, manifests: ManifestDirectory | None = None
     without one they last as long as the app). ``drop_hosted_tools`` leaves
     hosted tools (web search, ...) out of Responses requests instead of refusing them. A head
     (``control.cluster``) takes Nodes on its cluster API; a worker's ``agent`` joins its head."""
-    app = web.Application(middlewares=[request_context, api_access, admin.admin_guard, route_to_replica],
+    app = web.Application(middlewares=[request_context, api_access, admin.admin_guard],
                           client_max_size=max_body_bytes)
     app[REGISTRY] = control.registry
     app[STORE] = control.store
@@ -150,6 +149,7 @@ def create_app(control: ControlPlane, manifests: ManifestDirectory | None = None
     app.add_routes(embeddings.routes)
     app.add_routes(admin.routes)
     app.add_routes(cluster_api.routes)
+    app.add_routes(replica_api.routes)
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()

@@ -223,6 +223,8 @@ class EngineRun:
                 if out.error:
                     raise APIError(500, out.error, "server_error", None, "engine_error")
                 yield out
+        except RequestRejected as err:  # a replica on another Node checked it against its own engine
+            raise bad_request(str(err), err.field) from None
         except EngineOverloaded as err:
             raise overloaded(str(err)) from None
         except EngineUnavailable as err:

@@ -19,9 +19,11 @@ from typing import Any, Callable
 import structlog
 
 from ...api.manifest import SPEC_PARSERS, ModelSpec, TopologySpec
+from ...core.loader import load_tokenizer
 from ...core.request import Method, NO_SPECULATION
 from ...engine.engine import return_freed_memory
 from ...engine.interface import ServingEngine, SwappableDrafter
+from ...engine.remote import engine_report
 from ...parallel.group import GroupClient
 from ...parallel.topology import is_local
 from ..cluster import Cluster, rank_holder
@@ -31,9 +33,10 @@ from ..manager import Result
 from ..node import Holding, Node
 from ..placement import Candidate, place, place_group
 from ..registry import ModelRegistry, Pairing, Phase, ServedModel, build_engine, build_group
+from ..replica_set import ReplicaSet
 from ..replicas import RemoteReplicas
 from ..resources import MemoryRequest, memory_request, rank_request
-from ..routing import Replica, Router
+from ..routing import Router
 from ..store import Store, StoredObject
 from .draft_pairing import chosen_pairings
 from .spec_policy import policy_for, stored_policies
@@ -160,7 +163,8 @@ class ModelReconciler:
     def node_report(self) -> dict[str, Any]:
         """What a worker tells its head in each heartbeat: its memory and the Models it serves."""
         served = {m.name: {"phase": m.phase.value, "ready": m.engine is not None, "generation": m.generation,
-                           "inFlight": m.engine.in_flight if m.engine is not None else 0}
+                           "inFlight": m.engine.in_flight if m.engine is not None else 0,
+                           **({"engine": engine_report(m.engine)} if m.engine is not None else {})}
                   for m in self.registry.models.values()}
         status = self.node.status(self.holdings(), self.in_use())
         return {"chip": self.node.chip, "allocatable": self.node.allocatable, "capacity": self.node.capacity,
@@ -193,6 +197,7 @@ class ModelReconciler:
                                         f"replica on Node {gone} moved: the Node is "
                                         f"{'NotReady' if gone in members and not members[gone].ready else 'gone'}")
         served.replica_nodes, served.replicas_short = nodes, short
+        self._serve_replicas(served, spec, nodes)
         for node in nodes:
             if node != self.node.name:
                 self.remote.ensure(members[node], served.name, obj.spec, obj.generation)
@@ -204,30 +209,28 @@ class ModelReconciler:
             served.phase, served.reason = Phase.PENDING, short or f"replicas on {', '.join(nodes)}"
         return here
 
-    def ready_replicas(self, name: str) -> list[Replica]:
-        """The replicas a request for the Model may go to now."""
-        served = self.registry.models.get(name)
-        if served is None:
-            return []
-        out = []
-        for node in served.replica_nodes:
-            member = self.cluster.members.get(node) if self.cluster else None
-            if node == self.node.name and served.engine is not None:
-                out.append(Replica(node, None))
-            elif member is not None and member.ready and (member.model(name) or {}).get("ready"):
-                out.append(Replica(node, member.address))
-        return out
+    def _serve_replicas(self, served: ServedModel, spec: ModelSpec, nodes: list[str]) -> None:
+        """On a head: the Model's requests go to its replicas through a ``ReplicaSet``, which
+        tokenizes with the head's own engine's tokenizer, or the Model's loaded here."""
+        replicas = served.replica_set
+        if replicas is None:
+            replicas = served.replica_set = ReplicaSet(served.name, spec.task, self.node.name, self.cluster,
+                                                       self.router, self.metrics, lambda: served.engine)
+        replicas.nodes = nodes
+        source = (spec.source, spec.revision)
+        if self.node.name not in nodes and replicas.tokenizer_source != source:
+            replicas.tokenizer_source = source
+            self._spawn(self._load_tokenizer(replicas, *source), served.name)
 
-    def idle_replicas(self, name: str) -> list[Replica]:
-        """A ``minReplicas: 0`` Model's remote replicas on Ready Nodes, none of them loaded: a request
-        relayed to one loads it there and waits for it, as a request to a local Model at zero does
-        (whatever the Node's last heartbeat said: it may predate the replica's unload or its apply)."""
-        served = self.registry.models.get(name)
-        if served is None or self.cluster is None or served.spec.min_replicas != 0:
-            return []
-        return [Replica(node, member.address) for node in served.replica_nodes
-                if node != self.node.name and (member := self.cluster.members.get(node)) is not None
-                and member.ready]
+    @staticmethod
+    async def _load_tokenizer(replicas: ReplicaSet, source: str, revision: str | None) -> None:
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, source, revision)
+        except Exception as exc:  # its checkpoint was read for its memory request: this is rare
+            log.error("cannot load the tokenizer for the Model's replicas", model=replicas.name, error=str(exc))
+            return
+        if replicas.tokenizer_source == (source, revision):
+            replicas.loaded_tokenizer = tokenizer
 
     # -- the node's memory -------------------------------------------------
 
@@ -567,6 +570,8 @@ class ModelReconciler:
         self.metrics.forget_model(name)
         if served.engine is not None:
             self._spawn(self._drain(name, served.engine), name)
+        if served.replica_set is not None:
+            self._spawn(served.replica_set.shutdown(self.drain_grace), name)
         if self.cluster is not None:
             self.cluster.reserve(name, {})  # its group's ranks elsewhere
             for member in self.cluster.ready():  # its replicas there are deleted
@@ -663,7 +668,7 @@ class ModelReconciler:
                 "fit no Node: this daemon is one Node (start it as a cluster head, docs/cluster.md)",
                 obj.generation, obj.status))
         if self.cluster is not None and served.spec.topology_ref is None:
-            routable = {r.node for r in self.ready_replicas(served.name)}
+            routable = set(served.replica_set.ready_nodes()) if served.replica_set is not None else set()
             status["replicas"] = [{"node": n, "ready": n in routable} for n in served.replica_nodes]
             status["readyReplicas"] = len(routable)
             if served.replicas_short:

@@ -1,0 +1,231 @@
+"""A Model's replicas across the cluster, served as one engine: each request goes to one of them.
+
+On a head, a Model placed on Nodes (``spec.replicas``) is served through a
+``ReplicaSet``: the HTTP routes render, tokenize and check a request with it as
+with any engine, and ``generate`` (or ``embed``, for an embedding Model) hands
+the request to one replica the router picks (``routing.Router``: the one
+holding its prefix, else the least busy). A replica is the head's own engine,
+or a ``RemoteEngine``/``RemoteEmbedder`` for a worker Node whose heartbeat
+reports the Model ready, with what the head checks requests against (context
+window, vocabulary, drafter). A replica at zero on a worker (``minReplicas:
+0``) is woken by asking the worker for its engine, which loads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Callable
+
+import aiohttp
+import numpy as np
+import structlog
+
+from ..core.request import GenerationRequest, Method, SpeculationConfig, StepOutput
+from ..engine.embedder import Embedder, check_rows
+from ..engine.engine import EngineUnavailable
+from ..engine.interface import ServingEngine
+from ..engine.remote import ENGINE, RemoteEmbedder, RemoteEngine
+from ..engine.scheduler import check_request
+from ..metrics import Metrics
+from ..speculation.config import PolicySettings
+from .cluster import HEARTBEAT_SECONDS, Cluster, Member
+from .routing import Router
+
+log = structlog.get_logger(__name__)
+WOKEN_SECONDS = 3 * HEARTBEAT_SECONDS  # a woken replica counts as ready until its Node's heartbeats say
+
+Replica = ServingEngine | Embedder | RemoteEngine | RemoteEmbedder
+
+
+class ReplicaSet:
+    def __init__(self, name: str, task: str, here: str, cluster: Cluster, router: Router, metrics: Metrics,
+                 local: Callable[[], ServingEngine | Embedder | None]):
+        self.name, self.task, self.here = name, task, here
+        self.cluster, self.router, self.metrics = cluster, router, metrics
+        self._local = local  # the head's own replica's engine, while it is loaded
+        self.nodes: list[str] = []  # where the Model's replicas are placed (the Model reconciler keeps it)
+        self.loaded_tokenizer = None  # the Model's tokenizer, loaded here when this node runs no replica
+        self.tokenizer_source: tuple[str, str | None] | None = None  # what it is (being) loaded from
+        self.failure: str | None = None
+        self.fault: str | None = None
+        self.faults = 0
+        self._remote: dict[str, tuple[tuple, RemoteEngine | RemoteEmbedder]] = {}  # node -> ((address, instance), it)
+        self._woken: dict[str, float] = {}  # node -> when its replica at zero answered that it loaded
+        self._last: Replica | None = None
+
+    # -- the replicas ------------------------------------------------------
+
+    def ready_nodes(self) -> list[str]:
+        """The Nodes whose replica is loaded and reachable now."""
+        return [n for n in self.nodes if (self._local() is not None if n == self.here else self._reported(n))]
+
+    def ready(self) -> dict[str, Replica]:
+        """The replicas a request may go to now, by Node."""
+        if self.tokenizer is None:
+            return {}
+        out: dict[str, Replica] = {}
+        for node in self.nodes:
+            if node == self.here:
+                if (local := self._local()) is not None:
+                    out[node] = local
+            elif reported := self._reported(node):
+                out[node] = self._remote_engine(self.cluster.members[node], reported)
+        return out
+
+    def _reported(self, node: str) -> dict[str, Any] | None:
+        """What a Ready worker last reported of its replica's engine, if it serves."""
+        member = self.cluster.members.get(node)
+        if member is None or not member.ready:
+            return None
+        reported = member.model(self.name) or {}
+        if reported.get("ready") and "engine" in reported:
+            return reported["engine"]
+        woken = self._woken.get(node)
+        if woken is not None and time.monotonic() - woken < WOKEN_SECONDS and node in self._remote:
+            return self._remote[node][1].reported  # its heartbeat has not said so yet
+        return None
+
+    def _remote_engine(self, member: Member, engine: dict[str, Any]) -> RemoteEngine | RemoteEmbedder:
+        """The replica on ``member`` (a new one for a restarted daemon), updated with its report."""
+        key = (member.address, member.instance)
+        held = self._remote.get(member.name)
+        if held is not None and held[0] == key:
+            held[1].update(engine)
+            return held[1]
+        if held is not None:
+            asyncio.ensure_future(held[1].shutdown(0))  # its daemon is gone: so are its streams
+        kind = RemoteEngine if self.task == "generate" else RemoteEmbedder
+        lost = (lambda m=member: None if m.ready else f"NotReady ({m.reason})")
+        remote = kind(self.name, member.name, member.address, self.cluster.token, self.tokenizer, engine, lost)
+        self._remote[member.name] = (key, remote)
+        return remote
+
+    async def wake(self) -> bool:
+        """Whether some replica is ready, after waking one at zero on a Ready worker if none was."""
+        if self.ready():
+            return True
+        for node in self.nodes:
+            member = self.cluster.members.get(node)
+            if node == self.here or member is None or not member.ready or self.tokenizer is None:
+                continue
+            try:
+                async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cluster.token}"}) as s:
+                    async with s.get(member.address + ENGINE.format(self.name)) as r:
+                        if r.status == 200:
+                            self._remote_engine(member, await r.json())
+                            self._woken[node] = time.monotonic()
+                            return True
+                        log.warning("a worker did not load its replica", node=node, status=r.status,
+                                    reason=await r.text())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                log.warning("worker unreachable", node=node, error=str(exc))
+        return False
+
+    def _any(self) -> Replica:
+        """A ready replica, else the last one seen ready (a request checked against it then finds
+        none to go to, and fails as unavailable)."""
+        ready = self.ready()
+        if ready:
+            self._last = next(iter(ready.values()))
+        if self._last is None:
+            raise EngineUnavailable(f"model {self.name!r} has no ready replica")
+        return self._last
+
+    def _pick(self, tokens: list[int]) -> tuple[str, Replica]:
+        ready = self.ready()
+        if not ready:
+            raise EngineUnavailable(f"model {self.name!r} has no ready replica")
+        node = self.router.pick(self.name, sorted(ready), tokens)
+        self.metrics.routed_requests.labels(self.name, node).inc()
+        return node, ready[node]
+
+    # -- what every engine has ---------------------------------------------
+
+    @property
+    def tokenizer(self):
+        local = self._local()
+        return local.tokenizer if local is not None else self.loaded_tokenizer
+
+    @property
+    def max_context(self) -> int:
+        """The smallest of the replicas' (each sizes its own from its KV budget)."""
+        return min((e.max_context for e in self.ready().values()), default=self._any().max_context)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._any().vocab_size
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self.router.in_flight.get((self.name, node), 0) for node in self.nodes)
+
+    def start(self) -> None:
+        """Nothing to start: each replica's engine is started where it runs."""
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Let requests to the remote replicas finish; the head's own engine is the reconciler's to stop."""
+        await asyncio.gather(*(engine.shutdown(grace) for _, engine in self._remote.values()))
+
+    def group_status(self) -> dict | None:
+        return None
+
+    def exported_metrics(self) -> str | None:
+        return None
+
+    # -- a generation Model: ServingEngine ---------------------------------
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        return self._any().speculation
+
+    @property
+    def drafter(self) -> Method | None:
+        """The drafter every ready replica has (None unless all have the same)."""
+        drafters = {e.drafter for e in self.ready().values()} or {self._any().drafter}
+        return drafters.pop() if len(drafters) == 1 else None
+
+    def check_prompt(self, request: GenerationRequest) -> None:
+        check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        node, replica = self._pick(request.prompt_tokens)
+        self.router.started(self.name, node)
+        try:
+            async for out in replica.generate(request):
+                yield out
+        finally:
+            self.router.finished(self.name, node)
+
+    def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
+        """Each replica's daemon applies policies to its own engine."""
+
+    def speculation_status(self) -> dict:
+        return {}
+
+    def prefix_cache_status(self) -> dict:
+        return {}
+
+    def kv_cache_status(self) -> dict:
+        return {}
+
+    # -- an embedding Model: what the embeddings route reads of an Embedder --
+
+    @property
+    def dimensions(self) -> int:
+        return self._any().dimensions
+
+    @property
+    def pooling(self):
+        return self._any().pooling
+
+    def check_rows(self, rows: list[list[int]]) -> None:
+        check_rows(rows, self.name, self.max_context, self.vocab_size)
+
+    async def embed(self, rows: list[list[int]]) -> np.ndarray:
+        node, replica = self._pick(rows[0] if rows else [])
+        self.router.started(self.name, node)
+        try:
+            return await replica.embed(rows)
+        finally:
+            self.router.finished(self.name, node)

@@ -1,0 +1,221 @@
+"""A replica of a Model that another Node's daemon serves, as a ``ServingEngine``.
+
+The head renders, tokenizes and checks a request exactly as for an engine of
+its own (with the Model's tokenizer, and the context window and drafter the
+worker reported); the worker runs the ``GenerationRequest`` on its engine and
+streams each ``StepOutput`` back as one JSON line (the admin API's
+``models/{name}/generate`` subresource, which only the cluster token opens on a
+worker). So usage, ``cached_tokens`` and the speculation report arrive as the
+worker's engine made them, and every API the head serves reaches every replica
+the same way. A consumer that stops closes the connection, which cancels the
+request on the worker; a Node that goes NotReady mid-stream (a Mac that hangs or
+is cut off keeps its connections open) ends the request with an error naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, replace
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import aiohttp
+import numpy as np
+
+from ..core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
+from ..core.embedding import Pooling
+from ..core.sampling import SamplingParams
+from ..speculation.config import PolicySettings
+from .embedder import Embedder, EmbeddingFailed, check_rows
+from .engine import EngineOverloaded, EngineUnavailable
+from .interface import ServingEngine
+from .scheduler import RequestRejected, check_request
+
+GENERATE = "/apis/specd.dev/v1alpha1/models/{}/generate"
+EMBED = "/apis/specd.dev/v1alpha1/models/{}/embed"
+ENGINE = "/apis/specd.dev/v1alpha1/models/{}/engine"  # a worker's engine_report, once it is loaded
+T = TypeVar("T")
+WATCH_SECONDS = 2.0  # how often a waiting stream asks whether its Node is still Ready
+
+
+def engine_report(engine: ServingEngine | Embedder) -> dict[str, Any]:
+    """What a head needs of a worker's engine to check and route requests to it, and to show it."""
+    if isinstance(engine, Embedder):
+        return {"maxContext": engine.max_context, "vocabSize": engine.vocab_size, "dimensions": engine.dimensions,
+                "pooling": asdict(engine.pooling)}
+    return {"maxContext": engine.max_context, "vocabSize": engine.vocab_size, "drafter": engine.drafter,
+            "speculation": asdict(engine.speculation), "speculationStatus": engine.speculation_status(),
+            "prefixCache": engine.prefix_cache_status(), "kvCache": engine.kv_cache_status()}
+
+
+def request_to_json(request: GenerationRequest) -> dict[str, Any]:
+    return asdict(request)
+
+
+def request_from_json(body: dict[str, Any]) -> GenerationRequest:
+    """The request a head sent (TypeError or ValueError if it is not one)."""
+    params = dict(body["params"])
+    params["logit_bias"] = tuple((int(t), float(b)) for t, b in params["logit_bias"])
+    speculation = body.get("speculation")
+    return GenerationRequest(
+        str(body["request_id"]), [int(t) for t in body["prompt_tokens"]], SamplingParams(**params),
+        int(body["max_tokens"]), tuple(str(s) for s in body["stop"]),
+        None if speculation is None else SpeculationConfig(**{**speculation, "method": Method(speculation["method"])}),
+        body.get("grammar"))
+
+
+def output_to_json(out: StepOutput) -> dict[str, Any]:
+    return asdict(out)
+
+
+def output_from_json(body: dict[str, Any]) -> StepOutput:
+    logprobs = body.get("logprobs")
+    spec = body.get("spec")
+    return replace(StepOutput(**body), logprobs=None if logprobs is None else [
+        TokenLogprob(p["token"], p["logprob"], tuple(tuple(t) for t in p["top"])) for p in logprobs],
+        spec=None if spec is None else SpecStats(**{**spec, "method": Method(spec["method"])}))
+
+
+class _Remote:
+    """What a head's client of one worker's replica keeps: the Node, its connection, what is in flight."""
+
+    failure: str | None = None  # a replica that cannot serve is left out by the Node's heartbeats instead
+    fault: str | None = None
+    faults = 0
+
+    def __init__(self, name: str, node: str, address: str, token: str, tokenizer, engine: dict[str, Any],
+                 lost: Callable[[], str | None]):
+        self.name, self.node, self.address, self.tokenizer = name, node, address.rstrip("/"), tokenizer
+        self.update(engine)
+        self._lost = lost  # why the Node cannot serve now (NotReady), or None
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._in_flight = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    def update(self, engine: dict[str, Any]) -> None:
+        """The worker's latest report of its engine (``engine_report``)."""
+        self.max_context: int = engine["maxContext"]
+        self.vocab_size: int = engine["vocabSize"]
+        self.reported = engine
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def start(self) -> None:
+        """Nothing to start: the worker's engine runs already."""
+
+    def _post(self, path: str, body: Any):
+        if self._session is None:  # made on the event loop that serves the requests
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                                  headers=self._headers, read_bufsize=2**20)
+        return self._session.post(self.address + path.format(self.name), json=body)
+
+    async def _answer(self, reading: Awaitable[T]) -> T:
+        """What the worker sends next, unless its Node goes NotReady first (ConnectionResetError)."""
+        waiting = asyncio.ensure_future(reading)
+        try:
+            while not (await asyncio.wait({waiting}, timeout=WATCH_SECONDS))[0]:
+                if (why := self._lost()) is not None:
+                    raise ConnectionResetError(f"Node {self.node} is {why}")
+            return waiting.result()
+        finally:
+            waiting.cancel()
+
+    async def shutdown(self, grace: float = 30.0) -> None:
+        """Let requests in flight finish within ``grace``; the worker's engine keeps running."""
+        deadline = asyncio.get_running_loop().time() + grace
+        while self._in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._session is not None:
+            await self._session.close()
+
+    def group_status(self) -> dict | None:
+        return None
+
+    def exported_metrics(self) -> str | None:
+        """The worker's series are on its own ``/metrics``."""
+        return None
+
+
+class RemoteEngine(_Remote):
+    """A generation Model's replica on a worker Node, as a ``ServingEngine``."""
+
+    def update(self, engine: dict[str, Any]) -> None:
+        super().update(engine)
+        self.drafter: Method | None = Method(engine["drafter"]) if engine.get("drafter") else None
+        spec = engine["speculation"]
+        self.speculation = SpeculationConfig(**{**spec, "method": Method(spec["method"])})
+
+    def check_prompt(self, request: GenerationRequest) -> None:
+        check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        self._in_flight += 1
+        try:
+            async with self._post(GENERATE, request_to_json(request)) as response:
+                if response.status != 200:
+                    raise _refusal(response.status, await response.text(), self.node)
+                while True:
+                    line = await self._answer(response.content.readline())
+                    if not line:
+                        raise ConnectionResetError("the worker ended the stream early")
+                    out = output_from_json(json.loads(line))
+                    yield out
+                    if out.finish_reason is not None or out.error is not None:
+                        return
+        except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            yield StepOutput("", [], None, error=f"the replica's Node {self.node} failed: {exc}")
+        finally:
+            self._in_flight -= 1
+
+    def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
+        """The worker's own control plane applies policies to its engine."""
+
+    def speculation_status(self) -> dict:
+        return self.reported.get("speculationStatus", {"default": self.speculation.method})
+
+    def prefix_cache_status(self) -> dict:
+        return self.reported.get("prefixCache", {})
+
+    def kv_cache_status(self) -> dict:
+        return self.reported.get("kvCache", {})
+
+
+class RemoteEmbedder(_Remote):
+    """An embedding Model's replica on a worker Node, as the embeddings route sees an ``Embedder``."""
+
+    def update(self, engine: dict[str, Any]) -> None:
+        super().update(engine)
+        self.dimensions: int = engine["dimensions"]
+        self.pooling = Pooling(**engine["pooling"])
+
+    def check_rows(self, rows: list[list[int]]) -> None:
+        check_rows(rows, self.name, self.max_context, self.vocab_size)
+
+    async def embed(self, rows: list[list[int]]) -> np.ndarray:
+        self.check_rows(rows)
+        self._in_flight += 1
+        try:
+            async with self._post(EMBED, {"rows": rows}) as response:
+                if response.status != 200:
+                    raise _refusal(response.status, await response.text(), self.node)
+                return np.asarray((await self._answer(response.json()))["vectors"], dtype=np.float32)
+        except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            raise EmbeddingFailed(f"the replica's Node {self.node} failed: {exc}") from None
+        finally:
+            self._in_flight -= 1
+
+
+def _refusal(status: int, text: str, node: str) -> Exception:
+    """What a worker's refusal means to the route: its own reason, as the local engine would raise it."""
+    try:
+        body = json.loads(text)
+        message, field = body.get("message", text), (body.get("details") or {}).get("causes", [{}])[0].get("field")
+    except (ValueError, AttributeError, IndexError):
+        message, field = text, None
+    if status == 400:
+        return RequestRejected(message, field or "prompt")
+    if status == 429:
+        return EngineOverloaded(message)
+    return EngineUnavailable(f"the replica on Node {node} cannot serve: {message}")

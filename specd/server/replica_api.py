@@ -1,0 +1,110 @@
+"""What a cluster head asks of a worker's engine: run one tokenized request, stream its outputs.
+
+These are subresources of the admin API's Models (as ``pods/exec`` is Kubernetes'), so the
+admin guard admits only the cluster token on a worker, and loopback clients on a daemon
+without an admin token:
+- ``models/{name}/engine``: what the head checks requests against (``engine_report``), once
+  the Model is loaded (a replica at zero loads);
+- ``models/{name}/generate``: the body is a ``GenerationRequest``, the answer one JSON
+  ``StepOutput`` per line; a head that closes the connection cancels the request;
+- ``models/{name}/embed``: token rows in, their vectors out.
+``engine/remote.py`` is the other end.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from ..control.registry import ModelNotFound, ModelNotReady, WrongTask
+from ..engine.engine import EngineOverloaded, EngineUnavailable
+from ..engine.embedder import Embedder
+from ..engine.interface import ServingEngine
+from ..engine.embedder import EmbeddingFailed
+from ..engine.remote import EMBED, ENGINE, GENERATE, engine_report, output_to_json, request_from_json
+from ..engine.scheduler import RequestRejected
+from .admin import StatusError
+from .bodies import BodyError, json_body
+from .keys import REGISTRY
+
+routes = web.RouteTableDef()
+
+
+async def _engine(request: web.Request, task: str | None = None) -> ServingEngine | Embedder:
+    """The Model's engine for ``task`` (None: its own) on this daemon, once loaded (a replica
+    at zero starts loading)."""
+    name = request.match_info["name"]
+    registry = request.app[REGISTRY]
+    served = registry.models.get(name)
+    task = task or (served.spec.task if served is not None else "generate")
+    try:
+        return await (registry.embedder(name) if task == "embed" else registry.engine(name))
+    except ModelNotFound:
+        raise StatusError(404, "NotFound", f'models "{name}" not found') from None
+    except ModelNotReady as err:
+        raise StatusError(503, "ServiceUnavailable", str(err)) from None
+    except WrongTask as err:
+        raise StatusError(400, "BadRequest", str(err), "model") from None
+
+
+@routes.get(ENGINE.format("{name}"))
+async def engine(request: web.Request) -> web.Response:
+    return web.json_response(engine_report(await _engine(request)))
+
+
+@routes.post(GENERATE.format("{name}"))
+async def generate(request: web.Request) -> web.StreamResponse:
+    try:
+        asked = request_from_json(await json_body(request))
+    except BodyError as err:
+        raise StatusError(err.status, "BadRequest", err.message) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise StatusError(400, "BadRequest", f"not a generation request: {type(err).__name__}: {err}") from None
+    engine = await _engine(request, "generate")
+    try:
+        engine.check_prompt(asked)
+    except RequestRejected as err:
+        raise StatusError(400, "BadRequest", str(err), err.field) from None
+    outputs = engine.generate(asked)
+    try:
+        out = await anext(outputs)
+    except EngineOverloaded as err:
+        raise StatusError(429, "TooManyRequests", str(err)) from None
+    except EngineUnavailable as err:
+        raise StatusError(503, "ServiceUnavailable", str(err)) from None
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    try:
+        while True:
+            await response.write(json.dumps(output_to_json(out)).encode() + b"\n")
+            if out.finish_reason is not None or out.error is not None:
+                break
+            out = await anext(outputs)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the head left: closing the outputs cancels the request
+    finally:
+        await outputs.aclose()
+    return response
+
+
+@routes.post(EMBED.format("{name}"))
+async def embed(request: web.Request) -> web.Response:
+    try:
+        body = await json_body(request)
+        rows = [[int(t) for t in row] for row in body["rows"]]
+    except BodyError as err:
+        raise StatusError(err.status, "BadRequest", err.message) from None
+    except (KeyError, TypeError, ValueError) as err:
+        raise StatusError(400, "BadRequest", f"not an embedding request: {type(err).__name__}: {err}") from None
+    embedder = await _engine(request, "embed")
+    try:
+        vectors = await embedder.embed(rows)
+    except RequestRejected as err:
+        raise StatusError(400, "BadRequest", str(err), err.field) from None
+    except EngineOverloaded as err:
+        raise StatusError(429, "TooManyRequests", str(err)) from None
+    except (EngineUnavailable, EmbeddingFailed) as err:
+        raise StatusError(503, "ServiceUnavailable", str(err)) from None
+    return web.json_response({"vectors": vectors.tolist()})
