@@ -3,7 +3,7 @@
 
 Every Node is a worker daemon pinned to its own core (``taskset``), so two
 Nodes really have twice the compute; the head (no room of its own,
-``--memory-limit 1Mi``: it only places and relays) shares the last core.
+``--memory-limit 1Mi``: it only places, tokenizes and routes) shares the last core.
 The Model is the demo target, in one run:
 
 1. **Throughput** at 8 concurrent greedy completions: 2 replicas on 2 Nodes

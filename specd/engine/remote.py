@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict, replace
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from dataclasses import asdict
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import numpy as np
@@ -34,7 +35,6 @@ from .scheduler import RequestRejected, check_request
 GENERATE = "/apis/specd.dev/v1alpha1/models/{}/generate"
 EMBED = "/apis/specd.dev/v1alpha1/models/{}/embed"
 ENGINE = "/apis/specd.dev/v1alpha1/models/{}/engine"  # a worker's engine_report, once it is loaded
-T = TypeVar("T")
 WATCH_SECONDS = 2.0  # how often a waiting stream asks whether its Node is still Ready
 
 
@@ -69,9 +69,9 @@ def output_to_json(out: StepOutput) -> dict[str, Any]:
 
 
 def output_from_json(body: dict[str, Any]) -> StepOutput:
-    logprobs = body.get("logprobs")
-    spec = body.get("spec")
-    return replace(StepOutput(**body), logprobs=None if logprobs is None else [
+    """An output as the worker sent it (``body`` is consumed)."""
+    logprobs, spec = body.pop("logprobs"), body.pop("spec")
+    return StepOutput(**body, logprobs=None if logprobs is None else [
         TokenLogprob(p["token"], p["logprob"], tuple(tuple(t) for t in p["top"])) for p in logprobs],
         spec=None if spec is None else SpecStats(**{**spec, "method": Method(spec["method"])}))
 
@@ -91,6 +91,9 @@ class _Remote:
         self._headers = {"Authorization": f"Bearer {token}"}
         self._in_flight = 0
         self._session: aiohttp.ClientSession | None = None
+        self._open: dict[aiohttp.ClientResponse, None] = {}  # answers being read
+        self._cut: dict[aiohttp.ClientResponse, str] = {}  # answers the watcher closed, and why
+        self._watcher: asyncio.Task | None = None
 
     def update(self, engine: dict[str, Any]) -> None:
         """The worker's latest report of its engine (``engine_report``)."""
@@ -105,22 +108,46 @@ class _Remote:
     def start(self) -> None:
         """Nothing to start: the worker's engine runs already."""
 
-    def _post(self, path: str, body: Any):
+    @asynccontextmanager
+    async def _post(self, path: str, body: Any) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The worker's answer, refused (``_refusal``) unless it is a 200; watched while it is
+        read: a Node gone NotReady has its answers cut, and reading one raises ConnectionResetError
+        naming the Node."""
         if self._session is None:  # made on the event loop that serves the requests
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                                   headers=self._headers, read_bufsize=2**20)
-        return self._session.post(self.address + path.format(self.name), json=body)
-
-    async def _answer(self, reading: Awaitable[T]) -> T:
-        """What the worker sends next, unless its Node goes NotReady first (ConnectionResetError)."""
-        waiting = asyncio.ensure_future(reading)
+        self._in_flight += 1
         try:
-            while not (await asyncio.wait({waiting}, timeout=WATCH_SECONDS))[0]:
-                if (why := self._lost()) is not None:
-                    raise ConnectionResetError(f"Node {self.node} is {why}")
-            return waiting.result()
+            async with self._session.post(self.address + path.format(self.name), json=body) as response:
+                if response.status != 200:
+                    raise _refusal(response.status, await response.text(), self.node)
+                self._open[response] = None
+                if self._watcher is None or self._watcher.done():
+                    self._watcher = asyncio.ensure_future(self._watch())
+                try:
+                    yield response
+                except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+                    if response in self._cut:
+                        raise ConnectionResetError(self._cut[response]) from exc
+                    raise
+                finally:
+                    self._open.pop(response, None)
+                    self._cut.pop(response, None)
         finally:
-            waiting.cancel()
+            self._in_flight -= 1
+
+    async def _watch(self) -> None:
+        """While answers are open: one look at the Node's health every ``WATCH_SECONDS`` (a Mac that
+        hangs or is cut off keeps its connections open), rather than one per read."""
+        while self._open:
+            await asyncio.sleep(WATCH_SECONDS)
+            if (why := self._lost()) is not None:
+                for response in list(self._open):
+                    self._cut[response] = f"Node {self.node} is {why}"
+                    response.close()
+
+    def _failed(self, exc: BaseException) -> str:
+        return f"the replica's Node {self.node} failed: {exc}"
 
     async def shutdown(self, grace: float = 30.0) -> None:
         """Let requests in flight finish within ``grace``; the worker's engine keeps running."""
@@ -151,23 +178,19 @@ class RemoteEngine(_Remote):
         check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
-        self._in_flight += 1
         try:
             async with self._post(GENERATE, request_to_json(request)) as response:
-                if response.status != 200:
-                    raise _refusal(response.status, await response.text(), self.node)
-                while True:
-                    line = await self._answer(response.content.readline())
-                    if not line:
-                        raise ConnectionResetError("the worker ended the stream early")
-                    out = output_from_json(json.loads(line))
-                    yield out
-                    if out.finish_reason is not None or out.error is not None:
-                        return
+                pending = b""
+                while chunk := await response.content.readany():
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        out = output_from_json(json.loads(line))
+                        yield out
+                        if out.finish_reason is not None or out.error is not None:
+                            return
+                raise ConnectionResetError("the worker ended the stream early")
         except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
-            yield StepOutput("", [], None, error=f"the replica's Node {self.node} failed: {exc}")
-        finally:
-            self._in_flight -= 1
+            yield StepOutput("", [], None, error=self._failed(exc))
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """The worker's own control plane applies policies to its engine."""
@@ -195,16 +218,11 @@ class RemoteEmbedder(_Remote):
 
     async def embed(self, rows: list[list[int]]) -> np.ndarray:
         self.check_rows(rows)
-        self._in_flight += 1
         try:
             async with self._post(EMBED, {"rows": rows}) as response:
-                if response.status != 200:
-                    raise _refusal(response.status, await response.text(), self.node)
-                return np.asarray((await self._answer(response.json()))["vectors"], dtype=np.float32)
+                return np.asarray((await response.json())["vectors"], dtype=np.float32)
         except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
-            raise EmbeddingFailed(f"the replica's Node {self.node} failed: {exc}") from None
-        finally:
-            self._in_flight -= 1
+            raise EmbeddingFailed(self._failed(exc)) from None
 
 
 def _refusal(status: int, text: str, node: str) -> Exception:
