@@ -429,7 +429,7 @@ REQUESTS = st.builds(
                                                           max_size=3).map(tuple)),
     st.integers(1, 10**6), st.lists(TEXT, max_size=3).map(tuple),
     st.none() | st.builds(SpeculationConfig, st.sampled_from(list(Method)), st.integers(0, 16)),
-    st.none() | TEXT)
+    st.none() | TEXT, st.booleans())
 LOGPROBS = st.builds(TokenLogprob, st.integers(0, 2**31 - 1), FLOAT,
                      st.lists(st.tuples(st.integers(0, 2**31 - 1), FLOAT), max_size=3).map(tuple))
 OUTPUTS = st.builds(StepOutput, st.text(st.characters(exclude_categories=()), max_size=20), st.lists(st.integers(0, 2**31 - 1), max_size=4),

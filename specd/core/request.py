@@ -51,6 +51,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     speculation: SpeculationConfig | None = None  # None: the model's default
     grammar: str | None = None  # an llguidance grammar the output must match (core/grammar.py)
+    stream: bool = True  # False: the client reads only the whole answer (a replica on another Node sends one piece)
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,16 @@ class StepOutput:
     stop_sequence: str | None = None  # the stop string that ended the request
     error: str | None = None
     spec: SpecStats | None = None  # set on the final output of a speculating request
+
+
+def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
+    """Consecutive outputs of one request as one: their text, tokens and logprobs in order, and
+    the last one's ending, counts and speculation report."""
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    logprobs = [p for out in outputs for p in out.logprobs or ()]
+    return StepOutput("".join(out.text for out in outputs), [t for out in outputs for t in out.tokens],
+                      logprobs if any(out.logprobs is not None for out in outputs) else None, last.finish_reason,
+                      last.prompt_tokens, last.completion_tokens, last.cached_tokens, last.stop_sequence,
+                      last.error, last.spec)

@@ -61,7 +61,7 @@ def request_from_json(body: dict[str, Any]) -> GenerationRequest:
         str(body["request_id"]), [int(t) for t in body["prompt_tokens"]], SamplingParams(**params),
         int(body["max_tokens"]), tuple(str(s) for s in body["stop"]),
         None if speculation is None else SpeculationConfig(**{**speculation, "method": Method(speculation["method"])}),
-        body.get("grammar"))
+        body.get("grammar"), bool(body.get("stream", True)))
 
 
 def output_to_json(out: StepOutput) -> dict[str, Any]:

@@ -207,7 +207,7 @@ class EngineRun:
         self.requests = [GenerationRequest(request_id if parsed.n == 1 else f"{request_id}-{i}", prompt,
                                            parsed.params if seed is None else replace(parsed.params,
                                                                                       seed=(seed + i) % 2**63),
-                                           max_tokens, parsed.stop, speculation, grammar)
+                                           max_tokens, parsed.stop, speculation, grammar, parsed.stream)
                          for i in range(parsed.n)]
         try:
             engine.check_prompt(self.requests[0])

@@ -18,10 +18,10 @@ import json
 from aiohttp import web
 
 from ..control.registry import ModelNotFound, ModelNotReady, WrongTask
+from ..core.request import merge_outputs
+from ..engine.embedder import Embedder, EmbeddingFailed
 from ..engine.engine import EngineOverloaded, EngineUnavailable
-from ..engine.embedder import Embedder
 from ..engine.interface import ServingEngine
-from ..engine.embedder import EmbeddingFailed
 from ..engine.remote import EMBED, ENGINE, GENERATE, engine_report, output_to_json, request_from_json
 from ..engine.scheduler import RequestRejected
 from .admin import StatusError
@@ -76,9 +76,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:
+        held = []  # a request the client reads whole is sent in one piece, not one line a step
         while True:
-            await response.write(json.dumps(output_to_json(out)).encode() + b"\n")
-            if out.finish_reason is not None or out.error is not None:
+            held.append(out)
+            finished = out.finish_reason is not None or out.error is not None
+            if asked.stream or finished:
+                await response.write(json.dumps(output_to_json(merge_outputs(held))).encode() + b"\n")
+                held = []
+            if finished:
                 break
             out = await anext(outputs)
         await response.write_eof()
