@@ -62,7 +62,9 @@ def side_slice(side: Side, start: int, end: int) -> Side:
 
 
 def side_concat(sides: list[Side]) -> Side:
-    """Columns of several pieces, in order."""
+    """Columns of several pieces, in order (one piece as it is: no copy)."""
+    if len(sides) == 1:
+        return sides[0]
     return _like(sides[0], [mx.concatenate(group, axis=2) for group in zip(*map(parts, sides))])
 
 
