@@ -11,7 +11,7 @@ mlx-lm's attention modules write through ``cache.update_and_fetch`` and then
 call ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` with the
 same cache.  ``route_attention`` points a model's modules at ``attention``
 here instead, which hands a ``RowKV`` layer's queries to ``RowKV.attend``:
-each row's queries over its own keys, one exact SDPA per row (no gather into
+each row's queries over its own keys, exactly, row by row (no gather into
 a padded batch, which would need the longest row's memory for every row
 again, in every layer).  Every other cache goes to mlx-lm's own function
 unchanged.  A model whose attention does not come through here, or that
