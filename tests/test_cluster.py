@@ -245,8 +245,23 @@ def test_every_api_reaches_a_replica_on_another_node_as_that_node_answers(forged
     assert second.usage.input_tokens > first.usage.input_tokens  # the first turn's input and output came along
 
     inputs = ["def f(x): return x", "class Stack:"]
-    vectors = [[d.embedding for d in c.embeddings.create(model="e", input=inputs).data] for c in (via_head, direct)]
+    embeds_there = OpenAI(base_url=workers[get(h, "model", "e")["status"]["replicas"][0]["node"]].url + "/v1",
+                          api_key="unused", max_retries=0, timeout=120)
+    vectors = [[d.embedding for d in c.embeddings.create(model="e", input=inputs).data]
+               for c in (via_head, embeds_there)]
     assert vectors[0] == vectors[1] and len(vectors[0][0]) > 0
+
+    # the Model's DraftPairing goes with it to the worker, whose replica then speculates
+    (tmp_path / "p.yaml").write_text("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: m-ngram}\n"
+                                     "spec: {targetRef: m, method: ngram, numSpeculativeTokens: 3}\n")
+    specd(h, "apply", "-f", str(tmp_path / "p.yaml"))
+
+    def speculation() -> dict | None:
+        reply = via_head.completions.create(model="m", prompt=code_sample("speculation")[:400], max_tokens=24,
+                                            temperature=0)
+        return getattr(reply.usage, "speculation", None)
+    spec = wait_for(speculation, 60, "the worker's replica speculating with the head's pairing")
+    assert spec["method"] == "ngram" and spec["source"] == "model", spec
 
     refusals = []
     for client in (direct, via_head):  # the head checks against the worker's window (under its KV budget)

@@ -45,7 +45,7 @@ class ReplicaSet:
         self.cluster, self.router, self.metrics = cluster, router, metrics
         self._local = local  # the head's own replica's engine, while it is loaded
         self.nodes: list[str] = []  # where the Model's replicas are placed (the Model reconciler keeps it)
-        self.loaded_tokenizer = None  # the Model's tokenizer, loaded here when this node runs no replica
+        self.loaded_tokenizer = None  # the Model's tokenizer, loaded on this node
         self.tokenizer_source: tuple[str, str | None] | None = None  # what it is (being) loaded from
         self.failure: str | None = None
         self.fault: str | None = None
@@ -145,7 +145,9 @@ class ReplicaSet:
     @property
     def tokenizer(self):
         local = self._local()
-        return local.tokenizer if local is not None else self.loaded_tokenizer
+        if self.loaded_tokenizer is not None or local is None:
+            return self.loaded_tokenizer
+        return local.tokenizer
 
     @property
     def max_context(self) -> int:

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import numpy as np
 
-from ..core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from ..core.embedding import Pooling
+from ..core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from ..core.sampling import SamplingParams
 from ..speculation.config import PolicySettings
 from .embedder import Embedder, EmbeddingFailed, check_rows
@@ -35,7 +35,7 @@ from .scheduler import RequestRejected, check_request
 GENERATE = "/apis/specd.dev/v1alpha1/models/{}/generate"
 EMBED = "/apis/specd.dev/v1alpha1/models/{}/embed"
 ENGINE = "/apis/specd.dev/v1alpha1/models/{}/engine"  # a worker's engine_report, once it is loaded
-WATCH_SECONDS = 2.0  # how often a waiting stream asks whether its Node is still Ready
+WATCH_SECONDS = 2.0  # how often a replica with answers open looks at its Node's health
 
 
 def engine_report(engine: ServingEngine | Embedder) -> dict[str, Any]:

@@ -200,7 +200,8 @@ class ModelReconciler:
         self._serve_replicas(served, spec, nodes)
         for node in nodes:
             if node != self.node.name:
-                self.remote.ensure(members[node], served.name, obj.spec, obj.generation)
+                self.remote.ensure(members[node], served.name, obj.spec, obj.generation,
+                                   self.store.find("DraftPairing", pairing.name) if pairing else None)
         here = self.node.name in nodes
         served.elsewhere = bool(nodes) and not here
         if not here and served.engine is not None:
@@ -211,14 +212,14 @@ class ModelReconciler:
 
     def _serve_replicas(self, served: ServedModel, spec: ModelSpec, nodes: list[str]) -> None:
         """On a head: the Model's requests go to its replicas through a ``ReplicaSet``, which
-        tokenizes with the head's own engine's tokenizer, or the Model's loaded here."""
+        tokenizes with the Model's tokenizer, loaded here (or its own engine's, meanwhile)."""
         replicas = served.replica_set
         if replicas is None:
             replicas = served.replica_set = ReplicaSet(served.name, spec.task, self.node.name, self.cluster,
                                                        self.router, self.metrics, lambda: served.engine)
         replicas.nodes = nodes
         source = (spec.source, spec.revision)
-        if self.node.name not in nodes and replicas.tokenizer_source != source:
+        if replicas.tokenizer_source != source:
             replicas.tokenizer_source = source
             self._spawn(self._load_tokenizer(replicas, *source), served.name)
 
