@@ -91,7 +91,8 @@ class ReplicaSet:
         key = (member.address, member.instance)
         held = self._remote.get(member.name)
         if held is not None and held[0] == key:
-            held[1].update(engine)
+            if held[1].reported is not engine:  # a newer heartbeat's report (``ready`` runs many times a request)
+                held[1].update(engine)
             return held[1]
         if held is not None:
             asyncio.ensure_future(held[1].shutdown(0))  # its daemon is gone: so are its streams
