@@ -263,6 +263,19 @@ def test_every_api_reaches_a_replica_on_another_node_as_that_node_answers(forged
     spec = wait_for(speculation, 60, "the worker's replica speculating with the head's pairing")
     assert spec["method"] == "ngram" and spec["source"] == "model", spec
 
+    # so does the SpecPolicy that selects it: off, the replica decodes plainly; deleted, it speculates again
+    (tmp_path / "plain.yaml").write_text("apiVersion: specd.dev/v1alpha1\nkind: SpecPolicy\nmetadata: {name: plain}\n"
+                                       "spec: {selector: {matchLabels: {}}, enabled: false}\n")
+    specd(h, "apply", "-f", str(tmp_path / "plain.yaml"))
+    wait_for(lambda: get(h, "specpolicy", "plain")["status"].get("appliedModels") == ["m"], 30,
+             "the head's policy running on the worker's replica")
+    assert get(h, "model", "m")["status"]["replicas"][0]["specPolicy"] == "plain"
+    spec = speculation()
+    assert spec["draft_tokens"] == 0 and spec["plain_steps"] > 0, spec
+    specd(h, "delete", "specpolicy", "plain")
+    wait_for(lambda: (speculation() or {}).get("draft_tokens"), 30, "the worker's replica speculating again")
+    assert "specPolicy" not in get(h, "model", "m")["status"]["replicas"][0]
+
     refusals = []
     for client in (direct, via_head):  # the head checks against the worker's window (under its KV budget)
         with pytest.raises(openai.BadRequestError) as refused:

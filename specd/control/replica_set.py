@@ -86,6 +86,11 @@ class ReplicaSet:
             return self._remote[node][1].reported  # its heartbeat has not said so yet
         return None
 
+    def policies(self) -> dict[str, str | None]:
+        """The SpecPolicy each ready replica on another Node reports it runs, by Node."""
+        return {n: (self.cluster.members[n].model(self.name) or {}).get("specPolicy")
+                for n in self.nodes if n != self.here and self._reported(n) is not None}
+
     def _remote_engine(self, member: Member, engine: dict[str, Any]) -> RemoteEngine | RemoteEmbedder:
         """The replica on ``member`` (a new one for a restarted daemon), updated with its report."""
         key = (member.address, member.instance)

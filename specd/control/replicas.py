@@ -1,7 +1,11 @@
 """A head's replicas on its worker Nodes: it applies each placed Model, with the DraftPairing
-the head chose for it, to the worker's own control plane (its admin API, with the cluster
-token), and deletes what a worker runs that is placed elsewhere. The worker's reconcilers load
-and serve it, speculating as the head would."""
+and the SpecPolicy the head chose for it, to the worker's own control plane (its admin API,
+with the cluster token), and deletes what a worker runs that is placed elsewhere. The worker's
+reconcilers load and serve it, speculating as the head would.
+
+A worker holds only what its head applied, so it picks the same policy for the Model: the head
+sends the Model's labels, and any policy the worker holds that would come first (by name) and
+select them is one the head holds too, and would have picked."""
 
 from __future__ import annotations
 
@@ -19,46 +23,68 @@ log = structlog.get_logger(__name__)
 ADMIN = "/apis/specd.dev/v1alpha1"
 
 
+def _chosen(obj: StoredObject | None) -> tuple[str, int] | None:
+    return None if obj is None else (obj.name, obj.generation)
+
+
+def _manifest(kind: str, obj: StoredObject, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": kind, "metadata": {"name": obj.name, "labels": obj.labels},
+            "spec": spec}
+
+
 class RemoteReplicas:
     def __init__(self, token: str, spawn: Callable):
         self._headers = {"Authorization": f"Bearer {token}"}
         self._spawn = spawn  # runs a call; its end looks at the Model again
-        # (model, node) -> (generation, node instance, (pairing, its generation) or None)
+        # (model, node) -> (generation, node instance, (pairing, its generation) or None, (policy, ..) or None)
         self._applied: dict[tuple[str, str], tuple] = {}
         self._busy: set[tuple[str, str]] = set()
+        self._policies: dict[tuple[str, str], str] = {}  # (model, node) -> the policy chosen for it now
 
-    def ensure(self, member: Member, model: str, spec: dict[str, Any], generation: int,
-               pairing: StoredObject | None) -> None:
-        """The worker runs this generation of the Model with this pairing (applied once per
-        generation, pairing and worker instance; a pairing no longer chosen is deleted there)."""
-        key = (model, member.name)
-        chosen = None if pairing is None else (pairing.name, pairing.generation)
-        version = (generation, member.instance, chosen)
+    def ensure(self, member: Member, model: StoredObject, pairing: StoredObject | None,
+               policy: StoredObject | None) -> None:
+        """The worker runs this generation of the Model with this pairing and policy (applied once
+        per generation, pairing, policy and worker instance; one no longer chosen is deleted there)."""
+        key = (model.name, member.name)
+        if policy is None:
+            self._policies.pop(key, None)
+        else:
+            self._policies[key] = policy.name
+        version = (model.generation, member.instance, _chosen(pairing), _chosen(policy))
         if self._applied.get(key) == version or key in self._busy:
             return
-        spec = {k: v for k, v in spec.items() if k != "replicas"}  # one replica on that Node
-        items = [{"apiVersion": API_VERSION, "kind": "Model", "metadata": {"name": model}, "spec": spec}]
-        if pairing is not None:
-            items.append({"apiVersion": API_VERSION, "kind": "DraftPairing", "metadata": {"name": pairing.name},
-                          "spec": pairing.spec})
-        before = self._applied.get(key)
-        stale = before[2][0] if before and before[2] and before[1] == member.instance and (
-            pairing is None or before[2][0] != pairing.name) else None
+        spec = {k: v for k, v in model.spec.items() if k != "replicas"}  # one replica on that Node
+        items = [_manifest("Model", model, spec)]
+        items += [_manifest(kind, obj, obj.spec) for kind, obj in (("DraftPairing", pairing), ("SpecPolicy", policy))
+                  if obj is not None]
         calls = [("POST", f"{member.address}{ADMIN}/apply", {"items": items})]
-        if stale is not None:
-            calls.append(("DELETE", f"{member.address}{ADMIN}/draftpairings/{stale}", None))
-        self._spawn(self._call(key, calls, version), model)
+        calls += self._deletes(key, member, {"DraftPairing": version[2], "SpecPolicy": version[3]})
+        self._spawn(self._call(key, calls, version), model.name)
 
     def remove(self, member: Member, model: str) -> None:
-        """The worker no longer runs the Model, nor the pairing applied with it."""
+        """The worker no longer runs the Model, nor the pairing and policy applied with it."""
         key = (model, member.name)
+        self._policies.pop(key, None)
         if key in self._busy:
             return
         calls = [("DELETE", f"{member.address}{ADMIN}/models/{model}", None)]
-        applied = self._applied.get(key)
-        if applied and applied[2]:
-            calls.append(("DELETE", f"{member.address}{ADMIN}/draftpairings/{applied[2][0]}", None))
+        calls += self._deletes(key, member, {"DraftPairing": None, "SpecPolicy": None})
         self._spawn(self._call(key, calls, None), model)
+
+    def _deletes(self, key: tuple[str, str], member: Member,
+                 now: dict[str, tuple[str, int] | None]) -> list[tuple[str, str, None]]:
+        """Deleting what was applied with the Model on this worker instance and is no longer
+        chosen: its pairing, and its policy unless it is chosen for another Model there."""
+        before = self._applied.get(key)
+        if before is None or before[1] != member.instance:
+            return []
+        out = []
+        others = {p for k, p in self._policies.items() if k[1] == member.name and k != key}
+        for kind, path, was, held in (("DraftPairing", "draftpairings", before[2], set()),
+                                      ("SpecPolicy", "specpolicies", before[3], others)):
+            if was is not None and (now[kind] is None or now[kind][0] != was[0]) and was[0] not in held:
+                out.append(("DELETE", f"{member.address}{ADMIN}/{path}/{was[0]}", None))
+        return out
 
     async def _call(self, key: tuple[str, str], calls: list[tuple[str, str, Any]], version: tuple | None) -> None:
         self._busy.add(key)

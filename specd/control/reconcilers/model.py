@@ -164,6 +164,7 @@ class ModelReconciler:
         """What a worker tells its head in each heartbeat: its memory and the Models it serves."""
         served = {m.name: {"phase": m.phase.value, "ready": m.engine is not None, "generation": m.generation,
                            "inFlight": m.engine.in_flight if m.engine is not None else 0,
+                           "specPolicy": m.policy.name if m.policy is not None else None,
                            **({"engine": engine_report(m.engine)} if m.engine is not None else {})}
                   for m in self.registry.models.values()}
         status = self.node.status(self.holdings(), self.in_use())
@@ -198,10 +199,12 @@ class ModelReconciler:
                                         f"{'NotReady' if gone in members and not members[gone].ready else 'gone'}")
         served.replica_nodes, served.replicas_short = nodes, short
         self._serve_replicas(served, spec, nodes)
+        policy = policy_for(stored_policies(self.store), obj.labels) if spec.task == "generate" else None
+        pairing_obj = self.store.find("DraftPairing", pairing.name) if pairing else None
+        policy_obj = self.store.find("SpecPolicy", policy.name) if policy else None
         for node in nodes:
             if node != self.node.name:
-                self.remote.ensure(members[node], served.name, obj.spec, obj.generation,
-                                   self.store.find("DraftPairing", pairing.name) if pairing else None)
+                self.remote.ensure(members[node], obj, pairing_obj, policy_obj)
         here = self.node.name in nodes
         served.elsewhere = bool(nodes) and not here
         if not here and served.engine is not None:
@@ -670,7 +673,10 @@ class ModelReconciler:
                 obj.generation, obj.status))
         if self.cluster is not None and served.spec.topology_ref is None:
             routable = set(served.replica_set.ready_nodes()) if served.replica_set is not None else set()
-            status["replicas"] = [{"node": n, "ready": n in routable} for n in served.replica_nodes]
+            policies = served.replica_set.policies() if served.replica_set is not None else {}
+            status["replicas"] = [{"node": n, "ready": n in routable,
+                                   **({"specPolicy": policies[n]} if policies.get(n) else {})}
+                                  for n in served.replica_nodes]
             status["readyReplicas"] = len(routable)
             if served.replicas_short:
                 status["conditions"].append(condition("Scheduled", False, "Unschedulable", served.replicas_short,

@@ -24,7 +24,8 @@ KIND = "Node"
 def _reported(member: Member) -> tuple:
     """What the head places and routes by: the Node's health, its daemon and its replicas' readiness."""
     served = member.status.get("served", {})
-    return member.ready, member.instance, tuple(sorted((m, bool(s.get("ready"))) for m, s in served.items()))
+    return member.ready, member.instance, tuple(sorted((m, bool(s.get("ready")), s.get("specPolicy") or "")
+                                                  for m, s in served.items()))
 
 
 class NodeReconciler:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...api.manifest import SPEC_PARSERS
 from ..conditions import condition
 from ..manager import Result
-from ..registry import ModelRegistry, Policy
+from ..registry import ModelRegistry, Policy, ServedModel
 from ..store import Store
 
 KIND = "SpecPolicy"
@@ -22,6 +22,14 @@ def stored_policies(store: Store) -> list[Policy]:
 
 def policy_for(policies: list[Policy], labels: dict[str, str]) -> Policy | None:
     return next((p for p in policies if p.spec.selects(labels)), None)
+
+
+def _runs(served: ServedModel, policy: str) -> bool:
+    """Whether every replica of the Model runs the policy: its engine here, if loaded, and each
+    ready one on another Node (as its Node reports)."""
+    here = [served.policy.name if served.policy else None] if served.engine is not None else []
+    there = list(served.replica_set.policies().values()) if served.replica_set is not None else []
+    return bool(here + there) and all(p == policy for p in here + there)
 
 
 class SpecPolicyReconciler:
@@ -40,7 +48,7 @@ class SpecPolicyReconciler:
         spec = SPEC_PARSERS[KIND](obj.spec)
         selected = sorted(m.name for m in self.store.list("Model")
                           if spec.selects(m.labels) and m.spec.get("task", "generate") == "generate")
-        applied = sorted(n for n, s in self.registry.models.items() if s.policy and s.policy.name == name)
+        applied = sorted(n for n, s in self.registry.models.items() if _runs(s, name))
         ok = applied == selected
         self.store.set_status(KIND, name, {
             "observedGeneration": obj.generation, "selectedModels": selected, "appliedModels": applied,
