@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import code_sample, model_manifest, start_daemon
 from specd.control.cluster import versions
-from specd.control.placement import Candidate, place_group
+from specd.control.placement import Candidate, place_group, place_remote_groups
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
 from specd.engine.remote import output_from_json, output_to_json, request_from_json, request_to_json
@@ -365,6 +365,54 @@ def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_l
             d.stop(signal.SIGKILL)
 
 
+def test_a_group_models_replicas_are_groups_each_with_rank_0_on_its_own_node(forged, tmp_path):
+    """A Model of two-rank groups with ``replicas: 2`` on a Topology of four hosts: one group runs
+    beside the head, the other has rank 0 on worker w1, which the head applied the Model to with a
+    Topology of that group's hosts, so w1 starts the group as its own. The head routes between them
+    (both answer as w1's group does); deleting the Model deletes w1's group and its Topology."""
+    token = token_file(tmp_path)
+    h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "1Gi",
+                     "--node-name", "head")
+    w1 = start_daemon(tmp_path / "w1", {}, True, "--join", h.url, "--token-file", str(token), "--node-name", "w1",
+                      "--memory-limit", "1Gi")
+    try:
+        wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
+        (tmp_path / "groups.yaml").write_text(
+            topology("pool", ("head", "w1", "spare1", "spare2"), tensorParallelSize=2) + "---\n"
+            + model_manifest("split", forged / "target", topologyRef="pool", replicas=2, **BUDGETS))
+        specd(h, "apply", "-f", str(tmp_path / "groups.yaml"))
+        wait_for(lambda: get(h, "model", "split")["status"].get("readyReplicas") == 2, 180, "both groups serving")
+        assert get(h, "model", "split")["status"]["replicas"] == [
+            {"node": "head", "ready": True, "hosts": ["head", "spare2"]},
+            {"node": "w1", "ready": True, "hosts": ["w1", "spare1"]}]
+        w1.admin_token = "s3cret-cluster-token"  # a worker's control plane answers its head only
+
+        def on_w1(path: str) -> tuple[int, dict]:
+            status, body = w1.get(f"/apis/specd.dev/v1alpha1/{path}")
+            return status, json.loads(body)
+        group = on_w1("models/split")[1]["status"]["group"]
+        assert [r["host"] for r in group["ranks"]] == ["w1", "spare1"], group
+
+        prompts = [f"def {name}(x):" for name in ("parse", "render", "merge", "split", "scan", "fold")]
+        via_head, direct = (OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+                            for d in (h, w1))
+
+        def complete(client: OpenAI, prompt: str) -> str:
+            return client.completions.create(model="split", prompt=prompt, max_tokens=8,
+                                             temperature=0).choices[0].text
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            through_head = list(pool.map(lambda p: complete(via_head, p), prompts))
+        assert through_head == [complete(direct, p) for p in prompts]
+        assert set(routed(h)) == {"head", "w1"}, routed(h)
+
+        specd(h, "delete", "model", "split")
+        wait_for(lambda: on_w1("models/split")[0] == on_w1("topologies/split")[0] == 404, 60,
+                 "w1's group and its Topology deleted")
+    finally:
+        for d in (h, w1):
+            d.stop(signal.SIGKILL)
+
+
 def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_path, netns_hosts):
     """Two hosts: the head and worker w1 here, worker w2 in its own network namespace, joined over
     a veth link with the token. Their replicas answer through the head as one engine does. The
@@ -421,6 +469,22 @@ def test_a_group_s_ranks_go_to_its_nodes_with_room_first():
     chosen, short = place_group(["c", "d"], 1, 100 * mib, nodes)
     assert chosen == [] and short == ("1 of its ranks fit no host of its Topology: each needs 100.0 MiB; "
                                       "Node c is not Ready; Node d has 50.0 MiB free")
+
+
+def test_a_group_models_further_groups_start_on_nodes_and_move_when_one_is_lost():
+    mib = 2**20
+    nodes = [Candidate("a", 100 * mib, True), Candidate("b", 300 * mib, True), Candidate("c", 500 * mib, True)]
+    pool = ["a", "b", "c", "x", "y"]
+    # rank 0 on the Node with the most free, the other ranks on Nodes with room, then on hosts that are no Node
+    assert place_remote_groups(pool, 2, 2, 100 * mib, {}, nodes) == ({"c": ["c", "b"], "a": ["a", "x"]}, "")
+    # placed groups stay while their Nodes are Ready; one with a Node lost moves, whichever rank that Node ran
+    lost = [Candidate("a", 100 * mib, True), Candidate("b", 300 * mib, False), Candidate("c", 500 * mib, True)]
+    assert place_remote_groups(pool, 2, 2, 100 * mib, {"a": ["a", "x"], "c": ["c", "b"]}, lost) == (
+        {"a": ["a", "x"], "c": ["c", "y"]}, "")
+    placed, short = place_remote_groups(["a", "b", "x"], 2, 2, 200 * mib, {}, nodes)
+    assert placed == {"b": ["b", "x"]} and short == (
+        "1 of its groups on worker Nodes fit no hosts of its Topology: rank 0 of each runs on a Node, and "
+        "each rank needs 200.0 MiB; the most any Ready Node of its Topology left has free is 100.0 MiB")
 
 
 def test_the_router_keeps_conversations_with_their_prefix_and_spreads_the_rest():

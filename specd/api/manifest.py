@@ -54,7 +54,7 @@ class ModelSpec:
     min_replicas: int = 1  # scaling.minReplicas: 0 loads on demand and unloads when idle
     idle_seconds: float = 900.0  # scaling.idleSeconds: unused this long, a Model at minReplicas 0 unloads
     priority: str = "normal"  # scaling.priority: one of PRIORITIES; the lowest is evicted first
-    replicas: int = 1  # on a cluster head: copies on as many Nodes, requests routed between them
+    replicas: int = 1  # on a cluster head: copies on as many Nodes (groups, with topologyRef), requests routed between them
 
     @property
     def priority_value(self) -> int:
@@ -157,8 +157,6 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         raise ManifestError(f"unknown priority class {shown(priority)} (known: {', '.join(PRIORITIES)})",
                             f"{path}.scaling.priority")
     replicas = _positive_int(spec, "replicas", path, 1)
-    if "topologyRef" in spec and replicas > 1:
-        raise ManifestError("a tensor-parallel group runs one replica", f"{path}.replicas")
     if "topologyRef" in spec and min_replicas == 0:
         raise ManifestError("a tensor-parallel group stays loaded: minReplicas 0 is for Models on this node",
                             f"{path}.scaling.minReplicas")

@@ -4,7 +4,8 @@ A replica stays where it runs while its Node is Ready; missing ones go to the
 Ready Nodes with room for the Model's memory request, the most free memory
 first, never two on one Node. A tensor- or pipeline-parallel group runs rank 0
 beside the head and its other ranks on hosts of its Topology, the Nodes with
-room for a rank's share first.
+room for a rank's share first; a group Model's further replicas are groups
+whose rank 0 runs on a worker Node of its Topology.
 """
 
 from __future__ import annotations
@@ -49,3 +50,34 @@ def place_group(pool: list[str], ranks: int, share: int, candidates: list[Candid
                        for h in pool if h in nodes and h not in chosen)
     return chosen, (f"{ranks - len(chosen)} of its ranks fit no host of its Topology: each needs {gib(share)}; "
                     f"{others or 'no other host is listed'}")
+
+
+def place_remote_groups(pool: list[str], groups: int, ranks: int, share: int, current: dict[str, list[str]],
+                        candidates: list[Candidate]) -> tuple[dict[str, list[str]], str]:
+    """The hosts of ``groups`` groups of ``ranks`` ranks whose rank 0 runs on a worker Node, by that
+    Node: from a Topology's hosts ``pool`` (those the group beside the head does not use), a group
+    keeps its hosts while none is a Node that is not Ready; a missing one's rank 0 goes to the Ready
+    Node of the pool with room for a rank's ``share`` and the most free, its other ranks where
+    ``place_group`` puts them; and why some are missing ("" if none are)."""
+    nodes = {c.node: c for c in candidates}
+    placed = {n: hosts for n, hosts in current.items()
+              if set(hosts) <= set(pool) and all(h not in nodes or nodes[h].ready for h in hosts)}
+    placed = dict(list(placed.items())[:groups])
+    free = [h for h in pool if not any(h in hosts for hosts in placed.values())]
+    why = ""
+    while len(placed) < groups:
+        first = sorted((nodes[h] for h in free if h in nodes and nodes[h].ready and nodes[h].free >= share),
+                       key=lambda c: -c.free)
+        if not first:
+            largest = max((nodes[h].free for h in free if h in nodes and nodes[h].ready), default=0)
+            why = f"the most any Ready Node of its Topology left has free is {gib(largest)}"
+            break
+        rest, why = place_group([h for h in free if h != first[0].node], ranks - 1, share, candidates)
+        if why:
+            break
+        placed[first[0].node] = [first[0].node, *rest]
+        free = [h for h in free if h not in placed[first[0].node]]
+    if len(placed) == groups:
+        return placed, ""
+    return placed, (f"{groups - len(placed)} of its groups on worker Nodes fit no hosts of its Topology: "
+                    f"rank 0 of each runs on a Node, and each rank needs {gib(share)}; {why}")

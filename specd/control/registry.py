@@ -106,6 +106,12 @@ class ServedModel:
     restart: bool = False  # rollout restart asked for a fresh load
     replica_nodes: list[str] = field(default_factory=list)  # on a head: the Nodes its replicas are placed on
     group_memory: dict[str, int] = field(default_factory=dict)  # a group's bytes on each Node its ranks run on
+    group_hosts: list[str] = field(default_factory=list)  # the hosts of its group's ranks, rank 0 first
+    group_reserved: dict[str, int] = field(default_factory=dict)  # on a head: what it reserved for them on Nodes
+    # on a head: its further replicas' groups, by the worker Node that runs rank 0 (their hosts, rank 0
+    # first), and what their other ranks hold on Nodes
+    remote_groups: dict[str, list[str]] = field(default_factory=dict)
+    remote_group_memory: dict[str, int] = field(default_factory=dict)
     replicas_short: str = ""  # why some replicas fit no Node
     elsewhere: bool = False  # on a head: every replica runs on other Nodes
     replica_set: ReplicaSet | None = None  # on a head: what its requests go through, to one of its replicas

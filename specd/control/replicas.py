@@ -10,6 +10,7 @@ select them is one the head holds too, and would have picked."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Callable
 
 import aiohttp
@@ -36,29 +37,37 @@ class RemoteReplicas:
     def __init__(self, token: str, spawn: Callable):
         self._headers = {"Authorization": f"Bearer {token}"}
         self._spawn = spawn  # runs a call; its end looks at the Model again
-        # (model, node) -> (generation, node instance, (pairing, its generation) or None, (policy, ..) or None)
+        # (model, node) -> (generation, node instance, (pairing, its generation) or None, (policy, ..) or None,
+        #                   (group Topology, its spec) or None)
         self._applied: dict[tuple[str, str], tuple] = {}
         self._busy: set[tuple[str, str]] = set()
         self._policies: dict[tuple[str, str], str] = {}  # (model, node) -> the policy chosen for it now
 
     def ensure(self, member: Member, model: StoredObject, pairing: StoredObject | None,
-               policy: StoredObject | None) -> None:
+               policy: StoredObject | None, group: dict[str, Any] | None = None) -> None:
         """The worker runs this generation of the Model with this pairing and policy (applied once
-        per generation, pairing, policy and worker instance; one no longer chosen is deleted there)."""
+        per generation, pairing, policy and worker instance; one no longer chosen is deleted there).
+        A group Model's replica there is a group whose rank 0 runs on that worker: ``group`` is the
+        spec of a Topology of its hosts, applied under the Model's name for the Model to refer to."""
         key = (model.name, member.name)
         if policy is None:
             self._policies.pop(key, None)
         else:
             self._policies[key] = policy.name
-        version = (model.generation, member.instance, _chosen(pairing), _chosen(policy))
+        topology = None if group is None else (model.name, json.dumps(group, sort_keys=True))
+        version = (model.generation, member.instance, _chosen(pairing), _chosen(policy), topology)
         if self._applied.get(key) == version or key in self._busy:
             return
         spec = {k: v for k, v in model.spec.items() if k != "replicas"}  # one replica on that Node
-        items = [_manifest("Model", model, spec)]
+        items = [_manifest("Model", model, spec if group is None else {**spec, "topologyRef": model.name})]
         items += [_manifest(kind, obj, obj.spec) for kind, obj in (("DraftPairing", pairing), ("SpecPolicy", policy))
                   if obj is not None]
+        if group is not None:
+            items.append({"apiVersion": API_VERSION, "kind": "Topology", "metadata": {"name": model.name},
+                          "spec": group})
         calls = [("POST", f"{member.address}{ADMIN}/apply", {"items": items})]
-        calls += self._deletes(key, member, {"DraftPairing": version[2], "SpecPolicy": version[3]})
+        calls += self._deletes(key, member, {"DraftPairing": version[2], "SpecPolicy": version[3],
+                                             "Topology": topology})
         self._spawn(self._call(key, calls, version), model.name)
 
     def remove(self, member: Member, model: str) -> None:
@@ -68,20 +77,21 @@ class RemoteReplicas:
         if key in self._busy:
             return
         calls = [("DELETE", f"{member.address}{ADMIN}/models/{model}", None)]
-        calls += self._deletes(key, member, {"DraftPairing": None, "SpecPolicy": None})
+        calls += self._deletes(key, member, {"DraftPairing": None, "SpecPolicy": None, "Topology": None})
         self._spawn(self._call(key, calls, None), model)
 
     def _deletes(self, key: tuple[str, str], member: Member,
                  now: dict[str, tuple[str, int] | None]) -> list[tuple[str, str, None]]:
         """Deleting what was applied with the Model on this worker instance and is no longer
-        chosen: its pairing, and its policy unless it is chosen for another Model there."""
+        chosen: its pairing and group Topology, and its policy unless it is chosen for another Model there."""
         before = self._applied.get(key)
         if before is None or before[1] != member.instance:
             return []
         out = []
         others = {p for k, p in self._policies.items() if k[1] == member.name and k != key}
         for kind, path, was, held in (("DraftPairing", "draftpairings", before[2], set()),
-                                      ("SpecPolicy", "specpolicies", before[3], others)):
+                                      ("SpecPolicy", "specpolicies", before[3], others),
+                                      ("Topology", "topologies", before[4], set())):
             if was is not None and (now[kind] is None or now[kind][0] != was[0]) and was[0] not in held:
                 out.append(("DELETE", f"{member.address}{ADMIN}/{path}/{was[0]}", None))
         return out

@@ -31,7 +31,7 @@ from ..conditions import condition
 from ..download import DownloadProgress
 from ..manager import Result
 from ..node import Holding, Node
-from ..placement import Candidate, place, place_group
+from ..placement import Candidate, place, place_group, place_remote_groups
 from ..registry import ModelRegistry, Pairing, Phase, ServedModel, build_engine, build_group
 from ..replica_set import ReplicaSet
 from ..replicas import RemoteReplicas
@@ -199,12 +199,10 @@ class ModelReconciler:
                                         f"{'NotReady' if gone in members and not members[gone].ready else 'gone'}")
         served.replica_nodes, served.replicas_short = nodes, short
         self._serve_replicas(served, spec, nodes)
-        policy = policy_for(stored_policies(self.store), obj.labels) if spec.task == "generate" else None
-        pairing_obj = self.store.find("DraftPairing", pairing.name) if pairing else None
-        policy_obj = self.store.find("SpecPolicy", policy.name) if policy else None
+        applied_with = self._applied_with(obj, spec, pairing)
         for node in nodes:
             if node != self.node.name:
-                self.remote.ensure(members[node], obj, pairing_obj, policy_obj)
+                self.remote.ensure(members[node], obj, *applied_with)
         here = self.node.name in nodes
         served.elsewhere = bool(nodes) and not here
         if not here and served.engine is not None:
@@ -212,6 +210,66 @@ class ModelReconciler:
         if not here:
             served.phase, served.reason = Phase.PENDING, short or f"replicas on {', '.join(nodes)}"
         return here
+
+    def _applied_with(self, obj: StoredObject, spec: ModelSpec,
+                      pairing: Pairing | None) -> tuple[StoredObject | None, StoredObject | None]:
+        """What a worker is applied with a replica of the Model: the DraftPairing the head chose
+        for it and the SpecPolicy that selects it."""
+        policy = policy_for(stored_policies(self.store), obj.labels) if spec.task == "generate" else None
+        return (self.store.find("DraftPairing", pairing.name) if pairing else None,
+                self.store.find("SpecPolicy", policy.name) if policy else None)
+
+    def _place_groups(self, served: ServedModel, obj: StoredObject, spec: ModelSpec, topology: TopologySpec,
+                      pairing: Pairing | None) -> None:
+        """On a head: a group Model's replicas after the group beside the head (``replicas`` > 1)
+        are groups whose rank 0 runs on a worker Node of its Topology (``place_remote_groups``).
+        The head applies each worker the Model with a Topology of its group's hosts, and the worker
+        starts that group as its own; the head reserves what its other ranks hold on Nodes."""
+        request = self._cached_request(served, spec, pairing)
+        if request is None and spec.replicas > 1:
+            return  # the look that reads it places them
+        members = {n: m for n, m in self.cluster.members.items() if n != self.node.name}
+        groups, short = {}, ""
+        if spec.replicas > 1:
+            ranks = topology.tensor_parallel_size
+            share = rank_request(request, ranks).total
+            candidates = [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name))
+                                    + (share if m.model(served.name) else 0), m.ready) for m in members.values()]
+            pool = [h.name for h in topology.hosts[1:] if h.name not in served.group_hosts]
+            groups, short = place_remote_groups(pool, spec.replicas - 1, ranks, share, served.remote_groups,
+                                                candidates)
+            served.remote_group_memory = {h: share for hosts in groups.values() for h in hosts[1:] if h in members}
+        else:
+            served.remote_group_memory = {}
+        for gone in set(served.remote_groups) - set(groups):
+            self.router.forget(served.name, gone)
+            self.enqueue("Node", gone)  # its group is deleted from it
+            lost = [h for h in served.remote_groups[gone] if h in members and not members[h].ready]
+            if lost:
+                self.store.record_event("Model", served.name, "Warning", "Rescheduled",
+                                        f"the group with rank 0 on Node {gone} moved: Node {lost[0]} is NotReady")
+        served.remote_groups, served.replicas_short = groups, short
+        served.replica_nodes = [self.node.name, *groups] if spec.replicas > 1 else []
+        self._reserve_ranks(served)
+        if spec.replicas == 1:
+            if served.replica_set is not None:  # it had groups elsewhere: only its own serves now
+                served.replica_set.nodes = [self.node.name]
+            return
+        self._serve_replicas(served, spec, served.replica_nodes)
+        applied_with = self._applied_with(obj, spec, pairing)
+        topology_spec = self.store.find("Topology", spec.topology_ref).spec
+        listed = {h["name"]: h for h in topology_spec["hosts"]}
+        for node, hosts in groups.items():
+            self.remote.ensure(members[node], obj, *applied_with,
+                               {**topology_spec, "hosts": [listed[h] for h in hosts]})
+
+    def _reserve_ranks(self, served: ServedModel) -> None:
+        """Reserve on each Node what ranks of the Model's groups that no daemon of that Node placed
+        hold there: ranks of the group beside the head, and of its groups elsewhere beside their rank 0."""
+        held = dict(served.remote_group_memory)
+        for node, bytes_ in served.group_reserved.items():
+            held[node] = held.get(node, 0) + bytes_
+        self.cluster.reserve(served.name, held)
 
     def _serve_replicas(self, served: ServedModel, spec: ModelSpec, nodes: list[str]) -> None:
         """On a head: the Model's requests go to its replicas through a ``ReplicaSet``, which
@@ -354,13 +412,15 @@ class ModelReconciler:
                    if n != self.node.name}
         candidates = [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name)), m.ready)
                       for m in members.values()]
-        pool = [h.name for h in topology.hosts[1:]]
+        elsewhere = {h for hosts in served.remote_groups.values() for h in hosts}
+        pool = [h.name for h in topology.hosts[1:] if h.name not in elsewhere]
         chosen, short = place_group(pool, ranks - 1, share, candidates)
         if short:
             self._refuse(served, short)
             return None
         by_name = {h.name: h for h in topology.hosts}
         hosts = (topology.hosts[0], *(by_name[name] for name in chosen))
+        served.group_hosts = [h.name for h in hosts]
         here = sum(h.name not in members and (h.name == self.node.name or is_local(h.address)) for h in hosts)
         served.group_memory = {**({self.node.name: share * here} if here else {}),
                                **{h.name: share for h in hosts if h.name in members}}
@@ -406,8 +466,11 @@ class ModelReconciler:
             topology, placement = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
             self._lost_ranks(served)
             self._check_group(served)
-        elif served.group_memory:  # no longer a group: nothing held for its ranks elsewhere
-            served.group_memory = {}
+            if self.cluster is not None:
+                self._place_groups(served, obj, spec, topology, pairing)
+        elif served.group_memory or served.remote_groups:  # no longer a group: nothing held for its ranks
+            served.group_memory, served.group_reserved, served.group_hosts = {}, {}, []
+            served.remote_groups, served.remote_group_memory = {}, {}
             if self.cluster is not None:
                 self.cluster.reserve(served.name, {})
         if self.cluster is not None and topology is None and not self._placed_here(served, obj, spec, pairing):
@@ -434,13 +497,15 @@ class ModelReconciler:
             grouped = self._group_request(served, topology, request)
             if grouped is None:
                 if self.cluster is not None:
-                    self.cluster.reserve(served.name, {})
+                    served.group_reserved = {}
+                    self._reserve_ranks(served)
                 return
             request, topology = grouped
         drains = self._place(served, request)
         if topology is not None and self.cluster is not None:  # the ranks' shares on other Nodes, once it fits here
-            self.cluster.reserve(served.name, {} if drains is None else
-                                 {n: b for n, b in served.group_memory.items() if n != self.node.name})
+            served.group_reserved = {} if drains is None else {
+                n: b for n, b in served.group_memory.items() if n != self.node.name}
+            self._reserve_ranks(served)
         if drains is None:
             return
         if served.task is not None:
@@ -671,11 +736,13 @@ class ModelReconciler:
                 "Scheduled", False, "Unschedulable", f"{served.spec.replicas - 1} of {served.spec.replicas} replicas "
                 "fit no Node: this daemon is one Node (start it as a cluster head, docs/cluster.md)",
                 obj.generation, obj.status))
-        if self.cluster is not None and served.spec.topology_ref is None:
+        if self.cluster is not None and (served.spec.topology_ref is None or served.spec.replicas > 1):
             routable = set(served.replica_set.ready_nodes()) if served.replica_set is not None else set()
             policies = served.replica_set.policies() if served.replica_set is not None else {}
             status["replicas"] = [{"node": n, "ready": n in routable,
-                                   **({"specPolicy": policies[n]} if policies.get(n) else {})}
+                                   **({"specPolicy": policies[n]} if policies.get(n) else {}),
+                                   **({"hosts": served.remote_groups.get(n, served.group_hosts)}
+                                      if served.spec.topology_ref else {})}
                                   for n in served.replica_nodes]
             status["readyReplicas"] = len(routable)
             if served.replicas_short:
