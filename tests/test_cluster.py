@@ -405,6 +405,15 @@ def test_a_group_models_replicas_are_groups_each_with_rank_0_on_its_own_node(for
         assert through_head == [complete(direct, p) for p in prompts]
         assert set(routed(h)) == {"head", "w1"}, routed(h)
 
+        # the head is killed and restarted: its own group starts again, w1's keeps running
+        h.stop(signal.SIGKILL)
+        h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token),
+                         "--memory-limit", "1Gi", "--node-name", "head", port=h.port)
+        wait_for(lambda: get(h, "model", "split")["status"].get("readyReplicas") == 2, 180, "both groups again")
+        assert on_w1("models/split")[1]["status"]["group"]["ranks"] == group["ranks"]  # the same processes
+        assert complete(OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120),
+                        prompts[0]) == through_head[0]
+
         specd(h, "delete", "model", "split")
         wait_for(lambda: on_w1("models/split")[0] == on_w1("topologies/split")[0] == 404, 60,
                  "w1's group and its Topology deleted")

@@ -66,6 +66,7 @@ class Cluster:
         self.token = token
         self._token = f"Bearer {token}".encode()
         self.members: dict[str, Member] = {}
+        self.started = time.monotonic()
         self.on_heartbeat: Callable[[str], None] = lambda name: None  # the Node reconciler looks at it
         # memory the head's groups hold on Nodes for ranks it started there: Node -> {holder: bytes},
         # sent back on each heartbeat so that the worker counts it as held
@@ -136,6 +137,13 @@ class Cluster:
         if holder in reserved:
             free += reported.get(holder, reserved[holder])
         return free
+
+    def settling(self, member: Member) -> float:
+        """Seconds a Node this head has not heard from since it started is still given to send a
+        heartbeat, before what runs there counts as lost (<= 0: it was heard from, or its time is up)."""
+        if member.last_seen is not None:
+            return 0.0
+        return self.started + MISSED_HEARTBEATS * HEARTBEAT_SECONDS - time.monotonic()
 
     def silent_for(self, member: Member) -> float:
         """Seconds until a Ready Node that sends no more heartbeats is NotReady (<= 0: it is due)."""

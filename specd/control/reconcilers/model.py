@@ -189,7 +189,10 @@ class ModelReconciler:
         candidates = [Candidate(self.node.name, mine, True)] + [
             Candidate(m.name, self.cluster.free_on(m) + (request.total if m.model(served.name) else 0), m.ready)
             for m in members.values()]
-        nodes, short = place(spec.replicas, request.total, current, candidates)
+        if self._settling(served, current):
+            nodes, short = current, ""
+        else:
+            nodes, short = place(spec.replicas, request.total, current, candidates)
         for gone in set(served.replica_nodes) - set(nodes):
             self.router.forget(served.name, gone)
             self.enqueue("Node", gone)  # what it still runs of the Model is deleted from it
@@ -211,6 +214,15 @@ class ModelReconciler:
             served.phase, served.reason = Phase.PENDING, short or f"replicas on {', '.join(nodes)}"
         return here
 
+    def _settling(self, served: ServedModel, nodes: list[str]) -> bool:
+        """Whether this head, restarted, has yet to hear from one of these Nodes: then the Model's
+        replicas stay where they were placed, and it is looked at again once the Nodes' time is up."""
+        wait = max((self.cluster.settling(m) for n in nodes if (m := self.cluster.members.get(n)) is not None),
+                   default=0.0)
+        if wait > 0:
+            asyncio.get_running_loop().call_later(wait + 0.05, self.look, served.name)
+        return wait > 0
+
     def _applied_with(self, obj: StoredObject, spec: ModelSpec,
                       pairing: Pairing | None) -> tuple[StoredObject | None, StoredObject | None]:
         """What a worker is applied with a replica of the Model: the DraftPairing the head chose
@@ -225,10 +237,13 @@ class ModelReconciler:
         are groups whose rank 0 runs on a worker Node of its Topology (``place_remote_groups``).
         The head applies each worker the Model with a Topology of its group's hosts, and the worker
         starts that group as its own; the head reserves what its other ranks hold on Nodes."""
-        request = self._cached_request(served, spec, pairing)
-        if request is None and spec.replicas > 1:
-            return  # the look that reads it places them
+        current = served.remote_groups or {r["node"]: r["hosts"] for r in obj.status.get("replicas", [])
+                                           if r["node"] != self.node.name and r.get("hosts")}
         members = {n: m for n, m in self.cluster.members.items() if n != self.node.name}
+        request = self._cached_request(served, spec, pairing)
+        if spec.replicas > 1 and request is None:  # the look that reads it places them
+            served.remote_groups, served.replica_nodes = current, [self.node.name, *current]  # as stored
+            return
         groups, short = {}, ""
         if spec.replicas > 1:
             ranks = topology.tensor_parallel_size
@@ -236,8 +251,10 @@ class ModelReconciler:
             candidates = [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name))
                                     + (share if m.model(served.name) else 0), m.ready) for m in members.values()]
             pool = [h.name for h in topology.hosts[1:] if h.name not in served.group_hosts]
-            groups, short = place_remote_groups(pool, spec.replicas - 1, ranks, share, served.remote_groups,
-                                                candidates)
+            if self._settling(served, [h for hosts in current.values() for h in hosts]):
+                groups = current
+            else:
+                groups, short = place_remote_groups(pool, spec.replicas - 1, ranks, share, current, candidates)
             served.remote_group_memory = {h: share for hosts in groups.values() for h in hosts[1:] if h in members}
         else:
             served.remote_group_memory = {}
