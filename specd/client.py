@@ -176,8 +176,9 @@ def _columns(kind: str, obj: dict[str, Any], wide: bool) -> list[str]:
     if kind == "Model":
         row.append(spec.get("source", ""))
         if wide:
+            replicas = f"{status['readyReplicas']}/{spec.get('replicas', 1)}" if "readyReplicas" in status else ""
             row += [str(obj["metadata"].get("generation")), str(status.get("observedGeneration", "")),
-                    str(status.get("loadSeconds", "")), status.get("draftPairing", "")]
+                    str(status.get("loadSeconds", "")), status.get("draftPairing", ""), replicas]
     elif kind == "DraftPairing":
         row += [spec.get("targetRef", ""), spec.get("method", ""), str(spec.get("numSpeculativeTokens", 3))]
         if wide:
@@ -200,7 +201,7 @@ def _columns(kind: str, obj: dict[str, Any], wide: bool) -> list[str]:
 
 
 HEADERS = {
-    "Model": (["NAME", "READY", "REASON", "SOURCE"], ["GENERATION", "OBSERVED", "LOAD-S", "PAIRING"]),
+    "Model": (["NAME", "READY", "REASON", "SOURCE"], ["GENERATION", "OBSERVED", "LOAD-S", "PAIRING", "REPLICAS"]),
     "DraftPairing": (["NAME", "READY", "REASON", "TARGET", "METHOD", "K"], ["ACCEPTANCE", "SOURCE"]),
     "SpecPolicy": (["NAME", "READY", "REASON", "MODELS", "MAX-K"], ["ENABLED", "DISABLE-AT-BATCH"]),
     "Topology": (["NAME", "READY", "REASON", "BACKEND", "TP"], ["ADDRESSES"]),

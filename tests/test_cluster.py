@@ -382,6 +382,8 @@ def test_a_group_models_replicas_are_groups_each_with_rank_0_on_its_own_node(for
             + model_manifest("split", forged / "target", topologyRef="pool", replicas=2, **BUDGETS))
         specd(h, "apply", "-f", str(tmp_path / "groups.yaml"))
         wait_for(lambda: get(h, "model", "split")["status"].get("readyReplicas") == 2, 180, "both groups serving")
+        table = specd(h, "get", "models", "-o", "wide").stdout.splitlines()
+        assert table[0].split()[-2:] == ["REPLICAS", "AGE"] and table[1].split()[-2] == "2/2", table
         assert get(h, "model", "split")["status"]["replicas"] == [
             {"node": "head", "ready": True, "hosts": ["head", "spare2"]},
             {"node": "w1", "ready": True, "hosts": ["w1", "spare1"]}]
