@@ -269,12 +269,14 @@ def test_every_api_reaches_a_replica_on_another_node_as_that_node_answers(forged
     specd(h, "apply", "-f", str(tmp_path / "plain.yaml"))
     wait_for(lambda: get(h, "specpolicy", "plain")["status"].get("appliedModels") == ["m"], 30,
              "the head's policy running on the worker's replica")
-    assert get(h, "model", "m")["status"]["replicas"][0]["specPolicy"] == "plain"
+    wait_for(lambda: get(h, "model", "m")["status"]["replicas"][0].get("specPolicy") == "plain", 15,
+             "the worker reporting its replica's policy")
     spec = speculation()
     assert spec["draft_tokens"] == 0 and spec["plain_steps"] > 0, spec
     specd(h, "delete", "specpolicy", "plain")
     wait_for(lambda: (speculation() or {}).get("draft_tokens"), 30, "the worker's replica speculating again")
-    assert "specPolicy" not in get(h, "model", "m")["status"]["replicas"][0]
+    wait_for(lambda: "specPolicy" not in get(h, "model", "m")["status"]["replicas"][0], 15,
+             "the worker reporting its replica without the policy")
 
     refusals = []
     for client in (direct, via_head):  # the head checks against the worker's window (under its KV budget)
@@ -492,6 +494,9 @@ def test_a_group_models_further_groups_start_on_nodes_and_move_when_one_is_lost(
     lost = [Candidate("a", 100 * mib, True), Candidate("b", 300 * mib, False), Candidate("c", 500 * mib, True)]
     assert place_remote_groups(pool, 2, 2, 100 * mib, {"a": ["a", "x"], "c": ["c", "b"]}, lost) == (
         {"a": ["a", "x"], "c": ["c", "y"]}, "")
+    # rank 0 runs on a Node: a group whose Node left the cluster is placed again
+    assert place_remote_groups(pool + ["gone"], 1, 2, 100 * mib, {"gone": ["gone", "x"]}, nodes) == (
+        {"c": ["c", "b"]}, "")
     placed, short = place_remote_groups(["a", "b", "x"], 2, 2, 200 * mib, {}, nodes)
     assert placed == {"b": ["b", "x"]} and short == (
         "1 of its groups on worker Nodes fit no hosts of its Topology: rank 0 of each runs on a Node, and "

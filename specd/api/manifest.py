@@ -54,7 +54,7 @@ class ModelSpec:
     min_replicas: int = 1  # scaling.minReplicas: 0 loads on demand and unloads when idle
     idle_seconds: float = 900.0  # scaling.idleSeconds: unused this long, a Model at minReplicas 0 unloads
     priority: str = "normal"  # scaling.priority: one of PRIORITIES; the lowest is evicted first
-    replicas: int = 1  # on a cluster head: copies on as many Nodes (groups, with topologyRef), requests routed between them
+    replicas: int = 1  # on a cluster head: copies (groups, with topologyRef) on as many Nodes, routed between
 
     @property
     def priority_value(self) -> int:

@@ -60,8 +60,8 @@ def place_remote_groups(pool: list[str], groups: int, ranks: int, share: int, cu
     Node of the pool with room for a rank's ``share`` and the most free, its other ranks where
     ``place_group`` puts them; and why some are missing ("" if none are)."""
     nodes = {c.node: c for c in candidates}
-    placed = {n: hosts for n, hosts in current.items()
-              if set(hosts) <= set(pool) and all(h not in nodes or nodes[h].ready for h in hosts)}
+    placed = {n: hosts for n, hosts in current.items() if n in nodes and set(hosts) <= set(pool)
+              and all(h not in nodes or nodes[h].ready for h in hosts)}
     placed = dict(list(placed.items())[:groups])
     free = [h for h in pool if not any(h in hosts for hosts in placed.values())]
     why = ""

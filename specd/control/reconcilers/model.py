@@ -190,7 +190,7 @@ class ModelReconciler:
             Candidate(m.name, self.cluster.free_on(m) + (request.total if m.model(served.name) else 0), m.ready)
             for m in members.values()]
         if self._settling(served, current):
-            nodes, short = current, ""
+            nodes, short = [n for n in current if n == self.node.name or n in members], ""
         else:
             nodes, short = place(spec.replicas, request.total, current, candidates)
         for gone in set(served.replica_nodes) - set(nodes):
@@ -252,7 +252,7 @@ class ModelReconciler:
                                     + (share if m.model(served.name) else 0), m.ready) for m in members.values()]
             pool = [h.name for h in topology.hosts[1:] if h.name not in served.group_hosts]
             if self._settling(served, [h for hosts in current.values() for h in hosts]):
-                groups = current
+                groups = {n: hosts for n, hosts in current.items() if n in members}
             else:
                 groups, short = place_remote_groups(pool, spec.replicas - 1, ranks, share, current, candidates)
             served.remote_group_memory = {h: share for hosts in groups.values() for h in hosts[1:] if h in members}
