@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 import structlog
 
@@ -265,10 +266,37 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead of answering 400 (Codex CLI sends web_search by default)")
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand whose arguments ``define`` adds only when it is the one parsed: the forge's
+    come with mlx-lm and transformers, which every other command would otherwise import too."""
+
+    def __init__(self, *args, define: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._define = define
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._define is not None:
+            define, self._define = self._define, None
+            define(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _forge_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import forge
+
+    forge.add_arguments(parser)
+
+
+def _train_eagle_arguments(parser: argparse.ArgumentParser) -> None:
+    from .forge import eagle
+
+    eagle.add_arguments(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     parser.add_argument("--log-level", default="info")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Subcommand)
 
     daemon = sub.add_parser("daemon", help="run the serving daemon")
     add_daemon_arguments(daemon)
@@ -293,17 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", metavar="MODEL[@REVISION]", help="a Hugging Face repo id, optionally @branch/tag/commit")
     pull.set_defaults(func=_pull)
 
-    forge_cmd = sub.add_parser("forge", help="build a deterministic target/draft model pair")
-    from . import forge
-
-    forge.add_arguments(forge_cmd)
-    forge_cmd.set_defaults(func=_forge)
-
-    eagle_cmd = sub.add_parser("train-eagle", help="train an EAGLE draft head for a local target")
-    from .forge import eagle as eagle_train
-
-    eagle_train.add_arguments(eagle_cmd)
-    eagle_cmd.set_defaults(func=_train_eagle)
+    sub.add_parser("forge", help="build a deterministic target/draft model pair",
+                   define=_forge_arguments).set_defaults(func=_forge)
+    sub.add_parser("train-eagle", help="train an EAGLE draft head for a local target",
+                   define=_train_eagle_arguments).set_defaults(func=_train_eagle)
 
     from . import service
 

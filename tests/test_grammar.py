@@ -41,13 +41,13 @@ def prompts_of(tokenizer) -> list[list[int]]:
     return [ids[:40], ids[300:330], ids[60:75] * 3]
 
 
-def serve(model, tokenizer, rows, drafter=None, **config):
+def serve(model, tokenizer, rows, drafter=None, max_tokens: int = 96, **config):
     """Each row (prompt, params, speculation, grammar) as a request, arriving a
     little apart; returns their tokens and the engine's speculation figures."""
     async def go(engine):
         async def one(i, prompt, params, spec, grammar):
             await asyncio.sleep(0.01 * i)
-            request = GenerationRequest(f"g{next(_ids)}", prompt, params, 96, (), spec, grammar)
+            request = GenerationRequest(f"g{next(_ids)}", prompt, params, max_tokens, (), spec, grammar)
             tokens = []
             async for out in engine.generate(request):
                 assert out.error is None, out.error
@@ -160,14 +160,15 @@ def test_a_seeded_request_samples_the_same_whatever_forced_width_a_round_takes(p
 def test_sampled_output_under_a_grammar_follows_the_constrained_distribution(pair, spec):
     """Two-sample chi-square on the 2nd..4th tokens (the first comes from
     prefill) under a grammar that leaves a handful of choices at each
-    position: speculating vs not, 300 seeds each."""
+    position: speculating vs not, 300 seeds each (4 tokens each: the
+    speculator drafts within what a request has left)."""
     model, tokenizer, draft = pair
     grammar = lark_grammar('start: "x" WORD WORD WORD\nWORD: /[a-e]+ /\n')
     prompt = prompts_of(tokenizer)[1]
 
     def sample(speculation):
         rows = [(prompt, SamplingParams(temperature=1.0, seed=s), speculation, grammar) for s in range(300)]
-        outs, _, _, _ = serve(model, tokenizer, rows, draft, max_waiting=1000)
+        outs, _, _, _ = serve(model, tokenizer, rows, draft, max_tokens=4, max_waiting=1000)
         return [t for out in outs for t in out[1:4]]
     stat, limit, dof = two_sample_chi2(sample(None), sample(spec))
     assert stat < limit, (stat, limit, dof)
