@@ -252,7 +252,7 @@ class ModelReconciler:
                                     + (share if m.model(served.name) else 0), m.ready) for m in members.values()]
             pool = [h.name for h in topology.hosts[1:] if h.name not in served.group_hosts]
             if self._settling(served, [h for hosts in current.values() for h in hosts]):
-                groups = {n: hosts for n, hosts in current.items() if n in members}
+                groups = {n: hosts for n, hosts in current.items() if n in members and set(hosts) <= set(pool)}
             else:
                 groups, short = place_remote_groups(pool, spec.replicas - 1, ranks, share, current, candidates)
             served.remote_group_memory = {h: share for hosts in groups.values() for h in hosts[1:] if h in members}
