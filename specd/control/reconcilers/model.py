@@ -231,8 +231,8 @@ class ModelReconciler:
         return (self.store.find("DraftPairing", pairing.name) if pairing else None,
                 self.store.find("SpecPolicy", policy.name) if policy else None)
 
-    def _place_groups(self, served: ServedModel, obj: StoredObject, spec: ModelSpec, topology: TopologySpec,
-                      pairing: Pairing | None) -> None:
+    def _place_groups(self, served: ServedModel, obj: StoredObject, spec: ModelSpec, topo: StoredObject,
+                      topology: TopologySpec, pairing: Pairing | None) -> None:
         """On a head: a group Model's replicas after the group beside the head (``replicas`` > 1)
         are groups whose rank 0 runs on a worker Node of its Topology (``place_remote_groups``).
         The head applies each worker the Model with a Topology of its group's hosts, and the worker
@@ -248,12 +248,12 @@ class ModelReconciler:
         if spec.replicas > 1:
             ranks = topology.tensor_parallel_size
             share = rank_request(request, ranks).total
-            candidates = [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name))
-                                    + (share if m.model(served.name) else 0), m.ready) for m in members.values()]
             pool = [h.name for h in topology.hosts[1:] if h.name not in served.group_hosts]
             if self._settling(served, [h for hosts in current.values() for h in hosts]):
                 groups = {n: hosts for n, hosts in current.items() if n in members and set(hosts) <= set(pool)}
             else:
+                candidates = [Candidate(m.name, self.cluster.free_on(m, rank_holder(served.name))
+                                        + (share if m.model(served.name) else 0), m.ready) for m in members.values()]
                 groups, short = place_remote_groups(pool, spec.replicas - 1, ranks, share, current, candidates)
             served.remote_group_memory = {h: share for hosts in groups.values() for h in hosts[1:] if h in members}
         else:
@@ -274,11 +274,9 @@ class ModelReconciler:
             return
         self._serve_replicas(served, spec, served.replica_nodes)
         applied_with = self._applied_with(obj, spec, pairing)
-        topology_spec = self.store.find("Topology", spec.topology_ref).spec
-        listed = {h["name"]: h for h in topology_spec["hosts"]}
+        listed = {h["name"]: h for h in topo.spec["hosts"]}
         for node, hosts in groups.items():
-            self.remote.ensure(members[node], obj, *applied_with,
-                               {**topology_spec, "hosts": [listed[h] for h in hosts]})
+            self.remote.ensure(members[node], obj, *applied_with, {**topo.spec, "hosts": [listed[h] for h in hosts]})
 
     def _reserve_ranks(self, served: ServedModel) -> None:
         """Reserve on each Node what ranks of the Model's groups that no daemon of that Node placed
@@ -484,7 +482,7 @@ class ModelReconciler:
             self._lost_ranks(served)
             self._check_group(served)
             if self.cluster is not None:
-                self._place_groups(served, obj, spec, topology, pairing)
+                self._place_groups(served, obj, spec, topo, topology, pairing)
         elif served.group_memory or served.remote_groups:  # no longer a group: nothing held for its ranks
             served.group_memory, served.group_reserved, served.group_hosts = {}, {}, []
             served.remote_groups, served.remote_group_memory = {}, {}
