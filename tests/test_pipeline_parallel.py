@@ -1,7 +1,8 @@
 """Pipeline parallelism: Models on a 2-rank ring Topology with ``parallelism:
 pipeline``, each rank holding half the layers, against the same checkpoints in
 one process of the same daemon. The forged Llama has no ``pipeline()`` in mlx-lm
-(split by ``specd.parallel.pipeline``); Ministral 3 has one, and it is used."""
+(split by ``specd.parallel.pipeline``); Ministral 3 has one, and it is used. A
+third group, ``parallelism: auto``, times both splits and keeps the faster."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def pp(forged, family_models, tmp_path_factory):
             model_manifest("single", forged / "target", maxBatchSize=8),
             pairing("pp", forged / "draft"), pairing("single", forged / "draft"),
             model_manifest("pp-ministral", ministral, topologyRef="pipe", maxBatchSize=8),
-            model_manifest("single-ministral", ministral, maxBatchSize=8)]
+            model_manifest("single-ministral", ministral, maxBatchSize=8),
+            topology("timed", parallelism="auto", stepTimeoutSeconds=30),
+            model_manifest("pp-auto", forged / "target", topologyRef="timed", maxBatchSize=8),
+            pairing("pp-auto", forged / "draft")]
     daemon = start_daemon(tmp_path_factory.mktemp("pp"), {"models.yaml": "---\n".join(docs)})
     yield daemon
     daemon.stop()
@@ -41,11 +45,12 @@ def test_layer_ranges_cover_the_stack_once_last_layers_on_rank_0():
             assert sorted(i for start, end in ranges for i in range(start, end)) == list(range(layers))
 
 
-def test_parallelism_is_tensor_or_pipeline():
+def test_parallelism_is_tensor_pipeline_or_auto():
     text = topology("bad", parallelism="data")
     with pytest.raises(ManifestError) as err:
         parse_documents(text)
-    assert err.value.path == "spec.parallelism"
+    assert err.value.path == "spec.parallelism" and '"auto"' in str(err.value)
+    assert parse_documents(topology("timed", parallelism="auto"))[0].spec.parallelism == "auto"
 
 
 @pytest.mark.parametrize("model,methods", [("pp", METHODS), ("pp-ministral", ["none", "ngram"])])
@@ -79,3 +84,21 @@ def test_pipeline_speculates_exactly_as_a_single_process(pp):
     """Same rounds, proposals and acceptances for n-gram and the replicated draft model."""
     wait_ready(pp, "pp", timeout=180)
     assert_speculates_as_single(client_for(pp), "pp")
+
+
+def test_auto_keeps_the_split_that_decoded_faster_and_serves_exactly_as_a_single_process(pp):
+    """``parallelism: auto`` timed a decode step under each split over the group's own link: the
+    group runs the faster, status shows both timings, and its greedy output, with every method
+    in one mixed batch, is the single process's."""
+    status = wait_ready(pp, "pp-auto", timeout=240)
+    group = status["group"]
+    timed = group["splitProbe"]["stepMilliseconds"]
+    assert set(timed) == {"tensor", "pipeline"} and all(ms > 0 for ms in timed.values()), group
+    assert group["parallelism"] == min(timed, key=timed.get) and group["splitProbe"]["refused"] == {}
+    client = client_for(pp)
+    jobs = [(p, m) for p in PROMPTS for m in METHODS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        split = list(pool.map(lambda j: complete(client, "pp-auto", *j), jobs))
+    baseline = {p: complete(client, "single", p, "none") for p in PROMPTS}
+    for (prompt, method), got in zip(jobs, split):
+        assert got == baseline[prompt], (prompt, method, group["parallelism"])

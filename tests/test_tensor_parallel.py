@@ -200,14 +200,15 @@ from types import SimpleNamespace
 from specd.core.grammar import json_schema_grammar
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
-from specd.parallel.rank import GroupRank, _join_group, load_shard
+from specd.parallel.rank import GroupRank, _join_group
+from specd.parallel.shard import load_shard
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig
 
 args = json.loads(sys.argv[1])
 group = _join_group(SimpleNamespace(env=args["env"], backend="ring"))
 rank = group.rank()
-model, tokenizer = load_shard(args["target"], None, group, "tensor")
+model, tokenizer, _ = load_shard(args["target"], None, group, "tensor")
 engine = Engine("g", model, tokenizer, EngineConfig(max_batch_size=2))
 costs = engine.scheduler.speculator.costs
 for width in range(2, 64):  # rank 0 measured wide verify steps as free, rank 1 as dear
@@ -439,7 +440,8 @@ def group_failure(events: list, ranks: int = 2) -> str:
     topo = SPEC_PARSERS["Topology"]({"backend": "ring", "hosts": [
         {"name": f"rank{r}", "address": "127.0.0.1"} for r in range(ranks)]})
     writer = SimpleNamespace(is_closing=lambda: True, close=lambda: None, write=lambda data: None)
-    info = {"max_context": 64, "vocab_size": 64, "drafter": None, "weight_bytes": 0}
+    info = {"max_context": 64, "vocab_size": 64, "drafter": None, "weight_bytes": 0, "parallelism": "tensor",
+            "probe": None}
 
     async def play() -> str:
         group = GroupClient(name="g", topology=topo, procs=procs, tokenizer=None, info=info,

@@ -42,7 +42,9 @@ The Model is the demo target, in one run:
    hidden state down and gathers it once, so each ms of one-way latency costs the
    first about 4 x layers + 1 crossings a token and the second about 5 (fitted
    from the 1 ms setting, printed as ``crossings``); the faster split of each
-   setting is what ``docs/tensor-parallel.md``'s rule picks.
+   setting is what ``docs/tensor-parallel.md``'s rule picks. At each latency a
+   group with ``parallelism: auto`` is started too, and the split it picks (it
+   times a decode step under each as it starts) is printed beside the faster.
 
     specd forge models/test --preset test   # the tokenizer of the --big model
     python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|links|latency]
@@ -318,19 +320,27 @@ LATENCIES_MS = {"relay only": 0.0, "Thunderbolt-like, 0.05 ms": 0.05, "Ethernet-
 async def splits_over_latency(workdir: Path, runs: int, env: dict) -> dict:
     """tokens/s per one-way latency and split (and in one process), one group per split."""
     out: dict = {}
-    base = 43000 + (os.getpid() % 500) * 4
-    ports = {"tensor": base, "pipeline": base + 2}
+    base = 43000 + (os.getpid() % 500) * 8
+    ports = {"tensor": base, "pipeline": base + 2, "auto": base + 4}
     with delayed_link(workdir, [(p, p + 1) for p in ports.values()]) as link:
-        for parallelism, port in ports.items():
+        for parallelism in ("tensor", "pipeline"):
             link.set_delay(0)
-            async with split_group(workdir / parallelism, parallelism, link.ns, link.subnet, link.rsh, port,
-                                   env) as (session, url):
+            async with split_group(workdir / parallelism, parallelism, link.ns, link.subnet, link.rsh,
+                                   ports[parallelism], env) as (session, url):
                 for setting, ms in LATENCIES_MS.items():
                     link.set_delay(ms)
                     cell = out.setdefault(setting, {})
                     cell[parallelism] = await rates(session, url, "demo", runs)
                     if parallelism == "tensor" and ms == 0:
                         cell["one process"] = await rates(session, url, "single", runs)
+        for setting, ms in LATENCIES_MS.items():  # auto chooses as its group starts: one group per setting
+            link.set_delay(ms)
+            async with split_group(workdir / f"auto-{ms}", "auto", link.ns, link.subnet, link.rsh, ports["auto"],
+                                   env) as (session, url):
+                async with session.get(f"{url}/apis/specd.dev/v1alpha1/models/demo") as r:
+                    group = (await r.json())["status"]["group"]
+            out[setting]["auto"] = {"picks": group["parallelism"],
+                                    "step_ms": group["splitProbe"]["stepMilliseconds"]}
     for cell in out.values():
         cell["faster"] = max(("tensor", "pipeline"), key=lambda split: cell[split]["c1"])
     slowest, bare = out[max(LATENCIES_MS, key=LATENCIES_MS.get)], out[min(LATENCIES_MS, key=LATENCIES_MS.get)]
@@ -421,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     crossings = latency.pop("crossings_per_token", None)
     for link, cell in {**results.get("splits_over_links", {}), **latency}.items():
         print(f"{link:>26}: " + "; ".join(f"{split} {r['c1']:.1f} tok/s (c=4 {r['c4']:.1f})"
-                                          for split, r in cell.items() if split != "faster")
-              + (f"; faster: {cell['faster']}" if "faster" in cell else ""))
+                                          for split, r in cell.items() if split not in ("faster", "auto"))
+              + (f"; faster: {cell['faster']}" if "faster" in cell else "")
+              + (f"; auto picks {cell['auto']['picks']} (timed step, ms: "
+                 + ", ".join(f"{s} {t:.2f}" for s, t in cell["auto"]["step_ms"].items()) + ")"
+                 if "auto" in cell else ""))
     if crossings:
         print("link crossings a token waits for: " + ", ".join(f"{k} {v:.1f}" for k, v in crossings.items()))
     write_result(args.out, {**machine_info(args), "results": results})

@@ -21,7 +21,7 @@ NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label,
 MAX_ALIASES = 64  # YAML aliases one manifest may use: enough for shared blocks, never a "billion laughs"
 MAX_EXPANDED_NODES = 100_000  # nodes one document may stand for, aliases expanded (a real one has hundreds)
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
-PARALLELISM = ("tensor", "pipeline")  # how a Topology's ranks split a Model
+PARALLELISM = ("tensor", "pipeline", "auto")  # how a Topology's ranks split a Model (auto: the faster, timed)
 TASKS = ("generate", "embed")  # what a Model serves: completions (chat, Messages, Responses) | /v1/embeddings
 
 
@@ -351,7 +351,9 @@ class TopologySpec:
     step_timeout_seconds: float = 60.0  # a step that takes longer means a rank hung
     threads_per_rank: int | None = None  # OMP/OpenBLAS threads per rank (ranks sharing a host)
     specd_command: str = "specd"  # the specd executable on remote hosts
-    parallelism: str = "tensor"  # tensor: every layer split across ranks; pipeline: each rank a slice of the layers
+    # tensor: every layer split across ranks; pipeline: each rank a slice of the layers; auto: the group times
+    # a decode step under each over its own link before it serves, and keeps the faster
+    parallelism: str = "tensor"
 
 
 def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
@@ -360,7 +362,7 @@ def _parse_topology_spec(spec: Any, path: str = "spec") -> TopologySpec:
     backend = _check_type(spec["backend"], str, f"{path}.backend")
     parallelism = spec.get("parallelism", "tensor")
     if parallelism not in PARALLELISM:
-        raise ManifestError(f'must be "tensor" or "pipeline", got {shown(parallelism)}', f"{path}.parallelism")
+        raise ManifestError(f'must be "tensor", "pipeline" or "auto", got {shown(parallelism)}', f"{path}.parallelism")
     if backend not in ("jaccl", "ring"):
         raise ManifestError(f'must be "jaccl" or "ring", got {shown(backend)}', f"{path}.backend")
     launcher = spec.get("launcher", "ssh")

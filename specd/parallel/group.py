@@ -63,6 +63,8 @@ class GroupClient:
         self.vocab_size: int = info["vocab_size"]
         self.drafter: Method | None = Method(info["drafter"]) if info["drafter"] else None
         self.weight_bytes: int = info["weight_bytes"]
+        self.parallelism: str = info["parallelism"]  # the split the ranks run: the Topology's, or auto's choice
+        self.split_probe: dict | None = info["probe"]  # auto: each split's timed decode step, and refusals
         self.speculation = speculation
         self.failure: str | None = None  # set once; the reconciler restarts the group
         self.fault: str | None = None  # a rank's step fault fails the group (``failure``)
@@ -106,7 +108,8 @@ class GroupClient:
         self._send(("policy", policy, name))
 
     def group_status(self) -> dict:
-        return {"ranks": self.ranks(), "parallelism": self.topology.parallelism, "steps": self.status.get("steps"),
+        return {"ranks": self.ranks(), "parallelism": self.parallelism,
+                **({"splitProbe": self.split_probe} if self.split_probe else {}), "steps": self.status.get("steps"),
                 "controlBytes": self.status.get("control_bytes")}
 
     def exported_metrics(self) -> str:

@@ -1,7 +1,8 @@
 """A rank of a tensor- or pipeline-parallel group: ``specd rank`` (started by the daemon).
 
 Every rank holds a shard of the target (``mlx_lm``'s ``model.shard``, or a slice
-of its layers under pipeline parallelism, ``pipeline.py``), a full copy of the
+of its layers under pipeline parallelism, ``pipeline.py``; ``shard.py`` loads
+it, and for ``parallelism: auto`` times both first), a full copy of the
 draft model if there is one, and the same ``Engine``.  Rank 0
 takes requests from the daemon; before every step it broadcasts what changed
 (arrivals with their RNG keys, cancellations, policy swaps, stop) through
@@ -33,15 +34,14 @@ import numpy as np
 import structlog
 from prometheus_client import generate_latest
 
-from ..core.loader import load_model, materialize, resolve_source, weight_bytes
-from ..core.model_parts import decoder
+from ..core.loader import load_model, weight_bytes
 from ..core.sequence import Sequence
 from ..engine.engine import Engine
 from ..engine.scheduler import EngineConfig, StepInputs
 from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
 from ..speculation.config import PolicySettings
-from .pipeline import load_stage
+from .shard import load_shard
 from . import wire
 from .topology import GroupPlan
 
@@ -159,22 +159,6 @@ class GroupRank:
         return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
 
 
-def load_shard(source: str, revision: str | None, group: mx.distributed.Group, parallelism: str):
-    """This rank's part of the target: a shard of every layer as mlx-lm's ``shard`` cuts it,
-    or a slice of the layers (``pipeline.load_stage``). A hub source (at a revision) is
-    fetched whole first: mlx-lm's sharded load takes no revision."""
-    from mlx_lm.utils import _download, sharded_load
-
-    path = resolve_source(source) if revision is None else str(_download(resolve_source(source), revision))
-    if parallelism == "pipeline":
-        model, tokenizer, how = load_stage(path, group)
-        log.info("pipeline stage", split=how, layers=sum(layer is not None for layer in decoder(model).layers))
-        return model, tokenizer
-    model, tokenizer = sharded_load(path, tensor_group=group)
-    materialize(model)
-    return model, tokenizer
-
-
 def _join_group(plan: GroupPlan) -> mx.distributed.Group:
     """Write the hostfile this rank's MLX reads, then init the backend."""
     env = dict(plan.env)
@@ -209,7 +193,7 @@ def run(plan: GroupPlan) -> int:
     rank = group.rank()
     structlog.contextvars.bind_contextvars(model=plan.model, rank=rank)
     started = time.monotonic()
-    model, tokenizer = load_shard(plan.source, plan.revision, group, plan.parallelism)
+    model, tokenizer, split = load_shard(plan.source, plan.revision, group, plan.parallelism, plan.backend)
     draft = load_model(plan.draft_source)[0] if plan.draft_source else None
     speculation = (SpeculationConfig(**{**plan.speculation, "method": Method(plan.speculation["method"])})
                    if plan.speculation else NO_SPECULATION)
@@ -222,7 +206,7 @@ def run(plan: GroupPlan) -> int:
         stepper.run_steps()
         _exit(0)
     return _serve(stepper, plan, {"weight_bytes": total, "max_context": engine.max_context,
-                                 "vocab_size": engine.vocab_size, "drafter": engine.drafter})
+                                 "vocab_size": engine.vocab_size, "drafter": engine.drafter, **split.as_dict()})
 
 
 def _serve(stepper: GroupRank, plan: GroupPlan, info: dict) -> int:

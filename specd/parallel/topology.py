@@ -67,7 +67,7 @@ class GroupPlan:
     speculation: dict | None = None  # SpeculationConfig fields of the model's DraftPairing
     draft_source: str | None = None  # replicated on every rank
     revision: str | None = None  # of a hub source
-    parallelism: str = "tensor"  # tensor | pipeline: how the ranks split the target
+    parallelism: str = "tensor"  # tensor | pipeline | auto: how the ranks split the target
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
