@@ -12,7 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..api.manifest import TopologySpec
 from ..core.memory import gib
+from .resources import MemoryRequest
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What this daemon runs of a Model, as placement decided: an engine here (no ``topology``), or
+    a group whose rank 0 runs here, on ``topology``'s hosts (rank 0's first, the others as
+    ``place_group`` chose them); and what it holds of this node's memory."""
+
+    request: MemoryRequest
+    topology: TopologySpec | None = None
 
 
 @dataclass(frozen=True)

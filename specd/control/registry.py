@@ -15,17 +15,14 @@ from typing import Callable
 
 import structlog
 
-from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec, TopologySpec
+from ..api.manifest import DraftPairingSpec, ModelSpec, SpecPolicySpec
 from .download import DownloadProgress
 from .replica_set import ReplicaSet
 from .resources import MemoryRequest
-from ..core.loader import context_window, load_embedding_model, load_model, weight_bytes
-from ..engine.embedder import Embedder, EmbedderConfig
-from ..engine.engine import Engine, load_drafter
+from ..engine.embedder import Embedder
 from ..engine.interface import ServingEngine
-from ..engine.scheduler import EngineConfig
 from ..metrics import Metrics
-from ..core.request import Method, NO_SPECULATION, SpeculationConfig
+from ..core.request import Method, SpeculationConfig
 from ..speculation.config import PolicySettings
 
 log = structlog.get_logger(__name__)
@@ -87,9 +84,9 @@ class ServedModel:
     policy: Policy | None = None  # applied to the engine
     task: asyncio.Task | None = None  # a load (or reload) in flight
     loading_generation: int | None = None
-    # tensor parallelism: what the group was started on (topology name and
-    # generation, pairing), its restarts, and when the next restart is due
-    placement: tuple | None = None
+    # a group: what it was started for (topology name and generation, pairing),
+    # its restarts, and when the next restart is due
+    group_key: tuple | None = None
     restarts: int = 0
     last_failure: str = ""
     faults_seen: int = 0  # engine faults already reported as events
@@ -147,64 +144,6 @@ def _retry_after(served: ServedModel) -> int | None:
 
 class WrongTask(Exception):
     """The model serves another task (spec.task) than the route asks of it."""
-
-
-@dataclass
-class Built:
-    engine: ServingEngine
-    weight_bytes: int
-    pairing_error: str = ""  # the pairing could not be attached; the model serves without it
-
-
-def build_engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None, request: MemoryRequest,
-                 on_fault: Callable[[], None] | None = None) -> Built:
-    """Load weights (and the pairing's drafter) and build an engine ready to start,
-    with the KV and prefix budgets its memory request counted.
-
-    A drafter that fails to load or does not match fails the pairing, not the model.
-    An embedding model takes no pairing.
-    """
-    if spec.task == "embed":
-        return build_embedder(name, spec, metrics, on_fault)
-    model, tokenizer = load_model(spec.source, spec.revision)
-    config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
-                          prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
-                          prefix_cache_bytes=request.prefix_cache, kv_cache_bytes=request.kv_cache,
-                          kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size)
-    weights = weight_bytes(model)
-    if pairing is None:
-        return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights)
-    try:
-        drafter = None if pairing.method == Method.NGRAM else load_drafter(
-            pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
-    except Exception as exc:
-        return Built(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights,
-                     f"{type(exc).__name__}: {exc}")
-    return Built(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter, on_fault), weights)
-
-
-def build_embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[], None] | None) -> Built:
-    model, tokenizer, pooling = load_embedding_model(spec.source, spec.revision)
-    window = context_window(model, tokenizer)
-    config = EmbedderConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
-                            max_context=min(spec.max_context or window, window),
-                            chunk_tokens=spec.prefill_step_tokens)
-    weights = weight_bytes(model)
-    return Built(Embedder(name, model, tokenizer, pooling, config, metrics, on_fault), weights)
-
-
-async def build_group(name: str, spec: ModelSpec, topology: TopologySpec, pairing: Pairing | None,
-                      on_failure: Callable[[], None]) -> Built:
-    """Start a tensor-parallel group for the model; the pairing's draft is replicated on every rank."""
-    from ..parallel.group import start_group
-
-    if pairing is not None and pairing.method == Method.EAGLE:
-        client = await start_group(name, spec, topology, on_failure, NO_SPECULATION, None)
-        return Built(client, client.weight_bytes, "EAGLE heads are not supported under tensor parallelism yet")
-    speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
-    draft_source = pairing.spec.source if pairing is not None and pairing.method == Method.DRAFT else None
-    client = await start_group(name, spec, topology, on_failure, speculation, draft_source)
-    return Built(client, client.weight_bytes)
 
 
 DEFAULT_LOAD_TIMEOUT = 300.0  # seconds a request waits for its Model to load

@@ -31,8 +31,9 @@ from ..conditions import condition
 from ..download import DownloadProgress
 from ..manager import Result
 from ..node import Holding, Node
-from ..placement import Candidate, place, place_group, place_remote_groups
-from ..registry import ModelRegistry, Pairing, Phase, ServedModel, build_engine, build_group
+from ..launch import launch
+from ..placement import Candidate, Placement, place, place_group, place_remote_groups
+from ..registry import ModelRegistry, Pairing, Phase, ServedModel
 from ..replica_set import ReplicaSet
 from ..replicas import RemoteReplicas
 from ..resources import MemoryRequest, memory_request, rank_request
@@ -414,8 +415,7 @@ class ModelReconciler:
         if served.engine is None:
             served.phase, served.reason = Phase.PENDING, message
 
-    def _group_request(self, served: ServedModel, topology: TopologySpec,
-                       request: MemoryRequest) -> tuple[MemoryRequest, TopologySpec] | None:
+    def _group_placement(self, served: ServedModel, topology: TopologySpec, request: MemoryRequest) -> Placement | None:
         """Where a group's ranks run, and its request of this node (the shares of its ranks here).
         Rank 0 runs beside this daemon; the others go to hosts of the Topology (``place_group``):
         its Nodes with room first. ``served.group_memory`` keeps the bytes on each Node, which the
@@ -439,7 +439,7 @@ class ModelReconciler:
         here = sum(h.name not in members and (h.name == self.node.name or is_local(h.address)) for h in hosts)
         served.group_memory = {**({self.node.name: share * here} if here else {}),
                                **{h.name: share for h in hosts if h.name in members}}
-        return rank_request(request, ranks, here), replace(topology, hosts=hosts)
+        return Placement(rank_request(request, ranks, here), replace(topology, hosts=hosts))
 
     def _unload(self, served: ServedModel, reason: str, message: str) -> None:
         """Stop routing to the Model's engine and give its memory back once it drained."""
@@ -469,7 +469,7 @@ class ModelReconciler:
             served.last_used = now
         if self._idle(served, now) and served.generation == obj.generation:
             self._unload(served, "Idle", f"unloaded after {served.spec.idle_seconds:g}s without requests")
-        topology, placement = None, None
+        topology, group_key = None, None
         if spec.topology_ref is not None:
             topo = self.store.find("Topology", spec.topology_ref)
             if topo is None:
@@ -478,7 +478,7 @@ class ModelReconciler:
                     served.phase, served.reason = Phase.PENDING, f'Topology "{spec.topology_ref}" not found'
                 return
             # a group is started for one topology generation and one pairing: either changing restarts it
-            topology, placement = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
+            topology, group_key = SPEC_PARSERS["Topology"](topo.spec), (topo.name, topo.generation, pairing)
             self._lost_ranks(served)
             self._check_group(served)
             if self.cluster is not None:
@@ -491,7 +491,7 @@ class ModelReconciler:
         if self.cluster is not None and topology is None and not self._placed_here(served, obj, spec, pairing):
             return
         restart_due = served.retry_at is not None and now >= served.retry_at
-        up_to_date = served.generation == obj.generation and served.placement == placement and not served.restart and (
+        up_to_date = served.generation == obj.generation and served.group_key == group_key and not served.restart and (
             served.engine is not None or served.phase is Phase.FAILED and not restart_due)
         loading_it = served.loading_generation == obj.generation
         if up_to_date or loading_it:
@@ -508,15 +508,15 @@ class ModelReconciler:
                     served.phase, served.reason = Phase.PENDING, "reading its memory request"
                 served.task = self._spawn(self._read_request(served, obj.generation, spec, pairing), served.name)
             return
+        placed = Placement(request)
         if topology is not None:  # a group: its ranks' hosts, and their shares here and on those Nodes
-            grouped = self._group_request(served, topology, request)
-            if grouped is None:
+            placed = self._group_placement(served, topology, request)
+            if placed is None:
                 if self.cluster is not None:
                     served.group_reserved = {}
                     self._reserve_ranks(served)
                 return
-            request, topology = grouped
-        drains = self._place(served, request)
+        drains = self._place(served, placed.request)
         if topology is not None and self.cluster is not None:  # the ranks' shares on other Nodes, once it fits here
             served.group_reserved = {} if drains is None else {
                 n: b for n, b in served.group_memory.items() if n != self.node.name}
@@ -528,7 +528,7 @@ class ModelReconciler:
         served.loading_generation, served.restart = obj.generation, False
         if served.engine is None:  # a restarting group keeps its last failure as the reason
             served.phase, served.reason = Phase.LOADING, served.reason if topology is not None else ""
-        served.task = self._spawn(self._load(served, obj.generation, spec, pairing, topology, placement, drains),
+        served.task = self._spawn(self._load(served, obj.generation, spec, pairing, placed, group_key, drains),
                                   served.name)
 
     def _note_faults(self, served: ServedModel) -> None:
@@ -562,8 +562,7 @@ class ModelReconciler:
         self._spawn(group.shutdown(0), served.name)
 
     async def _load(self, served: ServedModel, generation: int, spec: ModelSpec, pairing: Pairing | None,
-                    topology: TopologySpec | None = None, placement: tuple | None = None,
-                    drains: list[asyncio.Task] = ()) -> None:
+                    placed: Placement, group_key: tuple | None, drains: list[asyncio.Task]) -> None:
         """Load a generation of a model; on success switch traffic to it and drain the old engine.
 
         A local model's memory is reserved already (``_place``); it loads once the Models
@@ -575,21 +574,17 @@ class ModelReconciler:
             await asyncio.gather(*drains)
             log.info("model loading", model=served.name, source=spec.source, generation=generation)
             self.store.record_event("Model", served.name, "Normal", "Loading", f"loading {spec.source}")
-            if topology is None:
-                built = await asyncio.to_thread(build_engine, served.name, spec, self.metrics, pairing, request,
-                                                lambda: self.look(served.name))
-            else:
-                if served.engine is not None:
-                    old, served.engine, served.phase = served.engine, None, Phase.LOADING
-                    self.metrics.model_ready.labels(served.name).set(0)
-                    await self._drain(served.name, old)
-                built = await build_group(served.name, spec, topology, pairing, lambda: self.look(served.name))
+            if placed.topology is not None and served.engine is not None:
+                old, served.engine, served.phase = served.engine, None, Phase.LOADING
+                self.metrics.model_ready.labels(served.name).set(0)
+                await self._drain(served.name, old)
+            built = await launch(served.name, spec, pairing, placed, self.metrics, lambda: self.look(served.name))
         except asyncio.CancelledError:  # a newer generation replaces this load (and may have reserved already)
             if served.loading_request is request:
                 served.loading_request = None
             raise
         except Exception as exc:
-            self._load_failed(served, generation, spec, exc, topology, placement)
+            self._load_failed(served, generation, spec, exc, group_key)
             return
         built.engine.start()
         served.request, served.loading_request, served.failures = request, None, 0
@@ -599,7 +594,7 @@ class ModelReconciler:
         old = served.engine
         served.engine, served.spec, served.generation = built.engine, spec, generation
         served.phase, served.reason, served.loading_generation = Phase.READY, "", None
-        served.placement, served.retry_at, served.faults_seen = placement, None, 0
+        served.group_key, served.retry_at, served.faults_seen = group_key, None, 0
         served.load_seconds, served.weight_bytes = time.monotonic() - started, built.weight_bytes
         served.pairing = pairing if spec.task == "generate" else None
         served.pairing_error, served.policy = built.pairing_error, None
@@ -614,14 +609,14 @@ class ModelReconciler:
             self._spawn(self._drain(served.name, old), served.name)
 
     def _load_failed(self, served: ServedModel, generation: int, spec: ModelSpec, exc: Exception,
-                     topology: TopologySpec | None = None, placement: tuple | None = None) -> None:
+                     group_key: tuple | None = None) -> None:
         """A load (or the read of its memory request) failed: retried with backoff if it can
         pass, else Failed until the spec changes or a rollout restart."""
         reason = f"{type(exc).__name__}: {exc}"
         log.error("model failed to load", model=served.name, reason=reason)
         served.loading_generation, served.generation, served.restart = None, generation, False
-        served.placement, served.loading_request = placement, None
-        if topology is not None:  # a group start can fail for passing reasons (a host rebooting)
+        served.group_key, served.loading_request = group_key, None
+        if group_key is not None:  # a group start can fail for passing reasons (a host rebooting)
             served.restarts += 1
             served.retry_at = time.monotonic() + _backoff(served.restarts)
         elif can_pass(exc):
@@ -632,7 +627,7 @@ class ModelReconciler:
         else:
             served.retry_at = None
         self.store.record_event("Model", served.name, "Warning",
-                                "BackOff" if served.retry_at and topology is None else "LoadFailed", reason)
+                                "BackOff" if served.retry_at and group_key is None else "LoadFailed", reason)
         if served.engine is None:
             served.phase, served.spec = Phase.FAILED, spec
         served.reason = reason

@@ -1,0 +1,85 @@
+"""Starting what placement decided runs on this daemon: a local engine (or embedder) within the
+memory its request counted, or a tensor- or pipeline-parallel group on the hosts chosen for its
+ranks. The Model reconciler decides where (``placement.py``) and when; this is the one step that
+turns a ``Placement`` into a ``ServingEngine``. Replicas on other Nodes are started by their own
+daemons, applied there by the head (``replicas.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable
+
+from ..api.manifest import ModelSpec
+from ..core.loader import context_window, load_embedding_model, load_model, weight_bytes
+from ..core.request import Method, NO_SPECULATION
+from ..engine.embedder import Embedder, EmbedderConfig
+from ..engine.engine import Engine, load_drafter
+from ..engine.interface import ServingEngine
+from ..engine.scheduler import EngineConfig
+from ..metrics import Metrics
+from ..parallel.group import start_group
+from .placement import Placement
+from .registry import Pairing
+
+
+@dataclass
+class Started:
+    engine: ServingEngine | Embedder
+    weight_bytes: int
+    pairing_error: str = ""  # the pairing could not be attached; the model serves without it
+
+
+async def launch(name: str, spec: ModelSpec, pairing: Pairing | None, placed: Placement, metrics: Metrics,
+                 on_fault: Callable[[], None]) -> Started:
+    """Start the Model's engine as ``placed`` says, not yet serving (``engine.start()`` does).
+
+    A local engine loads its weights (and the pairing's drafter) off the event loop, with the KV
+    and prefix budgets its memory request counted. A group's ranks load their own shards; the
+    pairing's draft model is replicated on every rank. An embedding model takes no pairing."""
+    if placed.topology is not None:
+        return await _group(name, spec, placed, pairing, on_fault)
+    if spec.task == "embed":
+        return await asyncio.to_thread(_embedder, name, spec, metrics, on_fault)
+    return await asyncio.to_thread(_engine, name, spec, metrics, pairing, placed, on_fault)
+
+
+def _engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None, placed: Placement,
+            on_fault: Callable[[], None]) -> Started:
+    """A drafter that fails to load or does not match fails the pairing, not the model."""
+    model, tokenizer = load_model(spec.source, spec.revision)
+    config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
+                          prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
+                          prefix_cache_bytes=placed.request.prefix_cache, kv_cache_bytes=placed.request.kv_cache,
+                          kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size)
+    weights = weight_bytes(model)
+    if pairing is None:
+        return Started(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights)
+    try:
+        drafter = None if pairing.method == Method.NGRAM else load_drafter(
+            pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
+    except Exception as exc:
+        return Started(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights,
+                       f"{type(exc).__name__}: {exc}")
+    return Started(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter, on_fault), weights)
+
+
+def _embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[], None]) -> Started:
+    model, tokenizer, pooling = load_embedding_model(spec.source, spec.revision)
+    window = context_window(model, tokenizer)
+    config = EmbedderConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
+                            max_context=min(spec.max_context or window, window),
+                            chunk_tokens=spec.prefill_step_tokens)
+    return Started(Embedder(name, model, tokenizer, pooling, config, metrics, on_fault), weight_bytes(model))
+
+
+async def _group(name: str, spec: ModelSpec, placed: Placement, pairing: Pairing | None,
+                 on_failure: Callable[[], None]) -> Started:
+    if pairing is not None and pairing.method == Method.EAGLE:
+        client = await start_group(name, spec, placed.topology, on_failure, NO_SPECULATION, None)
+        return Started(client, client.weight_bytes, "EAGLE heads are not supported under tensor parallelism yet")
+    speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
+    draft_source = pairing.spec.source if pairing is not None and pairing.method == Method.DRAFT else None
+    client = await start_group(name, spec, placed.topology, on_failure, speculation, draft_source)
+    return Started(client, client.weight_bytes)
