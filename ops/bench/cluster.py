@@ -45,6 +45,9 @@ The Model is the demo target, in one run:
    setting is what ``docs/tensor-parallel.md``'s rule picks. At each latency a
    group with ``parallelism: auto`` is started too, and the split it picks (it
    times a decode step under each as it starts) is printed beside the faster.
+   With ``--big``, the latency settings run again with the random 1 GB model
+   (one stream, 32 tokens), whose step is long enough for tensor parallelism to
+   pay here, so ``auto`` has a real choice to make.
 
     specd forge models/test --preset test   # the tokenizer of the --big model
     python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|links|latency]
@@ -232,25 +235,26 @@ def namespace_link(workdir: Path):
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def split_manifests(parallelism: str, ns: str, subnet: str, port: int) -> list[dict]:
-    """The demo target on a 2-rank Topology across the link, and in one process."""
+def split_manifests(parallelism: str, ns: str, subnet: str, port: int, source: Path = DEMO) -> list[dict]:
+    """A target (the demo's) on a 2-rank Topology across the link, and in one process."""
     topology = {"apiVersion": "specd.dev/v1alpha1", "kind": "Topology", "metadata": {"name": "link"},
                 "spec": {"backend": "ring", "launcher": "ssh", "port": port, "threadsPerRank": 1,
                          "parallelism": parallelism, "stepTimeoutSeconds": 120,
                          "specdCommand": str(Path(sys.executable).with_name("specd")),
                          "hosts": [{"name": "here", "address": f"{subnet}.1"}, {"name": ns, "address": f"{subnet}.2"}]}}
     models = [{"apiVersion": "specd.dev/v1alpha1", "kind": "Model", "metadata": {"name": name},
-               "spec": {"source": str(DEMO), **extra}} for name, extra in (("demo", {"topologyRef": "link"}),
+               "spec": {"source": str(source), **extra}} for name, extra in (("demo", {"topologyRef": "link"}),
                                                                             ("single", {}))]
     return [topology, *models]
 
 
-async def decode_rate(session: aiohttp.ClientSession, url: str, model: str, streams: int, runs: int) -> float:
+async def decode_rate(session: aiohttp.ClientSession, url: str, model: str, streams: int, runs: int,
+                      max_tokens: int = 128) -> float:
     """Generated tokens per second of ``streams`` concurrent greedy completions, median of ``runs``."""
     source = (REPO_ROOT / "tests" / "data" / "speculation_sample.txt").read_text()
 
     async def one(prompt: str) -> int:
-        body = {"model": model, "prompt": prompt, "max_tokens": 128, "temperature": 0,
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "speculation": {"method": "none"}}
         async with session.post(f"{url}/v1/completions", json=body) as r:
             r.raise_for_status()
@@ -265,12 +269,13 @@ async def decode_rate(session: aiohttp.ClientSession, url: str, model: str, stre
 
 
 @contextlib.asynccontextmanager
-async def split_group(home: Path, parallelism: str, ns: str, subnet: str, rsh: Path, port: int, env: dict):
-    """A daemon serving the demo target split over a 2-rank ring across the link (``demo``) and in
-    one process (``single``); yields a session and its URL once both are ready."""
+async def split_group(home: Path, parallelism: str, ns: str, subnet: str, rsh: Path, port: int, env: dict,
+                      source: Path = DEMO):
+    """A daemon serving a target (the demo's) split over a 2-rank ring across the link (``demo``) and
+    in one process (``single``); yields a session and its URL once both are ready."""
     (home / "manifests").mkdir(parents=True)
     (home / "manifests" / "link.yaml").write_text(
-        "\n---\n".join(json.dumps(d) for d in split_manifests(parallelism, ns, subnet, port)))
+        "\n---\n".join(json.dumps(d) for d in split_manifests(parallelism, ns, subnet, port, source)))
     # not pinned: its ranks inherit its CPU affinity, and each needs a core of its own
     with daemon(home / "d", None, {**env, "SPECD_RSH": str(rsh)}, "--manifests", str(home / "manifests")) as url:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
@@ -288,9 +293,10 @@ async def split_group(home: Path, parallelism: str, ns: str, subnet: str, rsh: P
             yield session, url
 
 
-async def rates(session: aiohttp.ClientSession, url: str, model: str, runs: int) -> dict:
-    await decode_rate(session, url, model, 1, 1)  # warm-up on this link
-    return {f"c{c}": await decode_rate(session, url, model, c, runs) for c in (1, 4)}
+async def rates(session: aiohttp.ClientSession, url: str, model: str, runs: int, streams: tuple[int, ...] = (1, 4),
+                max_tokens: int = 128) -> dict:
+    await decode_rate(session, url, model, 1, 1, max_tokens)  # warm-up on this link
+    return {f"c{c}": await decode_rate(session, url, model, c, runs, max_tokens) for c in streams}
 
 
 async def splits_over_links(workdir: Path, runs: int, env: dict) -> dict:
@@ -317,8 +323,10 @@ LATENCIES_MS = {"relay only": 0.0, "Thunderbolt-like, 0.05 ms": 0.05, "Ethernet-
                 "slow LAN, 1 ms": 1.0}
 
 
-async def splits_over_latency(workdir: Path, runs: int, env: dict) -> dict:
-    """tokens/s per one-way latency and split (and in one process), one group per split."""
+async def splits_over_latency(workdir: Path, runs: int, env: dict, source: Path = DEMO, streams=(1, 4),
+                              max_tokens: int = 128) -> dict:
+    """tokens/s per one-way latency and split (and in one process), one group per split; and the split
+    a ``parallelism: auto`` group started at each latency picks."""
     out: dict = {}
     base = 43000 + (os.getpid() % 500) * 8
     ports = {"tensor": base, "pipeline": base + 2, "auto": base + 4}
@@ -326,23 +334,25 @@ async def splits_over_latency(workdir: Path, runs: int, env: dict) -> dict:
         for parallelism in ("tensor", "pipeline"):
             link.set_delay(0)
             async with split_group(workdir / parallelism, parallelism, link.ns, link.subnet, link.rsh,
-                                   ports[parallelism], env) as (session, url):
+                                   ports[parallelism], env, source) as (session, url):
                 for setting, ms in LATENCIES_MS.items():
                     link.set_delay(ms)
                     cell = out.setdefault(setting, {})
-                    cell[parallelism] = await rates(session, url, "demo", runs)
+                    cell[parallelism] = await rates(session, url, "demo", runs, streams, max_tokens)
                     if parallelism == "tensor" and ms == 0:
-                        cell["one process"] = await rates(session, url, "single", runs)
+                        cell["one process"] = await rates(session, url, "single", runs, streams, max_tokens)
         for setting, ms in LATENCIES_MS.items():  # auto chooses as its group starts: one group per setting
             link.set_delay(ms)
             async with split_group(workdir / f"auto-{ms}", "auto", link.ns, link.subnet, link.rsh, ports["auto"],
-                                   env) as (session, url):
+                                   env, source) as (session, url):
                 async with session.get(f"{url}/apis/specd.dev/v1alpha1/models/demo") as r:
                     group = (await r.json())["status"]["group"]
             out[setting]["auto"] = {"picks": group["parallelism"],
                                     "step_ms": group["splitProbe"]["stepMilliseconds"]}
     for cell in out.values():
         cell["faster"] = max(("tensor", "pipeline"), key=lambda split: cell[split]["c1"])
+    if source != DEMO:  # a step of 100 ms or more hides a few ms of latency in its noise: nothing to fit
+        return out
     slowest, bare = out[max(LATENCIES_MS, key=LATENCIES_MS.get)], out[min(LATENCIES_MS, key=LATENCIES_MS.get)]
     # each one-way crossing of the link a token waits for costs it the added latency once
     out["crossings_per_token"] = {
@@ -396,8 +406,8 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
             "demo, agent-like": await replicas_compared(workdir / "agent", args.runs, env, DEMO, 32,
                                                         prompts=agent_prompts, counted="all")}
         if args.big:
-            big = build("llama", workdir / "one-gb", REPO_ROOT / "models" / "test" / "target", overrides=ONE_GB)
-            out["throughput_c8"]["random 1 GB"] = await replicas_compared(workdir / "big", args.runs, env, big, 32)
+            out["throughput_c8"]["random 1 GB"] = await replicas_compared(workdir / "big", args.runs, env,
+                                                                          one_gb(workdir), 32)
     if "multiturn" in parts:
         out["multiturn_c4"] = {"prefix": await multiturn(workdir / "prefix", "prefix", args.runs, env),
                                "round-robin": await multiturn(workdir / "rr", "round-robin", args.runs, env)}
@@ -405,13 +415,25 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
         out["splits_over_links"] = await splits_over_links(workdir / "links", args.runs, env)
     if "latency" in parts:
         out["splits_over_latency"] = await splits_over_latency(workdir / "latency", args.runs, env)
+        if args.big:  # a model whose step is long enough for tensor parallelism to pay here
+            out["splits_over_latency, random 1 GB"] = await splits_over_latency(
+                workdir / "latency-big", args.runs, env, one_gb(workdir), (1,), 32)
     return out
+
+
+def one_gb(workdir: Path) -> Path:
+    """The random 1 GB Llama (built once per run)."""
+    path = workdir / "one-gb"
+    if not path.exists():
+        build("llama", path, REPO_ROOT / "models" / "test" / "target", overrides=ONE_GB)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--big", action="store_true", help="also the throughput of a random 1 GB model")
+    parser.add_argument("--big", action="store_true",
+                        help="also a random 1 GB model: its throughput, and (with latency) its splits")
     parser.add_argument("--links", action="store_true",
                         help="also tensor against pipeline parallelism over slowed links and added latency (root: netns, tc)")
     parser.add_argument("--only", action="append", choices=("throughput", "multiturn", "links", "latency"),
@@ -427,17 +449,20 @@ def main(argv: list[str] | None = None) -> int:
     for routing, r in results.get("multiturn_c4", {}).items():
         print(f"multi-turn c=4, {routing:>11}: hit rate {r['hit_rate']:.2f}, later-turn TTFT "
               f"{1000 * r['later_turn_ttft_s']:.0f} ms")
-    latency = dict(results.get("splits_over_latency", {}))
-    crossings = latency.pop("crossings_per_token", None)
-    for link, cell in {**results.get("splits_over_links", {}), **latency}.items():
-        print(f"{link:>26}: " + "; ".join(f"{split} {r['c1']:.1f} tok/s (c=4 {r['c4']:.1f})"
-                                          for split, r in cell.items() if split not in ("faster", "auto"))
-              + (f"; faster: {cell['faster']}" if "faster" in cell else "")
-              + (f"; auto picks {cell['auto']['picks']} (timed step, ms: "
-                 + ", ".join(f"{s} {t:.2f}" for s, t in cell["auto"]["step_ms"].items()) + ")"
-                 if "auto" in cell else ""))
-    if crossings:
-        print("link crossings a token waits for: " + ", ".join(f"{k} {v:.1f}" for k, v in crossings.items()))
+    for part in ("splits_over_links", "splits_over_latency", "splits_over_latency, random 1 GB"):
+        cells = dict(results.get(part, {}))
+        crossings = cells.pop("crossings_per_token", None)
+        if cells:
+            print(part)
+        for link, cell in cells.items():
+            print(f"{link:>26}: " + "; ".join(f"{split} " + ", ".join(f"c={c[1:]} {r[c]:.1f}" for c in r) + " tok/s"
+                                              for split, r in cell.items() if split not in ("faster", "auto"))
+                  + (f"; faster: {cell['faster']}" if "faster" in cell else "")
+                  + (f"; auto picks {cell['auto']['picks']} (timed step, ms: "
+                     + ", ".join(f"{s} {t:.2f}" for s, t in cell["auto"]["step_ms"].items()) + ")"
+                     if "auto" in cell else ""))
+        if crossings:
+            print("link crossings a token waits for: " + ", ".join(f"{k} {v:.1f}" for k, v in crossings.items()))
     write_result(args.out, {**machine_info(args), "results": results})
     print(json.dumps({m: round(t["ratio"], 3) for m, t in results.get("throughput_c8", {}).items()}))
     return 0
