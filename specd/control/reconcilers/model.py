@@ -33,7 +33,7 @@ from ..manager import Result
 from ..node import Holding, Node
 from ..launch import launch
 from ..placement import Candidate, Placement, place, place_group, place_remote_groups
-from ..registry import ModelRegistry, Pairing, Phase, ServedModel
+from ..registry import ModelRegistry, Pairing, Phase, Policy, ServedModel
 from ..replica_set import ReplicaSet
 from ..replicas import RemoteReplicas
 from ..resources import MemoryRequest, memory_request, rank_request
@@ -125,14 +125,15 @@ class ModelReconciler:
             return Result()
         spec: ModelSpec = SPEC_PARSERS[KIND](obj.spec)
         pairing = chosen_pairings(self.store).get(name)
-        self._reconcile_model(obj, spec, pairing)
+        policy = policy_for(stored_policies(self.store), obj.labels)
+        self._reconcile_model(obj, spec, pairing, policy)
         served = self.registry.models[name]
         if served.engine is not None:
             self._note_faults(served)
             if served.spec.task == "generate":  # speculation is for generation
                 if isinstance(served.engine, SwappableDrafter):  # a group's pairing is part of its placement
                     self._reconcile_pairing(served, pairing)
-                self._reconcile_policy(served, obj)
+                self._reconcile_policy(served, policy)
         self.store.set_status(KIND, name, self._model_status(obj, served))
         holdings = self.holdings()
         self.metrics.node_memory(self.node.requested(holdings), sum(self.in_use().values()),
@@ -174,7 +175,8 @@ class ModelReconciler:
 
     # -- replicas across the cluster's Nodes ------------------------------
 
-    def _placed_here(self, served: ServedModel, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None) -> bool:
+    def _placed_here(self, served: ServedModel, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None,
+                     policy: Policy | None) -> bool:
         """On a head: place the Model's replicas on Nodes by its memory request, apply the
         remote ones to their workers; whether this node runs one (if not, and it did, it stops)."""
         current = served.replica_nodes or [r["node"] for r in obj.status.get("replicas", [])]
@@ -203,7 +205,7 @@ class ModelReconciler:
                                         f"{'NotReady' if gone in members and not members[gone].ready else 'gone'}")
         served.replica_nodes, served.replicas_short = nodes, short
         self._serve_replicas(served, spec, nodes)
-        applied_with = self._applied_with(obj, spec, pairing)
+        applied_with = self._applied_with(spec, pairing, policy)
         for node in nodes:
             if node != self.node.name:
                 self.remote.ensure(members[node], obj, *applied_with)
@@ -224,16 +226,15 @@ class ModelReconciler:
             asyncio.get_running_loop().call_later(wait + 0.05, self.look, served.name)
         return wait > 0
 
-    def _applied_with(self, obj: StoredObject, spec: ModelSpec,
-                      pairing: Pairing | None) -> tuple[StoredObject | None, StoredObject | None]:
+    def _applied_with(self, spec: ModelSpec, pairing: Pairing | None,
+                      policy: Policy | None) -> tuple[StoredObject | None, StoredObject | None]:
         """What a worker is applied with a replica of the Model: the DraftPairing the head chose
-        for it and the SpecPolicy that selects it."""
-        policy = policy_for(stored_policies(self.store), obj.labels) if spec.task == "generate" else None
+        for it and the SpecPolicy that selects it (speculation is for generation)."""
         return (self.store.find("DraftPairing", pairing.name) if pairing else None,
-                self.store.find("SpecPolicy", policy.name) if policy else None)
+                self.store.find("SpecPolicy", policy.name) if policy and spec.task == "generate" else None)
 
     def _place_groups(self, served: ServedModel, obj: StoredObject, spec: ModelSpec, topo: StoredObject,
-                      topology: TopologySpec, pairing: Pairing | None) -> None:
+                      topology: TopologySpec, pairing: Pairing | None, policy: Policy | None) -> None:
         """On a head: a group Model's replicas after the group beside the head (``replicas`` > 1)
         are groups whose rank 0 runs on a worker Node of its Topology (``place_remote_groups``).
         The head applies each worker the Model with a Topology of its group's hosts, and the worker
@@ -274,7 +275,7 @@ class ModelReconciler:
                 served.replica_set.nodes = [self.node.name]
             return
         self._serve_replicas(served, spec, served.replica_nodes)
-        applied_with = self._applied_with(obj, spec, pairing)
+        applied_with = self._applied_with(spec, pairing, policy)
         listed = {h["name"]: h for h in topo.spec["hosts"]}
         for node, hosts in groups.items():
             self.remote.ensure(members[node], obj, *applied_with, {**topo.spec, "hosts": [listed[h] for h in hosts]})
@@ -458,7 +459,8 @@ class ModelReconciler:
                 and served.loading_generation is None and served.engine.in_flight == 0
                 and now - served.last_used >= served.spec.idle_seconds)
 
-    def _reconcile_model(self, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None) -> None:
+    def _reconcile_model(self, obj: StoredObject, spec: ModelSpec, pairing: Pairing | None,
+                         policy: Policy | None) -> None:
         served = self.registry.models.get(obj.name)
         if served is None:
             served = ServedModel(obj.name, obj.generation, spec)
@@ -482,13 +484,13 @@ class ModelReconciler:
             self._lost_ranks(served)
             self._check_group(served)
             if self.cluster is not None:
-                self._place_groups(served, obj, spec, topo, topology, pairing)
+                self._place_groups(served, obj, spec, topo, topology, pairing, policy)
         elif served.group_memory or served.remote_groups:  # no longer a group: nothing held for its ranks
             served.group_memory, served.group_reserved, served.group_hosts = {}, {}, []
             served.remote_groups, served.remote_group_memory = {}, {}
             if self.cluster is not None:
                 self.cluster.reserve(served.name, {})
-        if self.cluster is not None and topology is None and not self._placed_here(served, obj, spec, pairing):
+        if self.cluster is not None and topology is None and not self._placed_here(served, obj, spec, pairing, policy):
             return
         restart_due = served.retry_at is not None and now >= served.retry_at
         up_to_date = served.generation == obj.generation and served.group_key == group_key and not served.restart and (
@@ -689,9 +691,8 @@ class ModelReconciler:
         served.pairing, served.pairing_error = pairing, ""
         self.store.record_event("DraftPairing", pairing.name, "Normal", "Attached", f"drafting for {served.name}")
 
-    def _reconcile_policy(self, served: ServedModel, obj: StoredObject) -> None:
-        """The first policy (by name) whose selector matches the Model's labels."""
-        policy = policy_for(stored_policies(self.store), obj.labels)
+    def _reconcile_policy(self, served: ServedModel, policy: Policy | None) -> None:
+        """The first policy (by name) whose selector matches the Model's labels, applied to its engine."""
         if served.policy == policy:
             return
         m = self.metrics
