@@ -16,6 +16,7 @@ from test_tensor_parallel import (METHODS, PROMPTS, assert_speculates_as_single,
 
 from specd.api.manifest import ManifestError, parse_documents
 from specd.parallel.pipeline import layer_range
+from specd.parallel.shard import load_shard
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,25 @@ def test_auto_keeps_the_split_that_decoded_faster_and_serves_exactly_as_a_single
     baseline = {p: complete(client, "single", p, "none") for p in PROMPTS}
     for (prompt, method), got in zip(jobs, split):
         assert got == baseline[prompt], (prompt, method, group["parallelism"])
+
+
+@pytest.mark.parametrize("family,kept,refused,reason", [
+    ("phi3", "pipeline", "tensor", "does not support tensor parallelism"),  # no shard() in mlx-lm
+    ("gpt_oss", "tensor", "pipeline", "places layers by index"),  # layer_types, and no pipeline()
+])
+def test_auto_leaves_out_the_split_a_family_cannot_take_with_its_reason(family_models, family, kept, refused,
+                                                                         reason):
+    """On a one-rank group (each split loads whole here; which one a family can take is its own):
+    ``auto`` times only the split it can load, keeps it, and says why the other was left out."""
+    group = mx.distributed.init(strict=False)
+    model, _, split = load_shard(str(family_models(family)), None, group, "auto")
+    assert split.parallelism == kept and list(split.step_seconds) == [kept] and split.step_seconds[kept] > 0
+    assert list(split.refused) == [refused] and reason in split.refused[refused]
+    assert split.as_dict()["probe"]["refused"] == split.refused
+
+
+def test_auto_refuses_a_family_that_takes_neither_split_naming_both_reasons(family_models):
+    """Gemma 3 has neither mlx-lm's shard() nor pipeline(), and places its sliding layers by index."""
+    with pytest.raises(ValueError) as err:
+        load_shard(str(family_models("gemma3_text")), None, mx.distributed.init(strict=False), "auto")
+    assert "tensor: " in str(err.value) and "pipeline: " in str(err.value)
