@@ -139,7 +139,8 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
     (tmp_path / "m.yaml").write_text(manifest)
     specd(h, "apply", "-f", str(tmp_path / "m.yaml"))
     wait_for(lambda: get(h, "model", "m")["status"].get("readyReplicas") == 2, 120, "two replicas")
-    assert sorted(r["node"] for r in get(h, "model", "m")["status"]["replicas"]) == ["w1", "w2"]
+    assert sorted((r["node"], r["phase"]) for r in get(h, "model", "m")["status"]["replicas"]) == [
+        ("w1", "Ready"), ("w2", "Ready")]
 
     # requests spread over both replicas, each answer what one engine gives
     text = code_sample("speculation")
@@ -387,8 +388,8 @@ def test_a_group_models_replicas_are_groups_each_with_rank_0_on_its_own_node(for
         table = specd(h, "get", "models", "-o", "wide").stdout.splitlines()
         assert table[0].split()[-2:] == ["REPLICAS", "AGE"] and table[1].split()[-2] == "2/2", table
         assert get(h, "model", "split")["status"]["replicas"] == [
-            {"node": "head", "ready": True, "hosts": ["head", "spare2"]},
-            {"node": "w1", "ready": True, "hosts": ["w1", "spare1"]}]
+            {"node": "head", "ready": True, "phase": "Ready", "hosts": ["head", "spare2"]},
+            {"node": "w1", "ready": True, "phase": "Ready", "hosts": ["w1", "spare1"]}]
         w1.admin_token = "s3cret-cluster-token"  # a worker's control plane answers its head only
 
         def on_w1(path: str) -> tuple[int, dict]:

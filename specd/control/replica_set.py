@@ -86,6 +86,17 @@ class ReplicaSet:
             return self._remote[node][1].reported  # its heartbeat has not said so yet
         return None
 
+    def phases(self) -> dict[str, str]:
+        """Each replica's phase on another Node, as its Node last reported it: ``Unknown`` while the
+        Node is NotReady or gone, ``Pending`` until its Node reports the Model."""
+        out = {}
+        for node in self.nodes:
+            member = self.cluster.members.get(node)
+            if node != self.here:
+                out[node] = ("Unknown" if member is None or not member.ready
+                             else (member.model(self.name) or {}).get("phase", "Pending"))
+        return out
+
     def policies(self) -> dict[str, str | None]:
         """The SpecPolicy each ready replica on another Node reports it runs, by Node."""
         return {n: (self.cluster.members[n].model(self.name) or {}).get("specPolicy")

@@ -750,7 +750,9 @@ class ModelReconciler:
         if self.cluster is not None and (served.spec.topology_ref is None or served.spec.replicas > 1):
             routable = set(served.replica_set.ready_nodes()) if served.replica_set is not None else set()
             policies = served.replica_set.policies() if served.replica_set is not None else {}
+            phases = served.replica_set.phases() if served.replica_set is not None else {}
             status["replicas"] = [{"node": n, "ready": n in routable,
+                                   "phase": served.phase.value if n == self.node.name else phases.get(n, "Pending"),
                                    **({"specPolicy": policies[n]} if policies.get(n) else {}),
                                    **({"hosts": served.remote_groups.get(n, served.group_hosts)}
                                       if served.spec.topology_ref else {})}
