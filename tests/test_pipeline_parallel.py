@@ -6,6 +6,7 @@ third group, ``parallelism: auto``, times both splits and keeps the faster."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -125,3 +126,23 @@ def test_auto_refuses_a_family_that_takes_neither_split_naming_both_reasons(fami
     with pytest.raises(ValueError) as err:
         load_shard(str(family_models("gemma3_text")), None, mx.distributed.init(strict=False), "auto")
     assert "tensor: " in str(err.value) and "pipeline: " in str(err.value)
+
+
+def test_a_group_that_cannot_load_says_why_in_the_models_status(family_models, tmp_path):
+    """Rank 0 tells the daemon why it could not load its part, so the Model's status names the
+    reason (Gemma 3 places its layers by index and has no pipeline()), not only an exit code."""
+    docs = [topology("pipe", parallelism="pipeline", stepTimeoutSeconds=30),
+            model_manifest("gemma", family_models("gemma3_text"), topologyRef="pipe")]
+    daemon = start_daemon(tmp_path, {"models.yaml": "---\n".join(docs)}, wait_ready=False)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ready := next((c for c in model_status(daemon, "gemma").get("conditions", [])
+                                  if c["type"] == "Ready"), {})).get("message", "").startswith("RuntimeError"):
+            assert time.monotonic() < deadline, model_status(daemon, "gemma")
+            time.sleep(0.2)
+        assert ready["reason"] == "Restarting"
+        assert ready["message"].startswith("RuntimeError: rank 0 (rank0) could not load: ValueError: gemma3_text "
+                                           "places layers by index"), ready
+        assert "serve it with parallelism: tensor" in ready["message"]
+    finally:
+        daemon.stop()

@@ -339,8 +339,10 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_fai
             return
         if message[0] == "hello" and message[1] == token and not hello.done():
             hello.set_result((message[2], reader, writer))
-        else:
-            writer.close()
+            return
+        if message[0] == "failed" and message[1] == token and not hello.done():
+            hello.set_exception(RuntimeError(f"rank 0 ({topology.hosts[0].name}) could not load: {message[2]}"))
+        writer.close()
 
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
     control = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -359,10 +361,14 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_fai
     try:
         deadline = time.monotonic() + ready_timeout
         while not hello.done():
-            for rank, proc in enumerate(procs):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"rank {rank} ({topology.hosts[rank].name}) exited with code "
-                                       f"{proc.returncode} while the group was starting (see the daemon log)")
+            exited = next(((rank, p) for rank, p in enumerate(procs) if p.poll() is not None), None)
+            if exited is not None:
+                await asyncio.wait([hello], timeout=EXIT_GRACE)  # rank 0's reason may be on its way
+                if hello.done():
+                    break
+                rank, proc = exited
+                raise RuntimeError(f"rank {rank} ({topology.hosts[rank].name}) exited with code "
+                                   f"{proc.returncode} while the group was starting (see the daemon log)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the group did not load within {ready_timeout:g}s")
             await asyncio.wait([hello], timeout=0.2)

@@ -193,11 +193,16 @@ def run(plan: GroupPlan) -> int:
     rank = group.rank()
     structlog.contextvars.bind_contextvars(model=plan.model, rank=rank)
     started = time.monotonic()
-    model, tokenizer, split = load_shard(plan.source, plan.revision, group, plan.parallelism, plan.backend)
-    draft = load_model(plan.draft_source)[0] if plan.draft_source else None
-    speculation = (SpeculationConfig(**{**plan.speculation, "method": Method(plan.speculation["method"])})
-                   if plan.speculation else NO_SPECULATION)
-    engine = Engine(plan.model, model, tokenizer, EngineConfig(**plan.engine), Metrics(), speculation, draft)
+    try:
+        model, tokenizer, split = load_shard(plan.source, plan.revision, group, plan.parallelism, plan.backend)
+        draft = load_model(plan.draft_source)[0] if plan.draft_source else None
+        speculation = (SpeculationConfig(**{**plan.speculation, "method": Method(plan.speculation["method"])})
+                       if plan.speculation else NO_SPECULATION)
+        engine = Engine(plan.model, model, tokenizer, EngineConfig(**plan.engine), Metrics(), speculation, draft)
+    except Exception as exc:
+        if rank == 0:
+            _report_failed_load(plan, f"{type(exc).__name__}: {exc}")
+        raise
     stepper = GroupRank(engine, group)
     local = weight_bytes(model)
     total = int(mx.distributed.all_sum(mx.array([local], dtype=mx.int64), group=group).item())
@@ -207,6 +212,17 @@ def run(plan: GroupPlan) -> int:
         _exit(0)
     return _serve(stepper, plan, {"weight_bytes": total, "max_context": engine.max_context,
                                  "vocab_size": engine.vocab_size, "drafter": engine.drafter, **split.as_dict()})
+
+
+def _report_failed_load(plan: GroupPlan, reason: str) -> None:
+    """Rank 0 could not load its part: tell the daemon why, so the Model's status says it (the
+    other ranks' reasons are in their own logs)."""
+    host, port = plan.control.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(wire.encode(("failed", plan.token, reason)))
+    except OSError:  # the daemon is gone or stopped waiting: the exit code is all it gets
+        pass
 
 
 def _serve(stepper: GroupRank, plan: GroupPlan, info: dict) -> int:
