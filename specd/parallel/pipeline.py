@@ -122,8 +122,10 @@ def load_stage(path: str, group: mx.distributed.Group) -> tuple[nn.Module, objec
         text = config.get("text_config", config)
         indexed = [k for k in INDEXED_LAYER_KEYS if k in text]
         if indexed:
+            other = ("serve it with parallelism: tensor" if hasattr(model, "shard")
+                     else "nor shard(), so no split can take it")
             raise ValueError(f"{config.get('model_type')} places layers by index ({', '.join(indexed)}) and its "
-                             "mlx-lm model has no pipeline(): serve it with parallelism: tensor")
+                             f"mlx-lm model has no pipeline(): {other}")
         split_layers(model, group)
         how = "layers"
     norm = next(n for n in FINAL_NORM_NAMES if getattr(inner, n, None) is not None)
