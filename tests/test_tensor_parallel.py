@@ -508,11 +508,12 @@ def test_rank_0_losing_a_peer_that_never_exits_says_so():
     assert group_failure([("fatal", PEER_LOST), ("exit", 0, 1)]) == f"rank 0 stopped the group: {PEER_LOST}"
 
 
-@pytest.mark.parametrize("parallelism", ["tensor", "pipeline"])
+@pytest.mark.parametrize("parallelism", ["tensor", "pipeline", "auto"])
 def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path_factory, netns_hosts, parallelism):
     """Rank 1 in its own network namespace, reached over a veth link and started
     through the ssh launcher (``SPECD_RSH``): same greedy tokens as one process,
-    the ranks splitting every layer or the stack of layers."""
+    the ranks splitting every layer or the stack of layers, or (auto) whichever of
+    the two decoded faster over that link as the group started."""
     ns, subnet, rsh = netns_hosts.ns, netns_hosts.subnet, netns_hosts.rsh
     specd = Path(sys.executable).with_name("specd")
     topo = textwrap.dedent(f"""\
@@ -523,7 +524,7 @@ def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path
         spec:
           backend: ring
           launcher: ssh
-          port: {40000 + os.getpid() % 20000 + 2 * (parallelism == "pipeline")}
+          port: {40000 + os.getpid() % 20000 + 2 * ["tensor", "pipeline", "auto"].index(parallelism)}
           threadsPerRank: 1
           parallelism: {parallelism}
           specdCommand: {specd}
@@ -546,7 +547,10 @@ def test_two_hosts_in_network_namespaces_match_a_single_process(forged, tmp_path
             on_tp = list(pool.map(lambda j: complete(client, "tp2", *j), jobs))
         for (prompt, method), got in zip(jobs, on_tp):
             assert got == complete(client, "single", prompt, "none"), (prompt, method)
-        hosts = [r["host"] for r in model_status(daemon, "tp2")["group"]["ranks"]]
-        assert hosts == ["here", ns]
+        group = model_status(daemon, "tp2")["group"]
+        assert [r["host"] for r in group["ranks"]] == ["here", ns]
+        timed = (group.get("splitProbe") or {}).get("stepMilliseconds", {})
+        assert group["parallelism"] == (min(timed, key=timed.get) if parallelism == "auto" else parallelism)
+        assert set(timed) == ({"tensor", "pipeline"} if parallelism == "auto" else set())
     finally:
         daemon.stop()
