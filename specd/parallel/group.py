@@ -378,4 +378,6 @@ async def start_group(name: str, spec: ModelSpec, topology: TopologySpec, on_fai
         raise
     finally:
         server.close()
+        if not hello.done():  # a rank's late word finds nobody waiting, and is dropped
+            hello.cancel()
     return GroupClient(name, topology, procs, tokenizer, info, speculation, on_failure, reader, writer)
