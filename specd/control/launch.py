@@ -53,16 +53,16 @@ def _engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | Non
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
                           prefix_cache_bytes=placed.request.prefix_cache, kv_cache_bytes=placed.request.kv_cache,
                           kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size)
-    weights = weight_bytes(model)
-    if pairing is None:
-        return Started(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights)
-    try:
-        drafter = None if pairing.method == Method.NGRAM else load_drafter(
-            pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
-    except Exception as exc:
-        return Started(Engine(name, model, tokenizer, config, metrics, on_fault=on_fault), weights,
-                       f"{type(exc).__name__}: {exc}")
-    return Started(Engine(name, model, tokenizer, config, metrics, pairing.speculation(), drafter, on_fault), weights)
+    speculation, drafter, pairing_error = NO_SPECULATION, None, ""
+    if pairing is not None:
+        try:
+            drafter = None if pairing.method == Method.NGRAM else load_drafter(
+                pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
+            speculation = pairing.speculation()
+        except Exception as exc:
+            pairing_error = f"{type(exc).__name__}: {exc}"
+    return Started(Engine(name, model, tokenizer, config, metrics, speculation, drafter, on_fault), weight_bytes(model),
+                   pairing_error)
 
 
 def _embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[], None]) -> Started:
@@ -76,10 +76,11 @@ def _embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[
 
 async def _group(name: str, spec: ModelSpec, placed: Placement, pairing: Pairing | None,
                  on_failure: Callable[[], None]) -> Started:
+    speculation, draft_source, pairing_error = NO_SPECULATION, None, ""
     if pairing is not None and pairing.method == Method.EAGLE:
-        client = await start_group(name, spec, placed.topology, on_failure, NO_SPECULATION, None)
-        return Started(client, client.weight_bytes, "EAGLE heads are not supported under tensor parallelism yet")
-    speculation = pairing.speculation() if pairing is not None else NO_SPECULATION
-    draft_source = pairing.spec.source if pairing is not None and pairing.method == Method.DRAFT else None
+        pairing_error = "EAGLE heads are not supported under tensor parallelism yet"
+    elif pairing is not None:
+        speculation = pairing.speculation()
+        draft_source = pairing.spec.source if pairing.method == Method.DRAFT else None
     client = await start_group(name, spec, placed.topology, on_failure, speculation, draft_source)
-    return Started(client, client.weight_bytes)
+    return Started(client, client.weight_bytes, pairing_error)

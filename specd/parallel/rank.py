@@ -214,12 +214,17 @@ def run(plan: GroupPlan) -> int:
                                  "vocab_size": engine.vocab_size, "drafter": engine.drafter, **split.as_dict()})
 
 
+def _control_connection(plan: GroupPlan, timeout: float | None = None) -> socket.socket:
+    """Rank 0's connection to the daemon that started it (``plan.control``, on loopback)."""
+    host, port = plan.control.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
 def _report_failed_load(plan: GroupPlan, reason: str) -> None:
     """Rank 0 could not load its part: tell the daemon why, so the Model's status says it (the
     other ranks' reasons are in their own logs)."""
-    host, port = plan.control.rsplit(":", 1)
     try:
-        with socket.create_connection((host, int(port)), timeout=5) as sock:
+        with _control_connection(plan, timeout=5) as sock:
             sock.sendall(wire.encode(("failed", plan.token, reason)))
     except OSError:  # the daemon is gone or stopped waiting: the exit code is all it gets
         pass
@@ -228,8 +233,7 @@ def _report_failed_load(plan: GroupPlan, reason: str) -> None:
 def _serve(stepper: GroupRank, plan: GroupPlan, info: dict) -> int:
     """Rank 0: requests in from the daemon, outputs and status back."""
     engine = stepper.engine
-    host, port = plan.control.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)))
+    sock = _control_connection(plan)
     sending = threading.Lock()
 
     def send(message) -> None:
