@@ -187,6 +187,60 @@ def test_rows_joining_and_leaving_in_any_order_keep_their_own_tokens(events):
             assert held(cache, b) == kept[b]
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.data(), st.sampled_from([None, 5]))
+def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, window):
+    """Rows restored from a cached prefix in pieces (the prefix cache's nodes)
+    read them in place: through writes, rejected tails, draft trees,
+    evictions, joins and leaves, each new token sees exactly its row's kept
+    tokens (within the window), the pieces are never written, and a row's
+    bytes are its own columns only."""
+    counter = iter(range(1, 10**6))
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    prefix = [next(counter) for _ in range(data.draw(st.integers(2, 40)))]
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(prefix) - 1), max_size=3)))
+    keys, values = onehot([prefix])
+    bounds = [0, *cuts, len(prefix)]
+    pieces = [(keys[..., lo:hi, :], values[..., lo:hi, :]) for lo, hi in zip(bounds, bounds[1:])]
+    mx.eval(pieces)
+    before = [np.array(v) for _, v in pieces]
+    start = 0 if window is None else max(0, len(prefix) - (window - 1))  # what a windowed layer restores
+    restored = [(k[..., max(start - lo, 0):, :], v[..., max(start - lo, 0):, :])
+                for (k, v), lo, hi in zip(pieces, bounds, bounds[1:]) if hi > start]
+    rows = data.draw(st.integers(1, 3))
+    cache = RowKV([0] * rows, window=window)
+    for b in range(rows):
+        cache.restore(b, restored, len(prefix))
+    kept = [list(prefix) for _ in range(rows)]
+    assert cache.nbytes == 0 and cache.held == [len(prefix) - start] * rows
+    for step in range(data.draw(st.integers(1, 12))):
+        if cache.needs_eviction():
+            cache.evict()
+        width = rng.randint(1, 4)
+        new = [[next(counter) for _ in range(width)] for _ in kept]
+        tree = width > 1 and rng.random() < 0.3
+        if tree:  # a chain: each node's ancestors are the nodes before it
+            cache.tree = mx.array(np.tril(np.ones((len(kept), width, width), dtype=bool)))
+        seen = write(cache, new)
+        cache.tree = None
+        for b in range(len(kept)):
+            want = [sorted((kept[b] + new[b][: j + 1])[-(window or 10**6):]) for j in range(width)]
+            assert seen[b] == want, (step, b)
+        drop = np.arange(width)[None, :] >= width - np.array([[rng.randint(0, width - 1)] for _ in kept])
+        BatchRowCache([cache]).forget(drop)
+        for b in range(len(kept)):
+            kept[b] += [t for t, d in zip(new[b], drop[b]) if not d]
+        if len(kept) > 1 and rng.random() < 0.3:
+            order = rng.sample(range(len(kept)), len(kept) - 1)
+            cache.select(order)
+            kept = [kept[i] for i in order]
+    for (_, v), old in zip(pieces, before):
+        assert np.array_equal(np.array(v), old)
+    own = sum(a.nbytes for b in range(len(kept)) if cache.keys[b] is not None
+              for a in (cache.keys[b], cache.values[b]))
+    assert cache.nbytes == own
+
+
 def test_a_row_of_padding_only_attends_to_nothing_and_keeps_the_values_width():
     """In a prefill group's first chunks a short prompt is all padding: its rows of
     the output are zeros as wide as the values (latent attention's keys are wider)."""

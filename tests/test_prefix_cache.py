@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, code_sample, run_engine
+from specd.core.cache import kv_bytes
 from specd.core.loader import load_model, text_config, vocab_size
 from specd.core.prefix import PrefixStore
 from specd.core.request import GenerationRequest, SpeculationConfig
@@ -98,7 +99,13 @@ def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, bud
             n = tree.match(probe, len(probe))
             if n == 0:
                 continue
-            (keys, values), = tree.restore(probe, [0], n)[0]
+            tree.prepare(probe, n)  # cuts and merges nodes: the same columns, counts and leases after it
+            nodes = tree.nodes()
+            assert store.bytes == sum(node.nbytes for node in nodes) and store.nodes == len(nodes)
+            for held, prefix in leases:
+                assert attached(held.node) and depth(held.node) == len(prefix)
+            pieces, = tree.restore(probe, [0], n)[0]
+            keys, values = (mx.concatenate(list(sides), axis=2) for sides in zip(*pieces))
             assert np.array(keys).ravel().tolist() == [column(probe, p) for p in range(n)]
             assert np.array(values).ravel().tolist() == [-column(probe, p) for p in range(n)]
             if stateful:
@@ -306,6 +313,50 @@ def test_requests_sharing_a_prefix_that_is_still_being_prefilled(models):
     got = serve(None)
     assert [t for t, _ in got] == [t for t, _ in expected]
     assert got[0][1] == 0 and all(cached >= len(shared) for _, cached in got[1:]), [c for _, c in got]
+
+
+def test_requests_on_one_system_prompt_hold_it_once(models):
+    """Six requests on one cached 640-token system prompt, under a KV budget
+    that holds two rows of that prompt: each row reads the prompt in place
+    from the prefix cache and holds only its own tokens, so the six decode
+    together, none is preempted, the rows hold less than one prompt's worth
+    beside each other, and every request's tokens (greedy, n-gram rollback in
+    some rows) equal a run without the prefix cache."""
+    model, tokenizer = models("target")
+    ids = tokenizer.encode(code_sample("speculation"))
+    system = ids[:640]
+    prompts = [system + ids[700 + 20 * i: 712 + 20 * i] for i in range(6)]
+    specs = [None, NGRAM] * 3
+    token_bytes = kv_bytes(model)[0]
+    budget = 2 * token_bytes * -(-(len(prompts[0]) + 64 + 64) // 64) * 64
+
+    def serve(prefix_cache, kv_budget):
+        async def go(engine):
+            async def one(prompt, spec):
+                request = GenerationRequest(f"s{next(_ids)}", prompt, GREEDY, 64, (), spec)
+                return [t async for out in engine.generate(request) for t in out.tokens]
+            rows = held = 0
+
+            async def watch():
+                nonlocal rows, held
+                while True:
+                    running = len(engine.scheduler.batch.seqs)
+                    rows = max(rows, running)
+                    if running > 1:
+                        held = max(held, engine.scheduler.kv.held_bytes)
+                    await asyncio.sleep(0.002)
+            await one(system + ids[680:684], None)  # the system prompt, cached
+            watcher = asyncio.ensure_future(watch())
+            outs = await asyncio.gather(*(one(p, s) for p, s in zip(prompts, specs)))
+            watcher.cancel()
+            return outs, rows, held, engine.kv_cache_status()
+        return run_engine(model, tokenizer, go, max_batch_size=8, prefix_cache_bytes=prefix_cache,
+                          kv_cache_bytes=kv_budget)
+    expected, _, _, _ = serve(0, None)
+    got, rows, held, status = serve(None, budget)
+    assert got == expected
+    assert rows == 6 and status["preemptions"] == 0, (rows, status)
+    assert 0 < held < len(system) * token_bytes, (held, len(system) * token_bytes)
 
 
 def test_the_cache_gives_way_under_memory_pressure(models):

@@ -13,6 +13,12 @@ prefix caching off everywhere, mlx_lm.server at its defaults otherwise:
 2. **Time to first token of a joining request** while B rows of 2,000
    tokens decode, for B = 1, 2, 4: it should not grow with B x context.
 3. **Tokens/s** at 1 and 8 concurrent requests of mixed lengths.
+4. **Requests on one system prompt** (prefix caching on, every server's
+   own): once a 4,000-token system prompt is cached, eight requests on it
+   (each its own 50-token question, 64 tokens out) run at once. The figure
+   is the server's peak RSS while they run minus its RSS before them,
+   against one copy of the prompt's KV (what eight rows hold if they read
+   it in place) and eight copies (if each row holds it).
 
 ``--baseline REPO`` adds the specd of another checkout (say, the commit
 before a change) as ``specd@base``, run from that directory.
@@ -175,27 +181,62 @@ def throughput_job(runs: int):
     return job
 
 
-def servers(model: Path, workdir: Path, baseline: Path | None) -> dict:
+def shared_prompt_job(system: int, rows: int):
+    async def job(session, base, model, pid):
+        prompt = prompt_of(system, 7)
+        await complete(session, base, model, prompt + prompt_of(50, 8), 4)  # caches the system prompt
+        await asyncio.sleep(0.5)
+        before = rss_of_tree(pid)
+        async with PeakRSS(pid) as peak:
+            done = await asyncio.gather(*(complete(session, base, model, prompt + prompt_of(50, 20 + i), 64)
+                                          for i in range(rows)))
+        return {"rss_before": before, "peak_rss": peak.peak, "extra_rss": peak.peak - before,
+                "prompt_tokens": statistics.median(d["prompt_tokens"] for d in done),
+                "ttft_s": statistics.median(d["ttft_s"] for d in done)}
+    return job
+
+
+def servers(model: Path, workdir: Path, baseline: Path | None, prompt_cache: bool = False) -> dict:
     """name -> port -> ServerSpec (a baseline specd imports its own checkout first)."""
     out = {}
     for name, root in [("specd", None)] + ([("specd@base", baseline.resolve())] if baseline else []):
         def make(port, root=root, name=name):
             home = Path(tempfile.mkdtemp(dir=workdir, prefix=name.replace("@", "-")))
-            spec = specd_spec(model, home, port, prompt_cache=False)
+            spec = specd_spec(model, home, port, prompt_cache=prompt_cache)
             argv = spec.argv
             if root is not None:  # argv is [python, -m, specd.cli, daemon, ...]
                 argv = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(root)!r}); "
                         "from specd.cli import main; sys.exit(main())", *argv[3:]]
             return ServerSpec(name, argv, spec.ready_path, spec.model_id)
         out[name] = make
-    out["mlx_lm"] = lambda port: mlx_lm_spec(model, port, prompt_cache=False, backlog=64)
+    out["mlx_lm"] = lambda port: mlx_lm_spec(model, port, prompt_cache=prompt_cache, backlog=64)
     return out
+
+
+async def shared_prompt(args: argparse.Namespace, workdir: Path, model: Path, env: dict) -> dict:
+    """Part 4, every server with its prefix cache on."""
+    result = {}
+    for name, make in servers(model, workdir, args.baseline, prompt_cache=True).items():
+        runs = []
+        for _ in range(args.memory_runs):
+            port = free_port()
+            runs.append(await with_server(make(port), env, workdir, port, shared_prompt_job(args.system_prompt, 8)))
+        extra = statistics.median(r["extra_rss"] for r in runs)
+        prompt_kv = statistics.median(r["prompt_tokens"] for r in runs) * TOKEN_KV_BYTES
+        result[name] = {"runs": runs, "extra_rss": extra, "prompt_kv": prompt_kv, "copies": extra / prompt_kv,
+                        "ttft_s": statistics.median(r["ttft_s"] for r in runs)}
+        print(f"{name}: 8 requests on one cached {args.system_prompt}-token system prompt: peak RSS "
+              f"+{extra / 2**20:.0f} MiB, {extra / prompt_kv:.2f}x one copy of the prompt's KV "
+              f"({prompt_kv / 2**20:.0f} MiB); median TTFT {result[name]['ttft_s'] * 1000:.0f} ms", flush=True)
+    return result
 
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     model = build("llama", workdir / "model", args.tokenizer, overrides=REALISTIC)
     result: dict = {}
     env, _ = child_env()
+    if args.only_shared_prompt:
+        return {"shared_prompt": await shared_prompt(args, workdir, model, env)}
     for name, make in servers(model, workdir, args.baseline).items():
         async def run(job):
             port = free_port()
@@ -220,7 +261,7 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
               f"{live / 2**20:.0f} MiB of live KV ({r['ratio']:.2f}x, {r['decode_ratio']:.2f}x); join TTFT " +
               ", ".join(f"B={b}: {t * 1000:.0f} ms" for b, t in r["join_ttft_s"].items()) +
               f"; tok/s c=1 {r['tok_s'][1]:.1f}, c=8 {r['tok_s'][8]:.1f}", flush=True)
-    return result
+    return {"servers": result, "shared_prompt": await shared_prompt(args, workdir, model, env)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,18 +274,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-context", type=int, default=2000)
     p.add_argument("--runs", type=int, default=3, help="throughput runs per concurrency")
     p.add_argument("--memory-runs", type=int, default=3, help="runs with and without the short requests")
+    p.add_argument("--system-prompt", type=int, default=4000, help="tokens of part 4's shared system prompt")
+    p.add_argument("--only-shared-prompt", action="store_true", help="run part 4 alone")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     global TOKENIZER
     TOKENIZER = AutoTokenizer.from_pretrained(str(args.tokenizer))
     with tempfile.TemporaryDirectory(prefix="kv-memory-") as tmp:
         result = asyncio.run(bench(args, Path(tmp)))
-    print("\nthe short requests' extra peak RSS over their live KV (goal: specd <= 1.5x), whole run and while "
-          "the long row decodes; medians:")
-    for name, r in result.items():
-        print(f"  {name:<12}{r['ratio']:>6.2f}x {r['decode_ratio']:>6.2f}x   tok/s c=1 {r['tok_s'][1]:>7.1f}"
-              f"   c=8 {r['tok_s'][8]:>7.1f}")
-    write_result(str(args.out), {"machine": machine_info(args), "servers": result})
+    if "servers" in result:
+        print("\nthe short requests' extra peak RSS over their live KV (goal: specd <= 1.5x), whole run and while "
+              "the long row decodes; medians:")
+        for name, r in result["servers"].items():
+            print(f"  {name:<12}{r['ratio']:>6.2f}x {r['decode_ratio']:>6.2f}x   tok/s c=1 {r['tok_s'][1]:>7.1f}"
+                  f"   c=8 {r['tok_s'][8]:>7.1f}")
+    print("\n8 requests on one cached system prompt: extra peak RSS in copies of the prompt's KV "
+          "(1: held once; 8: held by every row); medians:")
+    for name, r in result["shared_prompt"].items():
+        print(f"  {name:<12}{r['copies']:>6.2f}x   TTFT {r['ttft_s'] * 1000:>6.0f} ms")
+    write_result(str(args.out), {"machine": machine_info(args), **result})
     return 0
 
 

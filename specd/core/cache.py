@@ -76,6 +76,9 @@ class RowCache(Protocol):
     def nbytes(self) -> int:
         """Bytes its rows hold (what counts against the Model's KV budget)."""
 
+    def shared_tokens(self, b: int) -> int:
+        """Tokens row b reads in place from the prefix cache in every layer (held there, not by the row)."""
+
     def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array: ...
 
     def rollback(self, rejected: list[int]) -> None: ...
@@ -204,6 +207,9 @@ class BatchRowCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
 
+    def shared_tokens(self, b: int) -> int:
+        return min((leaf.shared_columns[b] for leaf in self._attention()), default=0)
+
     @contextmanager
     def tree_attention(self, ancestry: mx.array) -> Iterator[None]:
         for leaf in self._attention():
@@ -245,7 +251,7 @@ class BatchRowCache:
         for i, leaf in enumerate(self._attention()):
             for b, prefix in enumerate(prefixes):
                 if prefix is not None:
-                    leaf.restore(b, *prefix.columns[i], prefix.length)
+                    leaf.restore(b, prefix.columns[i], prefix.length)
         for j, leaf in enumerate(self.recurrent):
             states = [p.snapshot[j] if p is not None and p.snapshot else None for p in prefixes]
             template = next(filter(None, states), None)
@@ -348,6 +354,9 @@ class RowwiseCache:
     @property
     def nbytes(self) -> int:
         return sum(_layer_bytes(layer) for cache in self.rows for layer in cache)
+
+    def shared_tokens(self, b: int) -> int:
+        return 0  # mlx-lm's caches: a row holds all its columns
 
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")

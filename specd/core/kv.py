@@ -7,6 +7,13 @@ leaves the batch touches only its own buffers, and rolling back a row's
 rejected tokens is a change of its length (a draft tree's discarded
 branches: a gather within the row's newest columns).
 
+A row that starts from a cached prefix reads the prefix cache's columns in
+place (``shared``: the tree's immutable pieces, held alive by the row's
+lease) and writes only what follows into its own buffer, so many rows on one
+system prompt hold it once.  Paths that need the row's columns in one
+buffer (quantized keys, attention sinks, a draft tree's mask, a window's
+eviction) first copy them into one (``_own``).
+
 mlx-lm's attention modules write through ``cache.update_and_fetch`` and then
 call ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` with the
 same cache.  ``route_attention`` points a model's modules at ``attention``
@@ -21,6 +28,7 @@ stays 0, or its logits are wrong) and runs row by row.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from collections import OrderedDict
@@ -84,10 +92,12 @@ def side_copy(side: Side) -> Side:
 class RowKV:
     """One attention layer's cache for a batch, one buffer per row.
 
-    Per row b: ``keys[b]``/``values[b]`` (1, kv heads, capacity, D) hold its
-    ``held[b]`` newest columns, the positions ``positions[b] - held[b]`` up to
-    ``positions[b]``; ``pending[b]`` columns of left padding are still to come
-    in the inputs of a prefill group, and are never stored.
+    Per row b: its ``held[b]`` newest columns, the positions
+    ``positions[b] - held[b]`` up to ``positions[b]``, are first the pieces
+    ``shared[b]`` (read-only columns of the prefix cache, ``shared_columns[b]``
+    in all), then the row's own ``keys[b]``/``values[b]`` (1, kv heads,
+    capacity, D); ``pending[b]`` columns of left padding are still to come in
+    the inputs of a prefill group, and are never stored.
 
     ``window`` (sliding-window attention, mlx-lm's ``RotatingKVCache``): a
     token sees the ``window`` most recent positions of its row, itself
@@ -98,11 +108,14 @@ class RowKV:
     """
 
     EVICT_SLACK = 16  # columns past twice the window before evicting
+    _ROW_FIELDS = ("keys", "values", "shared", "shared_columns", "held", "positions", "pending")
 
     def __init__(self, padding: list[int], window: int | None = None, quantization: KVQuantization | None = None):
         self.keys: list[Side | None] = [None] * len(padding)
         self.values: list[Side | None] = [None] * len(padding)
         self.quantization = quantization
+        self.shared: list[list[tuple[Side, Side]]] = [[] for _ in padding]
+        self.shared_columns = [0] * len(padding)
         self.held = [0] * len(padding)
         self.positions = [0] * len(padding)
         self.pending = list(padding)
@@ -148,17 +161,46 @@ class RowKV:
         return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
 
     def _append(self, b: int, keys: Side, values: Side) -> None:
-        held, n = self.held[b], side_columns(keys)
-        if self.keys[b] is None or held + n > side_columns(self.keys[b]):
-            self.keys[b] = _regrown(None if self.keys[b] is None else side_slice(self.keys[b], 0, held), keys,
-                                    held + n)
-            self.values[b] = _regrown(None if self.values[b] is None else side_slice(self.values[b], 0, held),
-                                      values, held + n)
+        own, n = self.held[b] - self.shared_columns[b], side_columns(keys)
+        if self.keys[b] is None or own + n > side_columns(self.keys[b]):
+            self.keys[b] = _regrown(None if self.keys[b] is None else side_slice(self.keys[b], 0, own), keys,
+                                    own + n)
+            self.values[b] = _regrown(None if self.values[b] is None else side_slice(self.values[b], 0, own),
+                                      values, own + n)
         for buffer, new in ((self.keys[b], keys), (self.values[b], values)):
             for a, x in zip(parts(buffer), parts(new)):
-                a[..., held:held + n, :] = x
+                a[..., own:own + n, :] = x
         self.held[b] += n
         self.positions[b] += n
+
+    def _pieces(self, b: int) -> list[tuple[Side, Side]]:
+        """Row b's held columns, in order: the shared pieces, then its own."""
+        own = self.held[b] - self.shared_columns[b]
+        mine = [(side_slice(self.keys[b], 0, own), side_slice(self.values[b], 0, own))] if own else []
+        return self.shared[b] + mine
+
+    def _row_columns(self, b: int, start: int, end: int) -> tuple[Side, Side]:
+        """Row b's held columns [start, end), as a view where they lie in one piece."""
+        keys, values, at = [], [], 0
+        for k, v in self._pieces(b):
+            n = side_columns(k)
+            lo, hi = max(start - at, 0), min(end - at, n)
+            if hi > lo:
+                keys.append(side_slice(k, lo, hi))
+                values.append(side_slice(v, lo, hi))
+            at += n
+        return side_concat(keys), side_concat(values)
+
+    def _own(self, b: int, keep: int | None = None) -> None:
+        """Copy row b's newest ``keep`` (by default all) held columns into a buffer of its own,
+        ending its reading of shared pieces (paths that need one buffer)."""
+        held = self.held[b]
+        keep = held if keep is None else keep
+        if not self.shared[b] and keep == held:
+            return
+        keys, values = self._row_columns(b, held - keep, held)
+        self.keys[b], self.values[b] = _regrown(keys, keys, keep), _regrown(values, values, keep)
+        self.shared[b], self.shared_columns[b], self.held[b] = [], 0, keep
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
@@ -174,8 +216,9 @@ class RowKV:
                 continue
             q = q[:, :, skip:, :] if skip else q
             if in_place:
-                row = _attend_columns(q, self.keys[b], self.values[b], self.held[b], self.window)
+                row = _attend_columns(q, self._pieces(b), self.held[b], self.window)
             else:  # the whole buffer, its columns past the row's end masked
+                self._own(b)
                 row = self._sdpa(q, self.keys[b], self.values[b], scale,
                                  self._mask(b, n, self.held[b], side_columns(self.keys[b])), sinks)
             out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
@@ -202,9 +245,10 @@ class RowKV:
         out = []
         for b, held in enumerate(self.held):
             context = mx.ones((queries.shape[2], held), dtype=mx.bool_)
+            row_keys, row_values = self._row_columns(b, 0, held)
             out.append(mx.fast.scaled_dot_product_attention(
-                queries[b:b + 1], mx.concatenate([self.keys[b][..., :held, :], keys[b:b + 1]], axis=2),
-                mx.concatenate([self.values[b][..., :held, :], values[b:b + 1]], axis=2),
+                queries[b:b + 1], mx.concatenate([row_keys, keys[b:b + 1]], axis=2),
+                mx.concatenate([row_values, values[b:b + 1]], axis=2),
                 scale=scale, mask=mx.concatenate([context, ancestry[b]], axis=1)))
         return mx.concatenate(out)
 
@@ -226,6 +270,9 @@ class RowKV:
 
     def trim(self, n: int) -> None:
         """Drop every row's last ``n`` columns."""
+        for b in range(len(self.held)):
+            if self.held[b] - n < self.shared_columns[b]:
+                self._own(b)
         self.held = [h - n for h in self.held]
         self.positions = [p - n for p in self.positions]
         self._offset = None
@@ -235,8 +282,10 @@ class RowKV:
         ``drop[b]`` is set; the kept ones close up in order."""
         width = drop.shape[1]
         for b in np.flatnonzero(drop.any(axis=1)):
+            if self.held[b] - width < self.shared_columns[b]:
+                self._own(b)
             kept = np.flatnonzero(~drop[b])
-            start = self.held[b] - width
+            start = self.held[b] - self.shared_columns[b] - width
             if len(kept) and kept[-1] >= len(kept):  # a kept column after a dropped one: close the gap
                 index = mx.array(kept + start)
                 for a in parts(self.keys[b]) + parts(self.values[b]):
@@ -256,20 +305,18 @@ class RowKV:
         keep = self.window - 1
         for b, held in enumerate(self.held):
             if held > keep:
-                self.keys[b] = _regrown(side_slice(self.keys[b], held - keep, held), self.keys[b], keep)
-                self.values[b] = _regrown(side_slice(self.values[b], held - keep, held), self.values[b], keep)
-                self.held[b] = keep
+                self._own(b, keep)
 
     def select(self, rows: list[int]) -> None:
         """Keep and reorder rows: nothing is copied."""
-        for name in ("keys", "values", "held", "positions", "pending"):
+        for name in self._ROW_FIELDS:
             old = getattr(self, name)
             setattr(self, name, [old[i] for i in rows])
         self._offset = None
 
     def extend(self, other: "RowKV") -> None:
         """Append another cache's rows: nothing is copied."""
-        for name in ("keys", "values", "held", "positions", "pending"):
+        for name in self._ROW_FIELDS:
             getattr(self, name).extend(getattr(other, name))
         self._offset = None
 
@@ -279,23 +326,29 @@ class RowKV:
         first = self.positions[b] - self.held[b]
         if start < first:
             return None
-        return side_slice(self.keys[b], start - first, end - first), side_slice(self.values[b], start - first, end - first)
+        return self._row_columns(b, start - first, end - first)
 
-    def restore(self, b: int, keys: Side, values: Side, length: int) -> None:
+    def restore(self, b: int, pieces: list[tuple[Side, Side]], length: int) -> None:
         """Start the (fresh) row b from a cached prefix of ``length`` positions
-        whose newest columns are ``keys``/``values``: the row reads them as
-        they are, and its first write moves them into a buffer of its own."""
-        self.keys[b], self.values[b] = keys, values
-        self.held[b], self.positions[b] = side_columns(keys), length
+        whose newest columns are ``pieces`` (the prefix cache's, never written):
+        the row reads them in place (quantized keys: its first write copies them
+        into a buffer of its own, which quantized attention reads whole)."""
+        if self.quantization is None:
+            self.shared[b], self.shared_columns[b] = list(pieces), sum(side_columns(k) for k, _ in pieces)
+        else:
+            self.keys[b] = side_concat([k for k, _ in pieces])
+            self.values[b] = side_concat([v for _, v in pieces])
+        self.held[b], self.positions[b] = sum(side_columns(k) for k, _ in pieces), length
         self._offset = None
 
     @property
     def arrays(self) -> list[mx.array]:
+        """The rows' own buffers (the shared pieces are the prefix cache's)."""
         return [a for side in self.keys + self.values if side is not None for a in parts(side)]
 
     @property
     def nbytes(self) -> int:
-        """Bytes the rows' buffers take (their capacity, not only the columns held)."""
+        """Bytes the rows' own buffers take (their capacity, not only the columns held)."""
         return sum(a.nbytes for a in self.arrays)
 
 
@@ -330,22 +383,36 @@ def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arr
     return mask
 
 
-def _attend_columns(queries: mx.array, keys: mx.array, values: mx.array, held: int, window: int | None) -> mx.array:
+def _attend_columns(queries: mx.array, pieces: list[tuple[mx.array, mx.array]], held: int,
+                    window: int | None) -> mx.array:
     """A row's ``n`` newest queries (1, heads, n, D), scaled, over the columns of its ``held`` that they
-    see (causally, within ``window``), read in place: a query's group of heads shares its
-    key-value head through a reshape rather than a broadcast copy, and a single query
-    needs no mask."""
+    see (causally, within ``window``), read in place from the row's ``pieces`` (keys, values) in
+    order: a query's group of heads shares its key-value head through a reshape rather than a
+    broadcast copy, a single query needs no mask, and several pieces are one softmax over their
+    scores side by side (only the scores are concatenated, never the keys or values)."""
     _, heads, n, dims = queries.shape
-    kv_heads = keys.shape[1]
+    kv_heads = pieces[0][0].shape[1]
     start = 0 if window is None else max(0, held - n - window + 1)
+    seen_pieces, at = [], 0
+    for k, v in pieces:
+        lo, hi = max(start - at, 0), k.shape[2]
+        at += hi
+        if hi > lo:
+            seen_pieces.append((k[..., lo:, :], v[..., lo:, :]) if lo else (k, v))
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
-    scores = grouped @ keys[..., start:held, :].swapaxes(-1, -2)
+    scores = [grouped @ k.swapaxes(-1, -2) for k, _ in seen_pieces]
+    scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     if n > 1:
         seen = _causal_mask(n, held - start, held - start, window)
         scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, held - start), -mx.inf)
         scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
-    out = mx.softmax(scores, axis=-1, precise=True) @ values[..., start:held, :]
-    return out.reshape(1, heads, n, values.shape[-1])
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    if len(seen_pieces) == 1:
+        out = weights @ seen_pieces[0][1]
+    else:
+        bounds = list(itertools.accumulate(v.shape[2] for _, v in seen_pieces))[:-1]
+        out = sum(w @ v for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
+    return out.reshape(1, heads, n, pieces[0][1].shape[-1])
 
 
 def _regrown(kept: Side | None, like: Side, need: int) -> Side:

@@ -15,12 +15,16 @@ prefills only what no earlier request already did:
 
 A ``PrefixStore`` holds one tree per model that keeps a cache (the target,
 its draft model, its EAGLE head) under one byte budget.  Nodes are
-immutable copies: a request restores its prefix by copying it into its own
-batch row, so speculation's rollback in that row never touches the tree.  A
-request that is still extending its path holds a ``Lease`` on its deepest
-node, which keeps that node and its ancestors from eviction; everything
-else is evicted least recently used first when the budget is exceeded or
-memory runs short.
+immutable copies, never written: a request's batch row reads its prefix's
+columns in place from the nodes (``core.kv.RowKV.shared``) and writes only
+what follows into buffers of its own, so many requests on one system prompt
+hold it once, and speculation's rollback in a row never touches the tree.
+A request holds a ``Lease`` on the node its prefix ends at (``prepare``
+first cuts a node there, and merges the chain of unbranched nodes above it,
+so the row reads few pieces, of nodes that stay), then on the deepest node
+it extended, which keeps that node and its ancestors from eviction;
+everything else is evicted least recently used first when the budget is
+exceeded or memory runs short.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
     from .cache import BatchRowCache
 
 Columns = list[tuple[Side, Side]]  # per attention layer: (1, H, n, D) keys and values (or their quantized parts)
+Pieces = list[tuple[Side, Side]]  # one layer's columns in consecutive pieces (the nodes' own arrays, not copied)
 Snapshot = list[list]  # per recurrent layer: its state arrays, batch of 1
 
 
@@ -64,11 +69,11 @@ def _nbytes(columns: Columns, snapshot: Snapshot | None) -> int:
 @dataclass
 class RowPrefix:
     """A cached prefix a new batch row starts from: ``length`` tokens, each
-    attention layer's columns for the positions it will still attend to,
-    and the recurrent layers' state after them."""
+    attention layer's columns for the positions it will still attend to
+    (in the nodes' pieces), and the recurrent layers' state after them."""
 
     length: int
-    columns: Columns
+    columns: list[Pieces]
     snapshot: Snapshot | None = None
 
 
@@ -125,25 +130,67 @@ class PrefixTree:
                 best = pos
         return best
 
-    def restore(self, tokens: Sequence[int], starts: list[int], end: int) -> tuple[Columns, Snapshot | None]:
+    def restore(self, tokens: Sequence[int], starts: list[int], end: int) -> tuple[list[Pieces], Snapshot | None]:
         """Attention layer i's columns for positions [starts[i], end) of
-        ``tokens`` (a sliding window needs only its last ones) and, for
-        recurrent layers, the snapshot at ``end`` (which ``match`` found)."""
+        ``tokens`` (a sliding window needs only its last ones), as views of
+        the nodes' arrays, and, for recurrent layers, the snapshot at ``end``
+        (which ``match`` found)."""
         path = self._path(tokens, end)
         if sum(n for _, n in path) != end:
             raise KeyError(f"a prefix of {end} tokens is not cached")
         snapshot = path[-1][0].snapshot if path and path[-1][1] == len(path[-1][0].key) else None
         columns = []
         for i, start in enumerate(starts):
-            keys, values, pos = [], [], 0
+            pieces, pos = [], 0
             for node, n in path:
                 lo, hi = max(start - pos, 0), n
                 if hi > lo:
-                    keys.append(side_slice(node.columns[i][0], lo, hi))
-                    values.append(side_slice(node.columns[i][1], lo, hi))
+                    keys, values = node.columns[i]
+                    whole = lo == 0 and hi == side_columns(keys)
+                    pieces.append((keys, values) if whole else (side_slice(keys, lo, hi), side_slice(values, lo, hi)))
                 pos += n
-            columns.append((side_concat(keys), side_concat(values)))
+            columns.append(pieces)
         return columns, snapshot
+
+    def prepare(self, tokens: Sequence[int], length: int) -> None:
+        """Make the cached prefix ``tokens[:length]`` end at a node, in as few
+        nodes as the tree has branches above it: a prefix that ends inside an
+        edge splits it (a row restoring it then reads a node that a later split
+        would not replace with copies), and a chain of nodes that nothing else
+        branches from or holds (the chunks of one prefill, a conversation's
+        turns) becomes one node, so a row reads a long prefix in a few pieces."""
+        path = self._path(tokens, length)
+        if not path:
+            return
+        end, n = path[-1]
+        if n < len(end.key):
+            end = self._split(end, n)
+        self._merge_chain(end)
+
+    def _merge_chain(self, end: Node) -> None:
+        """Merge ``end`` with the ancestors that have one child, no snapshot and
+        no lease of their own (their locks are all their child's), into ``end``:
+        leases on ``end`` stay valid, since its last position is the same."""
+        chain = [end]
+        while True:
+            up = chain[0].parent
+            if up is self.root or len(up.children) > 1 or up.snapshot is not None or up.locks != chain[0].locks:
+                break
+            chain.insert(0, up)
+        if len(chain) == 1:
+            return
+        first = chain[0]
+        end.columns = _owned([(side_concat([node.columns[i][0] for node in chain]),
+                               side_concat([node.columns[i][1] for node in chain])) for i in range(len(end.columns))])
+        end.key = np.concatenate([node.key for node in chain])
+        end.parent = first.parent
+        end.parent.children[int(end.key[0])] = end
+        end.used = max(node.used for node in chain)
+        for node in chain[:-1]:
+            self.store.bytes -= node.nbytes
+            node.children = {}
+        self.store.nodes -= len(chain) - 1
+        self.store.account(end)
 
     # -- leases -------------------------------------------------------------------
 
@@ -420,10 +467,18 @@ class RowPrefixes:
         return all(common_prefix(np.asarray(c, dtype=np.int64), new) - max(m, m_new) < self.SLACK
                    for c, m in zip(contexts[:-1], matches[:-1]))
 
+    def shared(self, length: int) -> int:
+        """Tokens of a ``length``-token cached prefix that a row starting from it reads in
+        place in every attention layer (a sliding window's layer reads only what it still sees)."""
+        if self.tree is None or not self.windows:
+            return 0
+        return min(length if w is None else min(length, w - 1) for w in self.windows)
+
     def start(self, key: object, tokens: Sequence[int], length: int) -> RowPrefix | None:
         """The prefix a row starts from (None: from nothing); the row holds a lease from now on."""
         if self.tree is None:
             return None
+        self.tree.prepare(tokens, length)
         self.leases[key] = self.tree.lease(tokens, length)
         if not length:
             return None

@@ -3,8 +3,10 @@
 Rows take memory as they grow (``core.kv.RowKV`` buffers, ``STEP`` columns at
 a time), and give it back when they leave: nothing is reserved up front, so a
 Model that serves short requests holds little. The budget (``kvCache.maxBytes``)
-bounds the sum. The manager models what a row of n tokens holds, so the
-scheduler decides before each step, not after an allocation fails:
+bounds the sum. A row counts only the tokens it holds itself: a cached prefix it
+reads in place is the prefix cache's, held once however many rows read it, and
+counted under that budget. The manager models what a row of n tokens holds, so
+the scheduler decides before each step, not after an allocation fails:
 
 - a waiting request is admitted only if its prompt fits beside the running rows,
   every row with a round's growth (``ROUND_GROWTH`` columns: k + 1 tokens, a

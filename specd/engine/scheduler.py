@@ -199,11 +199,18 @@ class Scheduler:
         and its recurrent state is past what can be named."""
         self.prefixes.record(seq, seq.prompt + seq.tokens, len(seq.prompt) + seq.produced - 1, self.batch.cache, b)
 
+    def _own_tokens(self) -> list[int]:
+        """Per running row, then per row still prefilling: the tokens it holds itself
+        (what it reads in place from the prefix cache is held there, under that budget)."""
+        running = [s.context_length - self.batch.cache.shared_tokens(b) for b, s in enumerate(self.batch.seqs)]
+        if self.prefill is None:
+            return running
+        return running + [len(c) - self.prefill.cache.shared_tokens(b) for b, c in enumerate(self.prefill.contexts)]
+
     def _make_room(self) -> None:
         """Preempt the rows that joined last until every row, and every row
         still prefilling, fits the KV budget after this round; one row always stays."""
-        prefilling = [len(c) for c in self.prefill.contexts] if self.prefill else []
-        while len(self.batch) > 1 and not self.kv.fits([s.context_length for s in self.batch.seqs] + prefilling):
+        while len(self.batch) > 1 and not self.kv.fits(self._own_tokens()):
             self._preempt(len(self.batch) - 1)
 
     def _preempt(self, b: int) -> None:
@@ -255,21 +262,23 @@ class Scheduler:
             room = min(room, 1)
         if self.prefill is not None or room <= 0 or not self.waiting:
             return
-        running = [s.context_length for s in self.batch.seqs]
+        holds = self._own_tokens()
         seqs, contexts, limits, matches, later = [], [], [], [], deque()
         while self.waiting and len(seqs) < room:
             seq = self.waiting.popleft()
             context = seq.prefill_tokens
-            if (running or seqs) and not self.kv.fits(running + [len(c) for c in contexts] + [len(context)]):
-                self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
-                break
             limit = self.speculator.prefix_limit(seq)
             match = self.prefixes.match(context, limit)
+            own = len(context) - (0 if self.kv_quantization else self.prefixes.shared(match))
+            if (holds or seqs) and not self.kv.fits(holds + [own]):
+                self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
+                break
             if self.prefixes.admissible(contexts + [context], matches + [match], limits + [limit]):
                 seqs.append(seq)
                 contexts.append(context)
                 limits.append(limit)
                 matches.append(match)
+                holds.append(own)
             else:
                 later.append(seq)
         self.waiting = later + self.waiting
