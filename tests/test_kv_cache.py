@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from specd.core.cache import BatchRowCache
-from specd.core.kv import STEP, RowKV
+from specd.core.kv import STEP, KVQuantization, RowKV, parts, side_slice
 
 D = 1024  # token ids are below this
 
@@ -188,27 +188,30 @@ def test_rows_joining_and_leaving_in_any_order_keep_their_own_tokens(events):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.data(), st.sampled_from([None, 5]))
-def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, window):
-    """Rows restored from a cached prefix in pieces (the prefix cache's nodes)
-    read them in place: through writes, rejected tails, draft trees,
-    evictions, joins and leaves, each new token sees exactly its row's kept
-    tokens (within the window), the pieces are never written, and a row's
-    bytes are its own columns only."""
+@given(st.data(), st.sampled_from([None, 5]), st.sampled_from([None, KVQuantization(8, 64)]))
+def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, window, quantization):
+    """Rows restored from a cached prefix in pieces (the prefix cache's nodes,
+    quantized or not) read them in place: through writes, rejected tails,
+    draft trees, evictions, joins and leaves, each new token sees exactly its
+    row's kept tokens (within the window), the pieces are never written, and
+    a row's bytes are its own columns only."""
     counter = iter(range(1, 10**6))
     rng = random.Random(data.draw(st.integers(0, 10**6)))
     prefix = [next(counter) for _ in range(data.draw(st.integers(2, 40)))]
     cuts = sorted(data.draw(st.sets(st.integers(1, len(prefix) - 1), max_size=3)))
     keys, values = onehot([prefix])
     bounds = [0, *cuts, len(prefix)]
-    pieces = [(keys[..., lo:hi, :], values[..., lo:hi, :]) for lo, hi in zip(bounds, bounds[1:])]
+    def stored(side: mx.array):
+        q = quantization
+        return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
+    pieces = [(stored(keys[..., lo:hi, :]), stored(values[..., lo:hi, :])) for lo, hi in zip(bounds, bounds[1:])]
     mx.eval(pieces)
-    before = [np.array(v) for _, v in pieces]
+    before = [[np.array(a) for a in parts(v)] for _, v in pieces]
     start = 0 if window is None else max(0, len(prefix) - (window - 1))  # what a windowed layer restores
-    restored = [(k[..., max(start - lo, 0):, :], v[..., max(start - lo, 0):, :])
+    restored = [(side_slice(k, max(start - lo, 0), hi - lo), side_slice(v, max(start - lo, 0), hi - lo))
                 for (k, v), lo, hi in zip(pieces, bounds, bounds[1:]) if hi > start]
     rows = data.draw(st.integers(1, 3))
-    cache = RowKV([0] * rows, window=window)
+    cache = RowKV([0] * rows, window=window, quantization=quantization)
     for b in range(rows):
         cache.restore(b, restored, len(prefix))
     kept = [list(prefix) for _ in range(rows)]
@@ -235,9 +238,9 @@ def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, w
             cache.select(order)
             kept = [kept[i] for i in order]
     for (_, v), old in zip(pieces, before):
-        assert np.array_equal(np.array(v), old)
+        assert all(np.array_equal(np.array(a), o) for a, o in zip(parts(v), old))
     own = sum(a.nbytes for b in range(len(kept)) if cache.keys[b] is not None
-              for a in (cache.keys[b], cache.values[b]))
+              for a in parts(cache.keys[b]) + parts(cache.values[b]))
     assert cache.nbytes == own
 
 

@@ -72,6 +72,28 @@ def test_speculation_is_lossless_at_the_same_bits(tokenizer_and_draft, prompts, 
         assert serve(model, tokenizer, prompts, [EAGLE, None, EAGLE, NGRAM, EAGLE], head, kv_bits=bits) == plain
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_quantized_rows_read_their_cached_prefix_in_place_with_the_same_tokens(tokenizer_and_draft, prompts,
+                                                                              family):
+    """Requests that extend earlier ones start from the prefix cache's quantized
+    columns, read in place (full and windowed layers); their greedy tokens,
+    with and without speculation, equal a run without the prefix cache."""
+    tokenizer, _ = tokenizer_and_draft
+    model = make_model(wide_heads(family))
+    followups = [p + p[:7] for p in prompts]
+
+    def serve_twice(**config):
+        async def go(engine):
+            first = await asyncio.gather(*(generate(engine, p) for p in prompts))
+            then = await asyncio.gather(*(generate(engine, f, NGRAM if i % 2 else None, 0.01 * (i % 3))
+                                          for i, f in enumerate(followups)))
+            return first, then, engine.scheduler.prefix_store.hits
+        return run_engine(model, tokenizer, go, max_batch_size=8, kv_bits=8, **config)
+    cached, uncached = serve_twice(), serve_twice(prefix_cache_bytes=0)
+    assert cached[:2] == uncached[:2]
+    assert cached[2] >= sum(map(len, prompts)) // 2, cached[2]
+
+
 def test_quantized_kv_takes_a_fraction_of_the_bytes(tokenizer_and_draft):
     model = make_model(wide_heads("llama"))
     full = kv_bytes(model)[0]  # float32: 4 bytes a dimension

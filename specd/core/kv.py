@@ -11,8 +11,8 @@ A row that starts from a cached prefix reads the prefix cache's columns in
 place (``shared``: the tree's immutable pieces, held alive by the row's
 lease) and writes only what follows into its own buffer, so many rows on one
 system prompt hold it once.  Paths that need the row's columns in one
-buffer (quantized keys, attention sinks, a draft tree's mask, a window's
-eviction) first copy them into one (``_own``).
+buffer (attention sinks, a draft tree's mask, a window's eviction) first
+copy them into one (``_own``).
 
 mlx-lm's attention modules write through ``cache.update_and_fetch`` and then
 call ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` with the
@@ -206,7 +206,7 @@ class RowKV:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
         self.attends += 1
         out: list[mx.array | None] = []
-        in_place = self.quantization is None and sinks is None and self.tree is None
+        in_place = sinks is None and self.tree is None
         if in_place:
             queries = queries * scale  # once for every row
         row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
@@ -216,7 +216,7 @@ class RowKV:
                 continue
             q = q[:, :, skip:, :] if skip else q
             if in_place:
-                row = _attend_columns(q, self._pieces(b), self.held[b], self.window)
+                row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization)
             else:  # the whole buffer, its columns past the row's end masked
                 self._own(b)
                 row = self._sdpa(q, self.keys[b], self.values[b], scale,
@@ -331,14 +331,9 @@ class RowKV:
     def restore(self, b: int, pieces: list[tuple[Side, Side]], length: int) -> None:
         """Start the (fresh) row b from a cached prefix of ``length`` positions
         whose newest columns are ``pieces`` (the prefix cache's, never written):
-        the row reads them in place (quantized keys: its first write copies them
-        into a buffer of its own, which quantized attention reads whole)."""
-        if self.quantization is None:
-            self.shared[b], self.shared_columns[b] = list(pieces), sum(side_columns(k) for k, _ in pieces)
-        else:
-            self.keys[b] = side_concat([k for k, _ in pieces])
-            self.values[b] = side_concat([v for _, v in pieces])
-        self.held[b], self.positions[b] = sum(side_columns(k) for k, _ in pieces), length
+        the row reads them in place."""
+        self.shared[b], self.shared_columns[b] = list(pieces), sum(side_columns(k) for k, _ in pieces)
+        self.held[b], self.positions[b] = self.shared_columns[b], length
         self._offset = None
 
     @property
@@ -383,24 +378,32 @@ def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arr
     return mask
 
 
-def _attend_columns(queries: mx.array, pieces: list[tuple[mx.array, mx.array]], held: int,
-                    window: int | None) -> mx.array:
+def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: int, window: int | None,
+                    quantization: KVQuantization | None = None) -> mx.array:
     """A row's ``n`` newest queries (1, heads, n, D), scaled, over the columns of its ``held`` that they
     see (causally, within ``window``), read in place from the row's ``pieces`` (keys, values) in
     order: a query's group of heads shares its key-value head through a reshape rather than a
     broadcast copy, a single query needs no mask, and several pieces are one softmax over their
-    scores side by side (only the scores are concatenated, never the keys or values)."""
+    scores side by side (only the scores are concatenated, never the keys or values). Quantized
+    pieces are read as mlx-lm's ``quantized_scaled_dot_product_attention`` reads them."""
     _, heads, n, dims = queries.shape
-    kv_heads = pieces[0][0].shape[1]
+    kv_heads = parts(pieces[0][0])[0].shape[1]
     start = 0 if window is None else max(0, held - n - window + 1)
     seen_pieces, at = [], 0
     for k, v in pieces:
-        lo, hi = max(start - at, 0), k.shape[2]
+        lo, hi = max(start - at, 0), side_columns(k)
         at += hi
         if hi > lo:
-            seen_pieces.append((k[..., lo:, :], v[..., lo:, :]) if lo else (k, v))
+            seen_pieces.append((side_slice(k, lo, hi), side_slice(v, lo, hi)) if lo else (k, v))
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
-    scores = [grouped @ k.swapaxes(-1, -2) for k, _ in seen_pieces]
+    if quantization is None:
+        def product(x: mx.array, side: Side, transpose: bool) -> mx.array:
+            return x @ (side.swapaxes(-1, -2) if transpose else side)
+    else:
+        def product(x: mx.array, side: Side, transpose: bool) -> mx.array:
+            return mx.quantized_matmul(x, *side, transpose=transpose, group_size=quantization.group_size,
+                                       bits=quantization.bits)
+    scores = [product(grouped, k, True) for k, _ in seen_pieces]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     if n > 1:
         seen = _causal_mask(n, held - start, held - start, window)
@@ -408,11 +411,11 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[mx.array, mx.array]], 
         scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
     weights = mx.softmax(scores, axis=-1, precise=True)
     if len(seen_pieces) == 1:
-        out = weights @ seen_pieces[0][1]
+        out = product(weights, seen_pieces[0][1], False)
     else:
-        bounds = list(itertools.accumulate(v.shape[2] for _, v in seen_pieces))[:-1]
-        out = sum(w @ v for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
-    return out.reshape(1, heads, n, pieces[0][1].shape[-1])
+        bounds = list(itertools.accumulate(side_columns(v) for _, v in seen_pieces))[:-1]
+        out = sum(product(w, v, False) for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
+    return out.reshape(1, heads, n, out.shape[-1])
 
 
 def _regrown(kept: Side | None, like: Side, need: int) -> Side:
