@@ -244,6 +244,42 @@ def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, w
     assert cache.nbytes == own
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 5), st.sampled_from([None, 7]), st.sampled_from([1, 2, 4]),
+       st.booleans(), st.sampled_from([None, KVQuantization(8, 64), KVQuantization(4, 32)]), st.data())
+def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, group, sinks, quantization, data):
+    """``_attend_columns`` over a row's columns in any number of pieces gives
+    what MLX's SDPA (or mlx-lm's quantized attention) gives over the same
+    columns in one buffer: grouped heads, causal masks, windows, sinks."""
+    from mlx.utils import tree_map
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from specd.core.kv import _attend_columns, _causal_mask
+    held = max(held, n)
+    kv_heads, dims = 2, 64
+    mx.random.seed(data.draw(st.integers(0, 1000)))
+    queries = mx.random.normal((1, kv_heads * group, n, dims))
+    keys, values = mx.random.normal((1, kv_heads, held, dims)), mx.random.normal((1, kv_heads, held, dims))
+    sink = mx.random.normal((kv_heads * group,)) if sinks and quantization is None else None
+    cuts = sorted(data.draw(st.sets(st.integers(1, held - 1), max_size=3))) if held > 1 else []
+    bounds = [0, *cuts, held]
+
+    def stored(side):
+        q = quantization
+        return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
+    pieces = [(stored(keys[..., a:b, :]), stored(values[..., a:b, :])) for a, b in zip(bounds, bounds[1:])]
+    got = _attend_columns(queries * 0.125, pieces, held, window, quantization, sink)
+    mask = _causal_mask(n, held, held, window)
+    if quantization is None:
+        want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask, sinks=sink)
+    else:
+        whole = tree_map(lambda *a: mx.concatenate(a, axis=2), *[p[0] for p in pieces]), \
+            tree_map(lambda *a: mx.concatenate(a, axis=2), *[p[1] for p in pieces])
+        want = quantized_scaled_dot_product_attention(queries, *whole, scale=0.125, mask=mask,
+                                                      group_size=quantization.group_size, bits=quantization.bits)
+    assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
 def test_a_row_of_padding_only_attends_to_nothing_and_keeps_the_values_width():
     """In a prefill group's first chunks a short prompt is all padding: its rows of
     the output are zeros as wide as the values (latent attention's keys are wider)."""

@@ -11,8 +11,8 @@ A row that starts from a cached prefix reads the prefix cache's columns in
 place (``shared``: the tree's immutable pieces, held alive by the row's
 lease) and writes only what follows into its own buffer, so many rows on one
 system prompt hold it once.  Paths that need the row's columns in one
-buffer (attention sinks, a draft tree's mask, a window's eviction) first
-copy them into one (``_own``).
+buffer (a draft tree's mask, a window's eviction) first copy them into one
+(``_own``).
 
 mlx-lm's attention modules write through ``cache.update_and_fetch`` and then
 call ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` with the
@@ -205,8 +205,10 @@ class RowKV:
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
         self.attends += 1
+        if sinks is not None and self.quantization is not None:
+            raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
         out: list[mx.array | None] = []
-        in_place = sinks is None and self.tree is None
+        in_place = self.tree is None
         if in_place:
             queries = queries * scale  # once for every row
         row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
@@ -216,7 +218,7 @@ class RowKV:
                 continue
             q = q[:, :, skip:, :] if skip else q
             if in_place:
-                row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization)
+                row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization, sinks)
             else:  # the whole buffer, its columns past the row's end masked
                 self._own(b)
                 row = self._sdpa(q, self.keys[b], self.values[b], scale,
@@ -231,8 +233,6 @@ class RowKV:
         q = self.quantization
         if q is None:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        if sinks is not None:
-            raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
         return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                       group_size=q.group_size, bits=q.bits)
 
@@ -379,13 +379,14 @@ def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arr
 
 
 def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: int, window: int | None,
-                    quantization: KVQuantization | None = None) -> mx.array:
+                    quantization: KVQuantization | None = None, sinks: mx.array | None = None) -> mx.array:
     """A row's ``n`` newest queries (1, heads, n, D), scaled, over the columns of its ``held`` that they
     see (causally, within ``window``), read in place from the row's ``pieces`` (keys, values) in
     order: a query's group of heads shares its key-value head through a reshape rather than a
     broadcast copy, a single query needs no mask, and several pieces are one softmax over their
     scores side by side (only the scores are concatenated, never the keys or values). Quantized
-    pieces are read as mlx-lm's ``quantized_scaled_dot_product_attention`` reads them."""
+    pieces are read as mlx-lm's ``quantized_scaled_dot_product_attention`` reads them; ``sinks``
+    (heads,) are one more logit per head in the softmax, with no value (gpt-oss)."""
     _, heads, n, dims = queries.shape
     kv_heads = parts(pieces[0][0])[0].shape[1]
     start = 0 if window is None else max(0, held - n - window + 1)
@@ -409,7 +410,13 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
         seen = _causal_mask(n, held - start, held - start, window)
         scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, held - start), -mx.inf)
         scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
-    weights = mx.softmax(scores, axis=-1, precise=True)
+    if sinks is None:
+        weights = mx.softmax(scores, axis=-1, precise=True)
+    else:
+        group = heads // kv_heads
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv_heads, group, 1, 1),
+                               (1, kv_heads, group, n, 1)).reshape(1, kv_heads, group * n, 1)
+        weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
     if len(seen_pieces) == 1:
         out = product(weights, seen_pieces[0][1], False)
     else:
