@@ -10,9 +10,8 @@ branches: a gather within the row's newest columns).
 A row that starts from a cached prefix reads the prefix cache's columns in
 place (``shared``: the tree's immutable pieces, held alive by the row's
 lease) and writes only what follows into its own buffer, so many rows on one
-system prompt hold it once.  Paths that need the row's columns in one
-buffer (a draft tree's mask, a window's eviction) first copy them into one
-(``_own``).
+system prompt hold it once.  A window's eviction, or a rollback reaching
+into the pieces, first copies the row's columns into one buffer (``_own``).
 
 mlx-lm's attention modules write through ``cache.update_and_fetch`` and then
 call ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` with the
@@ -39,7 +38,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import base
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 STEP = 64  # columns a row's buffer grows by: a short row wastes little, a long one regrows rarely
 
@@ -193,7 +191,7 @@ class RowKV:
 
     def _own(self, b: int, keep: int | None = None) -> None:
         """Copy row b's newest ``keep`` (by default all) held columns into a buffer of its own,
-        ending its reading of shared pieces (paths that need one buffer)."""
+        ending its reading of shared pieces (a window's eviction, a rollback into them)."""
         held = self.held[b]
         keep = held if keep is None else keep
         if not self.shared[b] and keep == held:
@@ -208,33 +206,20 @@ class RowKV:
         if sinks is not None and self.quantization is not None:
             raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
         out: list[mx.array | None] = []
-        in_place = self.tree is None
-        if in_place:
-            queries = queries * scale  # once for every row
+        queries = queries * scale  # once for every row
         row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
         for b, ((skip, n), q) in enumerate(zip(self._written, row_queries)):
             if not n:  # a prompt that starts in a later chunk: its padding's output is never read
                 out.append(None)
                 continue
             q = q[:, :, skip:, :] if skip else q
-            if in_place:
-                row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization, sinks)
-            else:  # the whole buffer, its columns past the row's end masked
-                self._own(b)
-                row = self._sdpa(q, self.keys[b], self.values[b], scale,
-                                 self._mask(b, n, self.held[b], side_columns(self.keys[b])), sinks)
+            seen = None if self.tree is None else self._tree_mask(b, n, self.held[b])
+            row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization, sinks, seen)
             out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
         if len(out) == 1:
             return out[0]
         shape = next(row for row in out if row is not None).shape  # values may be narrower than queries
         return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
-
-    def _sdpa(self, queries: mx.array, keys: Side, values: Side, scale: float, mask, sinks) -> mx.array:
-        q = self.quantization
-        if q is None:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        return quantized_scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
-                                                      group_size=q.group_size, bits=q.bits)
 
     def attend_with(self, queries: mx.array, scale: float, keys: mx.array, values: mx.array,
                     ancestry: mx.array) -> mx.array:
@@ -252,11 +237,10 @@ class RowKV:
                 scale=scale, mask=mx.concatenate([context, ancestry[b]], axis=1)))
         return mx.concatenate(out)
 
-    def _mask(self, b: int, n: int, held: int, capacity: int) -> mx.array:
-        """What row b's ``n`` new tokens (the last of its ``held`` columns) may
-        see of its buffer's ``capacity`` columns."""
-        if self.tree is None:
-            return _causal_mask(n, held, capacity, self.window)
+    def _tree_mask(self, b: int, n: int, held: int) -> mx.array:
+        """(n, held): what row b's ``n`` new tokens, nodes of a draft tree (the
+        last of its ``held`` columns), may see: the context within the window
+        in each node's own position, and their ancestors."""
         tree = self.tree[b]
         older = held - n
         if self.window is None:
@@ -266,7 +250,7 @@ class RowKV:
             depth = tree.sum(axis=-1) - 1  # a node's position is its depth past the context
             old = (depth[:, None] + older - mx.arange(older)[None, :]) < self.window
             new = tree & ((depth[:, None] - depth[None, :]) < self.window)
-        return mx.concatenate([old, new, mx.zeros((n, capacity - held), dtype=mx.bool_)], axis=1)
+        return mx.concatenate([old, new], axis=1)
 
     def trim(self, n: int) -> None:
         """Drop every row's last ``n`` columns."""
@@ -379,14 +363,16 @@ def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arr
 
 
 def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: int, window: int | None,
-                    quantization: KVQuantization | None = None, sinks: mx.array | None = None) -> mx.array:
+                    quantization: KVQuantization | None = None, sinks: mx.array | None = None,
+                    seen: mx.array | None = None) -> mx.array:
     """A row's ``n`` newest queries (1, heads, n, D), scaled, over the columns of its ``held`` that they
-    see (causally, within ``window``), read in place from the row's ``pieces`` (keys, values) in
-    order: a query's group of heads shares its key-value head through a reshape rather than a
-    broadcast copy, a single query needs no mask, and several pieces are one softmax over their
-    scores side by side (only the scores are concatenated, never the keys or values). Quantized
-    pieces are read as mlx-lm's ``quantized_scaled_dot_product_attention`` reads them; ``sinks``
-    (heads,) are one more logit per head in the softmax, with no value (gpt-oss)."""
+    see (causally, within ``window``, or as ``seen`` (n, held) says: a draft tree's nodes), read in
+    place from the row's ``pieces`` (keys, values) in order: a query's group of heads shares its
+    key-value head through a reshape rather than a broadcast copy, a single query needs no mask,
+    and several pieces are one softmax over their scores side by side (only the scores are
+    concatenated, never the keys or values). Quantized pieces are read as mlx-lm's
+    ``quantized_scaled_dot_product_attention`` reads them; ``sinks`` (heads,) are one more logit
+    per head in the softmax, with no value (gpt-oss)."""
     _, heads, n, dims = queries.shape
     kv_heads = parts(pieces[0][0])[0].shape[1]
     start = 0 if window is None else max(0, held - n - window + 1)
@@ -406,8 +392,9 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
                                        bits=quantization.bits)
     scores = [product(grouped, k, True) for k, _ in seen_pieces]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-    if n > 1:
-        seen = _causal_mask(n, held - start, held - start, window)
+    if n > 1 or seen is not None:
+        # no window or tree hides a column before ``start`` from every query
+        seen = _causal_mask(n, held - start, held - start, window) if seen is None else seen[:, start:]
         scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, held - start), -mx.inf)
         scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
     if sinks is None:
