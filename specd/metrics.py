@@ -65,6 +65,10 @@ class Metrics:
             "specd_kv_cache_bytes", "Bytes the running rows' KV caches hold (target and drafter).", m, registry=r)
         self.kv_cache_max_bytes = Gauge(
             "specd_kv_cache_max_bytes", "The KV budget (kvCache.maxBytes).", m, registry=r)
+        self.kv_cache_shared_tokens = Gauge(
+            "specd_kv_cache_shared_tokens",
+            "Tokens the running rows read in place from the prefix cache (each would otherwise hold its own copy).",
+            m, registry=r)
         self.kv_preemptions = Counter(
             "specd_kv_preemptions", "Running requests preempted to fit the KV budget (recomputed later).",
             m, registry=r)
@@ -193,7 +197,8 @@ class Metrics:
         """A deleted model leaves no readiness or weight series behind (its
         counters and histograms stay, as Prometheus expects of counters)."""
         for gauge in (self.model_ready, self.model_weight_bytes, self.model_memory_request, self.prefix_cache_bytes,
-                      self.prefix_cache_max_bytes, self.kv_cache_bytes, self.kv_cache_max_bytes):
+                      self.prefix_cache_max_bytes, self.kv_cache_bytes, self.kv_cache_max_bytes,
+                      self.kv_cache_shared_tokens):
             with suppress(KeyError):  # older prometheus_client versions raise for unknown labels
                 gauge.remove(name)
         for kind in ("done", "total"):

@@ -335,28 +335,30 @@ def test_requests_on_one_system_prompt_hold_it_once(models):
             async def one(prompt, spec):
                 request = GenerationRequest(f"s{next(_ids)}", prompt, GREEDY, 64, (), spec)
                 return [t async for out in engine.generate(request) for t in out.tokens]
-            rows = held = 0
+            rows = held = shared = 0
 
             async def watch():
-                nonlocal rows, held
+                nonlocal rows, held, shared
                 while True:
                     running = len(engine.scheduler.batch.seqs)
                     rows = max(rows, running)
                     if running > 1:
                         held = max(held, engine.scheduler.kv.held_bytes)
+                        shared = max(shared, engine.kv_cache_status()["sharedTokens"])
                     await asyncio.sleep(0.002)
             await one(system + ids[680:684], None)  # the system prompt, cached
             watcher = asyncio.ensure_future(watch())
             outs = await asyncio.gather(*(one(p, s) for p, s in zip(prompts, specs)))
             watcher.cancel()
-            return outs, rows, held, engine.kv_cache_status()
+            return outs, rows, held, shared, engine.kv_cache_status()
         return run_engine(model, tokenizer, go, max_batch_size=8, prefix_cache_bytes=prefix_cache,
                           kv_cache_bytes=kv_budget)
-    expected, _, _, _ = serve(0, None)
-    got, rows, held, status = serve(None, budget)
+    expected, _, _, _, _ = serve(0, None)
+    got, rows, held, shared, status = serve(None, budget)
     assert got == expected
     assert rows == 6 and status["preemptions"] == 0, (rows, status)
     assert 0 < held < len(system) * token_bytes, (held, len(system) * token_bytes)
+    assert shared >= 5 * len(system), shared  # what describe model and /metrics report
 
 
 def test_the_cache_gives_way_under_memory_pressure(models):
@@ -408,6 +410,7 @@ def test_cached_tokens_metrics_and_status_over_http(daemon, client, tokenizer):
     assert samples[("specd_prefix_cache_queries_total", "tiny")] > samples[("specd_prefix_cache_hits_total", "tiny")]
     assert samples[("specd_prefix_cache_bytes", "tiny")] > 0 and samples[("specd_prefix_cache_max_bytes", "tiny")] > 0
     assert samples[("specd_kv_cache_max_bytes", "tiny")] > 0 and ("specd_kv_cache_bytes", "tiny") in samples
+    assert ("specd_kv_cache_shared_tokens", "tiny") in samples
     assert ("specd_kv_preemptions_total", "tiny") in samples
 
     deadline = time.monotonic() + 30  # status is written on the reconciler's next pass

@@ -42,11 +42,13 @@ class KVManager:
     preemptions: int = 0
     held_bytes: int = 0  # what the rows really held at the last step (engine thread writes, anyone reads)
     peak_bytes: int = 0  # the most they held at the end of a step
+    shared_tokens: int = 0  # tokens the rows read in place from the prefix cache at the last step
 
-    def held(self, nbytes: int) -> None:
-        """What the rows hold now (measured from their buffers)."""
+    def held(self, nbytes: int, shared_tokens: int) -> None:
+        """What the rows hold now (measured from their buffers), and read in place from the prefix cache."""
         self.held_bytes = nbytes
         self.peak_bytes = max(self.peak_bytes, nbytes)
+        self.shared_tokens = shared_tokens
 
     @property
     def token_bytes(self) -> int:
@@ -76,7 +78,7 @@ class KVManager:
         return {"maxBytes": self.max_bytes, "bytes": self.held_bytes, "peakBytes": self.peak_bytes,
                 "tokenBytes": self.token_bytes,
                 "maxTokens": None if self.max_tokens == UNBOUNDED else self.max_tokens,
-                "reserved": False, "preemptions": self.preemptions}
+                "reserved": False, "preemptions": self.preemptions, "sharedTokens": self.shared_tokens}
 
 
 def default_max_bytes(host_memory: int, weights: int, rows: KVManager, max_rows: int, max_context: int) -> int:

@@ -199,13 +199,17 @@ class Scheduler:
         and its recurrent state is past what can be named."""
         self.prefixes.record(seq, seq.prompt + seq.tokens, len(seq.prompt) + seq.produced - 1, self.batch.cache, b)
 
-    def _own_tokens(self) -> list[int]:
-        """Per running row, then per row still prefilling: the tokens it holds itself
-        (what it reads in place from the prefix cache is held there, under that budget)."""
-        running = [s.context_length - self.batch.cache.shared_tokens(b) for b, s in enumerate(self.batch.seqs)]
+    def _rows(self) -> list[tuple[int, int]]:
+        """Per running row, then per row still prefilling: its tokens, and how many of them
+        it reads in place from the prefix cache (held there, under that budget)."""
+        rows = [(s.context_length, self.batch.cache.shared_tokens(b)) for b, s in enumerate(self.batch.seqs)]
         if self.prefill is None:
-            return running
-        return running + [len(c) - self.prefill.cache.shared_tokens(b) for b, c in enumerate(self.prefill.contexts)]
+            return rows
+        return rows + [(len(c), self.prefill.cache.shared_tokens(b)) for b, c in enumerate(self.prefill.contexts)]
+
+    def _own_tokens(self) -> list[int]:
+        """Per row, the tokens it holds itself."""
+        return [tokens - shared for tokens, shared in self._rows()]
 
     def _make_room(self) -> None:
         """Preempt the rows that joined last until every row, and every row
@@ -228,8 +232,10 @@ class Scheduler:
     def _measure_kv(self) -> None:
         """What the rows' caches hold at the end of a step (a walk over every row's buffers: once a step)."""
         held = (self.batch.cache.nbytes if self.batch.cache is not None else 0) + self.speculator.drafter_cache_bytes()
-        self.kv.held(held + (self.prefill.cache.nbytes if self.prefill else 0))
+        self.kv.held(held + (self.prefill.cache.nbytes if self.prefill else 0),
+                     sum(shared for _, shared in self._rows()))
         self.metrics.kv_cache_bytes.labels(self.name).set(self.kv.held_bytes)
+        self.metrics.kv_cache_shared_tokens.labels(self.name).set(self.kv.shared_tokens)
 
     def _update_gauges(self) -> None:
         self.metrics.prefix_cache_bytes.labels(self.name).set(self.prefix_store.bytes)
