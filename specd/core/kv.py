@@ -393,7 +393,7 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
     scores = [product(grouped, k, True) for k, _ in seen_pieces]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     if n > 1 or seen is not None:
-        # no window or tree hides a column before ``start`` from every query
+        # every query's window begins at or after ``start``: no query sees a column before it
         seen = _causal_mask(n, held - start, held - start, window) if seen is None else seen[:, start:]
         scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, held - start), -mx.inf)
         scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
