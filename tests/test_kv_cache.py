@@ -192,7 +192,7 @@ def test_rows_joining_and_leaving_in_any_order_keep_their_own_tokens(events):
 def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, window, quantization):
     """Rows restored from a cached prefix in pieces (the prefix cache's nodes,
     quantized or not) read them in place: through writes, rejected tails,
-    draft trees, evictions, joins and leaves, each new token sees exactly its
+    draft-tree writes, evictions and leaves, each new token sees exactly its
     row's kept tokens (within the window), the pieces are never written, and
     a row's bytes are its own columns only."""
     counter = iter(range(1, 10**6))
@@ -201,6 +201,7 @@ def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, w
     cuts = sorted(data.draw(st.sets(st.integers(1, len(prefix) - 1), max_size=3)))
     keys, values = onehot([prefix])
     bounds = [0, *cuts, len(prefix)]
+
     def stored(side: mx.array):
         q = quantization
         return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
