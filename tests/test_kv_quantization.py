@@ -73,13 +73,14 @@ def test_speculation_is_lossless_at_the_same_bits(tokenizer_and_draft, prompts, 
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_quantized_rows_read_their_cached_prefix_in_place_with_the_same_tokens(tokenizer_and_draft, prompts,
-                                                                              family):
+def test_quantized_rows_read_their_cached_prefix_in_place_with_the_same_tokens(tokenizer_and_draft, family):
     """Requests that extend earlier ones start from the prefix cache's quantized
     columns, read in place (full and windowed layers); their greedy tokens,
     with and without speculation, equal a run without the prefix cache."""
     tokenizer, _ = tokenizer_and_draft
     model = make_model(wide_heads(family))
+    ids = tokenizer.encode(code_sample("speculation"))
+    prompts = [ids[40 * i: 40 * i + 300] for i in range(4)]  # long enough to be read in place
     followups = [p + p[:7] for p in prompts]
 
     def serve_twice(**config):

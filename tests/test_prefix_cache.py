@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import ROOT, code_sample, run_engine
 from specd.core.cache import kv_bytes
 from specd.core.loader import load_model, text_config, vocab_size
-from specd.core.prefix import PrefixStore
+from specd.core.prefix import PrefixStore, RowPrefixes
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
 from specd.forge.families import build
@@ -111,6 +111,20 @@ def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, bud
             if stateful:
                 snapshot = tree.restore(probe, [0], n)[1]
                 assert snapshot is not None and snapshot[0][0].item() == column(probe, n - 1)
+
+
+def test_a_long_cached_prefix_is_read_in_place_and_a_short_one_copied():
+    """A row reads a prefix of at least ``SHARE_MIN_TOKENS`` in place (and the
+    budget counts it as the prefix cache's); a shorter one it copies, since the
+    memory saved is small and a second piece costs every decode step."""
+    store = PrefixStore(1 << 30, pressure=None)
+    rows = RowPrefixes(store.tree("t", False), [None, 8])
+    tokens = list(range(1, 400))
+    lease = rows.tree.lease(tokens, 0)
+    rows.tree.extend(lease, tokens, len(tokens), lambda lo, hi: columns_of(tokens, lo, hi) * 2)
+    long, short = RowPrefixes.SHARE_MIN_TOKENS, RowPrefixes.SHARE_MIN_TOKENS - 1
+    assert rows.start("a", tokens, long).shared and rows.shared(long) == 7  # the window's layer: its last 7
+    assert not rows.start("b", tokens, short).shared and rows.shared(short) == 0
 
 
 # -- the engine ------------------------------------------------------------------

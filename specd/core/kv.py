@@ -312,13 +312,15 @@ class RowKV:
             return None
         return self._row_columns(b, start - first, end - first)
 
-    def restore(self, b: int, pieces: list[tuple[Side, Side]], length: int) -> None:
+    def restore(self, b: int, pieces: list[tuple[Side, Side]], length: int, shared: bool = True) -> None:
         """Start the (fresh) row b from a cached prefix of ``length`` positions
         whose newest columns are ``pieces`` (the prefix cache's, never written):
-        the row reads them in place."""
+        the row reads them in place, or (not ``shared``) copies them into its own buffer."""
         self.shared[b], self.shared_columns[b] = list(pieces), sum(side_columns(k) for k, _ in pieces)
         self.held[b], self.positions[b] = self.shared_columns[b], length
         self._offset = None
+        if not shared:
+            self._own(b)
 
     @property
     def arrays(self) -> list[mx.array]:

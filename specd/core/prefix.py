@@ -75,6 +75,7 @@ class RowPrefix:
     length: int
     columns: list[Pieces]
     snapshot: Snapshot | None = None
+    shared: bool = True  # the row reads the columns in place (else it copies them into its own buffer)
 
 
 @dataclass(eq=False)
@@ -418,6 +419,9 @@ class RowPrefixes:
     that cannot start from a prefix) every row starts empty."""
 
     SLACK = 32  # cached tokens a row may recompute to share a group's prefill width
+    # A shorter cached prefix is copied into the row's own buffer, not read in place: the memory
+    # it would save is small, and a second piece costs every decode step a few ops per layer.
+    SHARE_MIN_TOKENS = 256
 
     def __init__(self, tree: PrefixTree | None, windows: list[int | None]):
         self.tree = tree
@@ -470,7 +474,7 @@ class RowPrefixes:
     def shared(self, length: int) -> int:
         """Tokens of a ``length``-token cached prefix that a row starting from it reads in
         place in every attention layer (a sliding window's layer reads only what it still sees)."""
-        if self.tree is None or not self.windows:
+        if self.tree is None or not self.windows or length < self.SHARE_MIN_TOKENS:
             return 0
         return min(length if w is None else min(length, w - 1) for w in self.windows)
 
@@ -484,7 +488,7 @@ class RowPrefixes:
             return None
         starts = [0 if w is None else max(0, length - (w - 1)) for w in self.windows]
         columns, snapshot = self.tree.restore(tokens, starts, length)
-        return RowPrefix(length, columns, snapshot)
+        return RowPrefix(length, columns, snapshot, shared=length >= self.SHARE_MIN_TOKENS)
 
     def record(self, key: object, known: Sequence[int], held: int, cache: "BatchRowCache", b: int) -> None:
         """Row b of ``cache`` holds ``held`` positions, whose tokens begin
