@@ -28,6 +28,7 @@ from test_serve_and_pull import model_status
 from test_tensor_parallel import topology
 
 BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
+NO_END = {"0": -100, "2": -100}  # the forged tokenizer's end-of-text ids: a sampled reply runs its whole length
 
 
 def token_file(tmp: Path, token: str = "s3cret-cluster-token") -> Path:
@@ -170,7 +171,7 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
     # stream ends with an error, and traffic moves
     client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = client.chat.completions.create(model="m", messages=conversation, max_tokens=1500, temperature=0,
-                                            stream=True, logit_bias={"0": -100, "2": -100})
+                                            stream=True, logit_bias=NO_END)
     next(iter(stream))
     workers[home].proc.send_signal(signal.SIGSTOP)
     with pytest.raises(openai.APIError, match="NotReady"):
@@ -287,7 +288,7 @@ def test_every_api_reaches_a_replica_on_another_node_as_that_node_answers(forged
     assert refusals[0] == refusals[1]
 
     stream = via_head.completions.create(model="m", prompt="def f():", max_tokens=1500, stream=True,
-                                         logit_bias={"0": -100, "2": -100})
+                                         logit_bias=NO_END)
     next(iter(stream))
 
     def running() -> float:
@@ -347,11 +348,13 @@ def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_l
         assert status["resources"]["requests"]["memory"] == share
         wait_for(lambda: held_on("w2").get("split ranks") == share, 30, "w2 counting rank 1's share")
         assert nodes(h)["w2"]["status"]["free"] == 190 * 2**20 - share
-        assert client.completions.create(model="split", prompt="def f():", max_tokens=4).usage.completion_tokens == 4
+        # sampled (no temperature), so end-of-text is barred as in the stream below
+        assert client.completions.create(model="split", prompt="def f():", max_tokens=4,
+                                         logit_bias=NO_END).usage.completion_tokens == 4
 
         # w2 is lost mid-stream: the stream ends with an error naming it, and rank 1 moves to w1
         stream = client.completions.create(model="split", prompt="def f():", max_tokens=1500, stream=True,
-                                           logit_bias={"0": -100, "2": -100})
+                                           logit_bias=NO_END)
         next(iter(stream))
         workers["w2"].proc.send_signal(signal.SIGSTOP)
         with pytest.raises(openai.APIError, match="Node w2 is NotReady"):
@@ -360,7 +363,8 @@ def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_l
         wait_for(lambda: ready(h, "model", "split") and get(h, "model", "split")["status"]["group"]["memory"]
                  == {"head": share, "w1": share}, 120, "the group again, on w1")
         wait_for(lambda: held_on("w1").get("split ranks") == share, 30, "w1 counting rank 1's share")
-        assert client.completions.create(model="split", prompt="def f():", max_tokens=4).usage.completion_tokens == 4
+        assert client.completions.create(model="split", prompt="def f():", max_tokens=4,
+                                         logit_bias=NO_END).usage.completion_tokens == 4
         specd(h, "delete", "model", "split")
         wait_for(lambda: "split ranks" not in held_on("w1"), 30, "w1's share given back")
     finally:
