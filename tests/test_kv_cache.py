@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from specd.core.cache import BatchRowCache
-from specd.core.kv import STEP, KVQuantization, RowKV, parts, side_slice
+from specd.core.kv import STEP, KVQuantization, RowKV, parts, side_concat, side_slice, stored
 
 D = 1024  # token ids are below this
 
@@ -201,11 +201,8 @@ def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, w
     cuts = sorted(data.draw(st.sets(st.integers(1, len(prefix) - 1), max_size=3)))
     keys, values = onehot([prefix])
     bounds = [0, *cuts, len(prefix)]
-
-    def stored(side: mx.array):
-        q = quantization
-        return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
-    pieces = [(stored(keys[..., lo:hi, :]), stored(values[..., lo:hi, :])) for lo, hi in zip(bounds, bounds[1:])]
+    pieces = [(stored(keys[..., lo:hi, :], quantization), stored(values[..., lo:hi, :], quantization))
+              for lo, hi in zip(bounds, bounds[1:])]
     mx.eval(pieces)
     before = [[np.array(a) for a in parts(v)] for _, v in pieces]
     start = 0 if window is None else max(0, len(prefix) - (window - 1))  # what a windowed layer restores
@@ -252,7 +249,6 @@ def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, gr
     """``_attend_columns`` over a row's columns in any number of pieces gives
     what MLX's SDPA (or mlx-lm's quantized attention) gives over the same
     columns in one buffer: grouped heads, causal masks, windows, sinks."""
-    from mlx.utils import tree_map
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from specd.core.kv import _attend_columns, _causal_mask
@@ -264,18 +260,14 @@ def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, gr
     sink = mx.random.normal((kv_heads * group,)) if sinks and quantization is None else None
     cuts = sorted(data.draw(st.sets(st.integers(1, held - 1), max_size=3))) if held > 1 else []
     bounds = [0, *cuts, held]
-
-    def stored(side):
-        q = quantization
-        return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
-    pieces = [(stored(keys[..., a:b, :]), stored(values[..., a:b, :])) for a, b in zip(bounds, bounds[1:])]
+    pieces = [(stored(keys[..., a:b, :], quantization), stored(values[..., a:b, :], quantization))
+              for a, b in zip(bounds, bounds[1:])]
     got = _attend_columns(queries * 0.125, pieces, held, window, quantization, sink)
     mask = _causal_mask(n, held, held, window)
     if quantization is None:
         want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask, sinks=sink)
     else:
-        whole = tree_map(lambda *a: mx.concatenate(a, axis=2), *[p[0] for p in pieces]), \
-            tree_map(lambda *a: mx.concatenate(a, axis=2), *[p[1] for p in pieces])
+        whole = side_concat([k for k, _ in pieces]), side_concat([v for _, v in pieces])
         want = quantized_scaled_dot_product_attention(queries, *whole, scale=0.125, mask=mask,
                                                       group_size=quantization.group_size, bits=quantization.bits)
     assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)

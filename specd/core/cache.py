@@ -208,7 +208,7 @@ class BatchRowCache:
         return sum(a.nbytes for a in self.state)
 
     def shared_tokens(self, b: int) -> int:
-        return min((leaf.shared_columns[b] for leaf in self._attention()), default=0)
+        return min((group[0].shared_columns[b] for group in self.attention), default=0)  # a group's layers alike
 
     @contextmanager
     def tree_attention(self, ancestry: mx.array) -> Iterator[None]:

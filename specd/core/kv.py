@@ -82,6 +82,20 @@ def side_bytes(side: Side) -> int:
     return sum(a.nbytes for a in parts(side))
 
 
+def stored(side: mx.array, quantization: KVQuantization | None) -> Side:
+    """Columns as a cache stores them: as they are, or what ``mx.quantize`` makes of them."""
+    q = quantization
+    return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
+
+
+def _product(x: mx.array, side: Side, transpose: bool, quantization: KVQuantization | None) -> mx.array:
+    """``x @ side`` (``side`` transposed if asked), dequantizing quantized columns as mlx-lm does."""
+    if quantization is None:
+        return x @ (side.swapaxes(-1, -2) if transpose else side)
+    return mx.quantized_matmul(x, *side, transpose=transpose, group_size=quantization.group_size,
+                               bits=quantization.bits)
+
+
 def side_copy(side: Side) -> Side:
     """A copy that shares no buffer with ``side``."""
     return _like(side, [mx.contiguous(a) for a in parts(side)])
@@ -149,14 +163,10 @@ class RowKV:
             if skip < width:
                 if skip:
                     k, v = k[:, :, skip:, :], v[:, :, skip:, :]
-                self._append(b, self._stored(k), self._stored(v))
+                self._append(b, stored(k, self.quantization), stored(v, self.quantization))
             self._written.append((skip, width - skip))
         self._offset = None
         return keys[..., :0, :], values[..., :0, :]
-
-    def _stored(self, side: mx.array) -> Side:
-        q = self.quantization
-        return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
 
     def _append(self, b: int, keys: Side, values: Side) -> None:
         own, n = self.held[b] - self.shared_columns[b], side_columns(keys)
@@ -385,14 +395,7 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
         if hi > lo:
             seen_pieces.append((side_slice(k, lo, hi), side_slice(v, lo, hi)) if lo else (k, v))
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
-    if quantization is None:
-        def product(x: mx.array, side: Side, transpose: bool) -> mx.array:
-            return x @ (side.swapaxes(-1, -2) if transpose else side)
-    else:
-        def product(x: mx.array, side: Side, transpose: bool) -> mx.array:
-            return mx.quantized_matmul(x, *side, transpose=transpose, group_size=quantization.group_size,
-                                       bits=quantization.bits)
-    scores = [product(grouped, k, True) for k, _ in seen_pieces]
+    scores = [_product(grouped, k, True, quantization) for k, _ in seen_pieces]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     if n > 1 or seen is not None:
         # every query's window begins at or after ``start``: no query sees a column before it
@@ -407,10 +410,11 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
                                (1, kv_heads, group, n, 1)).reshape(1, kv_heads, group * n, 1)
         weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
     if len(seen_pieces) == 1:
-        out = product(weights, seen_pieces[0][1], False)
+        out = _product(weights, seen_pieces[0][1], False, quantization)
     else:
         bounds = list(itertools.accumulate(side_columns(v) for _, v in seen_pieces))[:-1]
-        out = sum(product(w, v, False) for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
+        out = sum(_product(w, v, False, quantization)
+                  for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
     return out.reshape(1, heads, n, out.shape[-1])
 
 

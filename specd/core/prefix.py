@@ -147,8 +147,7 @@ class PrefixTree:
                 lo, hi = max(start - pos, 0), n
                 if hi > lo:
                     keys, values = node.columns[i]
-                    whole = lo == 0 and hi == side_columns(keys)
-                    pieces.append((keys, values) if whole else (side_slice(keys, lo, hi), side_slice(values, lo, hi)))
+                    pieces.append((side_slice(keys, lo, hi), side_slice(values, lo, hi)))
                 pos += n
             columns.append(pieces)
         return columns, snapshot
@@ -471,10 +470,14 @@ class RowPrefixes:
         return all(common_prefix(np.asarray(c, dtype=np.int64), new) - max(m, m_new) < self.SLACK
                    for c, m in zip(contexts[:-1], matches[:-1]))
 
+    def reads_in_place(self, length: int) -> bool:
+        """Whether a row starting from a ``length``-token cached prefix reads it in place."""
+        return length >= self.SHARE_MIN_TOKENS
+
     def shared(self, length: int) -> int:
         """Tokens of a ``length``-token cached prefix that a row starting from it reads in
         place in every attention layer (a sliding window's layer reads only what it still sees)."""
-        if self.tree is None or not self.windows or length < self.SHARE_MIN_TOKENS:
+        if self.tree is None or not self.windows or not self.reads_in_place(length):
             return 0
         return min(length if w is None else min(length, w - 1) for w in self.windows)
 
@@ -488,7 +491,7 @@ class RowPrefixes:
             return None
         starts = [0 if w is None else max(0, length - (w - 1)) for w in self.windows]
         columns, snapshot = self.tree.restore(tokens, starts, length)
-        return RowPrefix(length, columns, snapshot, shared=length >= self.SHARE_MIN_TOKENS)
+        return RowPrefix(length, columns, snapshot, shared=self.reads_in_place(length))
 
     def record(self, key: object, known: Sequence[int], held: int, cache: "BatchRowCache", b: int) -> None:
         """Row b of ``cache`` holds ``held`` positions, whose tokens begin
