@@ -403,12 +403,12 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
         scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, held - start), -mx.inf)
         scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
     if sinks is None:
-        weights = mx.softmax(scores, axis=-1, precise=True)
+        weights = _softmax(scores)
     else:
         group = heads // kv_heads
         sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv_heads, group, 1, 1),
                                (1, kv_heads, group, n, 1)).reshape(1, kv_heads, group * n, 1)
-        weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+        weights = _softmax(mx.concatenate([sink, scores], axis=-1))[..., 1:]
     if len(seen_pieces) == 1:
         out = _product(weights, seen_pieces[0][1], False, quantization)
     else:
@@ -416,6 +416,22 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
         out = sum(_product(w, v, False, quantization)
                   for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
     return out.reshape(1, heads, n, out.shape[-1])
+
+
+LOG2E = 1.4426950408889634  # e**x == 2**(x * LOG2E)
+POWER_SOFTMAX_MIN_SCORES = 1 << 14  # below this, one fused op beats the five of the power form
+
+
+def _softmax(scores: mx.array) -> mx.array:
+    """Attention's softmax over the last axis, in float32 (``precise``, as mlx-lm's attention).
+    On MLX's CPU backend, large scores take e**x as 2**(x log2 e) through ``mx.power``, which that
+    backend runs several times faster than ``mx.exp`` (``ops/bench/attention.py``); elsewhere,
+    and for small scores, MLX's own softmax."""
+    if mx.default_device() != mx.cpu or scores.size < POWER_SOFTMAX_MIN_SCORES:
+        return mx.softmax(scores, axis=-1, precise=True)
+    x = scores.astype(mx.float32)
+    e = mx.power(2.0, (x - x.max(axis=-1, keepdims=True)) * LOG2E)
+    return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
 
 
 def _regrown(kept: Side | None, like: Side, need: int) -> Side:

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Attention over a batch's per-row KV (``core/kv.py``), against mlx-lm's own caches.
+
+In one run, on the model given (the demo target by default), it reports the
+median time of, side by side:
+
+* ``softmax``: attention's softmax over scores of a decode step, a verify
+  forward and a prefill chunk: MLX's ``mx.softmax`` against specd's
+  ``_softmax`` (on the CPU backend, e**x as 2**(x log2 e) through ``mx.power``);
+* ``forward``: a decode step of B rows and a prefill chunk over a long
+  context, through specd's rows with each softmax, and through mlx-lm's
+  ``BatchKVCache``/``KVCache`` (its attention, as ``mlx_lm.server`` runs it).
+
+    python ops/bench/attention.py [--model models/demo/target] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from spec_decode import machine_info, write_result
+from specd.core import kv
+from specd.core.cache import make_row_cache
+from specd.core.loader import load_model
+
+
+def median_ms(run: Callable[[], object], after: Callable[[], None] = lambda: None, repeat: int = 60) -> float:
+    """Median milliseconds of ``run`` evaluated (the first fifth is warm-up); ``after`` undoes it."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        mx.eval(run())
+        times.append(time.perf_counter() - start)
+        after()
+    return 1000 * statistics.median(times[repeat // 5:])
+
+
+def softmax_rows(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
+    out = []
+    for name, shape in shapes.items():
+        scores = mx.random.normal(shape)
+        mx.eval(scores)
+        mlx_ms = median_ms(lambda: mx.softmax(scores, axis=-1, precise=True), repeat=200)
+        specd_ms = median_ms(lambda: kv._softmax(scores), repeat=200)
+        out.append({"scores": name, "shape": list(shape), "mx_softmax_ms": mlx_ms, "specd_softmax_ms": specd_ms})
+    return out
+
+
+def specd_forward(model, prompts: mx.array, context: int, width: int) -> float:
+    """A forward of ``width`` new columns per row over ``context`` held, through specd's rows."""
+    cache = make_row_cache(model, [0] * prompts.shape[0])
+    for start in range(0, context, 512):
+        cache.forward(model, prompts[:, start:min(context, start + 512)])
+        mx.eval(cache.state)
+    new = prompts[:, context:context + width]
+    return median_ms(lambda: cache.forward(model, new), lambda: cache.rollback([width] * prompts.shape[0]),
+                     repeat=60 if width == 1 else 20)
+
+
+def mlx_lm_forward(model, prompts: mx.array, context: int, width: int) -> float:
+    """The same forward through mlx-lm's caches (a batch's ``BatchKVCache``, one row's ``KVCache``)."""
+    rows = prompts.shape[0]
+    cache = [BatchKVCache([0] * rows) if rows > 1 else KVCache() for _ in model.layers]
+    for start in range(0, context, 512):
+        mx.eval(model(prompts[:, start:min(context, start + 512)], cache=cache))
+        mx.eval([c.state for c in cache])
+
+    def undo() -> None:
+        for c in cache:
+            if isinstance(c, BatchKVCache):
+                c.offset -= width
+                c._idx -= width
+            else:
+                c.trim(width)
+    new = prompts[:, context:context + width]
+    return median_ms(lambda: model(new, cache=cache), undo, repeat=60 if width == 1 else 20)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/demo/target")
+    ap.add_argument("--runs", type=int, default=5, help="alternating runs of every forward; medians are reported")
+    ap.add_argument("--out", default="ops/bench/results/attention.json")
+    args = ap.parse_args()
+
+    mx.random.seed(0)
+    model, _ = load_model(args.model)
+    reference, _ = load(args.model)
+    kv_heads = model.args.num_key_value_heads
+    group = model.args.num_attention_heads // kv_heads
+    shapes = {"decode, 1,700 columns": (1, kv_heads, group, 1700),
+              "verify of 4, 300 columns": (1, kv_heads, group * 4, 300),
+              "prefill of 55, 1,655 columns": (1, kv_heads, group * 55, 1655)}
+    softmax = softmax_rows(shapes)
+
+    cases = [("decode, 4 rows x 1,700", 4, 1700, 1), ("decode, 8 rows x 300", 8, 300, 1),
+             ("verify of 4, 8 rows x 300", 8, 300, 4), ("prefill of 55 over 1,600", 1, 1600, 55)]
+    own_softmax = kv._softmax
+    runs: dict[str, dict[str, list[float]]] = {name: {"specd": [], "specd_mx_softmax": [], "mlx_lm": []}
+                                               for name, *_ in cases}
+    for _ in range(args.runs):
+        for name, rows, context, width in cases:
+            prompts = mx.random.randint(10, 1000, (rows, context + width))
+            kv._softmax = own_softmax
+            runs[name]["specd"].append(specd_forward(model, prompts, context, width))
+            kv._softmax = lambda scores: mx.softmax(scores, axis=-1, precise=True)
+            runs[name]["specd_mx_softmax"].append(specd_forward(model, prompts, context, width))
+            kv._softmax = own_softmax
+            runs[name]["mlx_lm"].append(mlx_lm_forward(reference, prompts, context, width))
+    forward = [{"forward": name, **{k: statistics.median(v) for k, v in by.items()}, "runs": by}
+               for name, by in runs.items()]
+
+    print(f"{'softmax over':32} {'mx.softmax':>11} {'specd':>9} {'ratio':>7}")
+    for r in softmax:
+        print(f"{r['scores']:32} {r['mx_softmax_ms']:9.3f}ms {r['specd_softmax_ms']:7.3f}ms "
+              f"{r['specd_softmax_ms'] / r['mx_softmax_ms']:6.2f}x")
+    print(f"\n{'forward (medians of runs)':28} {'specd':>9} {'specd, mx.softmax':>18} {'mlx_lm':>9} "
+          f"{'specd/mlx_lm':>13}")
+    for r in forward:
+        print(f"{r['forward']:28} {r['specd']:7.2f}ms {r['specd_mx_softmax']:16.2f}ms {r['mlx_lm']:7.2f}ms "
+              f"{r['specd'] / r['mlx_lm']:12.2f}x")
+    write_result(args.out, {"machine": machine_info(args), "device": str(mx.default_device()),
+                            "softmax": softmax, "forward": forward})
+
+
+if __name__ == "__main__":
+    main()
