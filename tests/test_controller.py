@@ -544,3 +544,21 @@ def test_a_lookup_that_finds_nothing_counts_against_the_k_chosen():
         controller.observe([estimate], [0], [0], [3])
     assert estimate.expected_tokens(3) == pytest.approx(2.5, abs=0.15)
     assert controller.ema == pytest.approx(1.0)
+
+
+def test_lookups_alone_when_the_draft_step_costs_more_than_the_rows_they_miss_gain():
+    """A draft step costs a fixed part for one row as for eight: with lookups covering seven rows,
+    the eighth proposes nothing rather than pay for it, and a row with a shorter lookup proposes
+    that; with lookups covering two rows, the draft model drafts for the six others."""
+    cost = costs(0.004, 0.0001, draft_fixed=0.002, draft_per_row=0.00005)
+    controller = GoodputController(PolicySettings(max_speculative_tokens=3), "p", cost)
+
+    def row(lookup: int) -> Row:
+        return Row(3, True, iid(0.8), lookup)
+    ks, _ = controller.choose([row(3)] * 6 + [row(1), row(0)])
+    assert ks == [3] * 6 + [1, 0]
+    ks, _ = controller.choose([row(3)] * 2 + [row(0)] * 6)
+    assert all(ks), ks  # at the k whose draft steps they pay for
+    free = GoodputController(PolicySettings(max_speculative_tokens=3), "p", costs(0.004, 0.0001))
+    ks, _ = free.choose([row(3)] * 6 + [row(1), row(0)])  # a draft step that costs nothing is always worth it
+    assert ks == [3] * 8

@@ -11,6 +11,8 @@ import copy
 import itertools
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from specd.core.loader import check_draft_pair
 from conftest import code_sample, run_engine, two_sample_chi2
@@ -187,6 +189,37 @@ def test_greedy_parity_while_a_policy_toggles_speculation(pair, prompts, referen
                                       for i, p in enumerate(prompts)))
     results = serve(pair, go, max_batch_size=6)
     assert [r[0] for r in results] == reference
+
+
+def test_draft_rows_propose_their_prompt_lookup_where_it_covers_k(pair, prompts, reference):
+    """A draft pairing's row whose prompt lookup covers its k proposes the lookup (free), and
+    the draft model drafts only for rows without one: repetitive prompts speculate through both,
+    greedy and sampled side by side, with the reference's greedy tokens; the lookups' tokens are
+    counted under ``ngram``, the draft model's under ``draft``."""
+    drafted_for = []
+
+    async def go(engine):
+        drafter = engine.scheduler.speculator.drafter
+        propose = drafter.propose
+
+        def record(round_):
+            drafted_for.append((dict(round_.lookups), round_.model_ks))
+            return propose(round_)
+        drafter.propose = record
+        greedy = [generate(engine, p, DRAFT, delay=0.01 * i) for i, p in enumerate(prompts[10:])]
+        sampled = [generate(engine, p, DRAFT, SamplingParams(temperature=0.8, seed=i), 60)
+                   for i, p in enumerate(prompts[12:])]
+        results = await asyncio.gather(*greedy, *sampled)
+        text = generate_latest(engine.metrics.registry).decode()
+        return results[:len(prompts) - 10], text
+    results, text = serve(pair, go, max_batch_size=8)
+    assert [r[0] for r in results] == reference[10:]
+    tokens = {s.labels["method"]: s.value for f in text_string_to_metric_families(text)
+              if f.name == "specd_spec_decode_num_draft_tokens" for s in f.samples if s.name.endswith("_total")}
+    assert tokens.get("ngram", 0) > 0 and tokens.get("draft", 0) > 0, tokens
+    # the draft model never drafted for a row that proposed its lookup
+    assert any(lookups for lookups, _ in drafted_for)
+    assert all(ks[i] == 0 for lookups, ks in drafted_for for i in lookups)
 
 
 def test_empty_lookups_still_teach_the_estimates(pair):

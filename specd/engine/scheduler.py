@@ -3,9 +3,9 @@
 Every step admits waiting requests, runs one bounded chunk of prompt prefill
 for newcomers, then one decode round for the running batch, and hands each
 request its new tokens.  Requests join and leave the batch only between
-steps, so each step is a plain batched forward over left-padded rows.  The
-decode round belongs to speculation (``Speculator.round``): the scheduler
-decides who is in the batch, the speculator how many tokens each row gets.
+steps.  The decode step runs in the model runner (``ModelRunner.decode``),
+whose speculator proposes and verifies: the scheduler decides who is in the
+batch, the speculator how many tokens each row gets.
 
 The scheduler is driven by a thread that owns it: a local ``Engine``, or a
 rank of a tensor-parallel group, which feeds every rank the same inputs.

@@ -33,6 +33,11 @@ class Row:
     budget: int  # the most it may propose (request's k within context/max_tokens)
     drafts_with_model: bool  # its proposals cost draft-model steps
     estimate: AcceptanceEstimate
+    lookup: int = 0  # tokens a prompt lookup offers a draft-model row now (free: no draft step)
+
+    def drafts(self, k: int) -> bool:
+        """Whether proposing ``k`` tokens costs it draft-model steps (its lookup is shorter)."""
+        return self.drafts_with_model and self.lookup < min(k, self.budget)
 
 
 class StaticController:
@@ -132,7 +137,9 @@ class GoodputController(StaticController):
                                     lambda k: self._tokens(rows, k, self._worth_it(rows, k)))
         if k == 0:
             return [0] * len(rows), reason
-        return self._for_rows(rows, k, self._worth_it(rows, k))
+        use = self._worth_it(rows, k)
+        ks, reason = self._for_rows(rows, k, use)
+        return (self._lookups_alone(rows, ks) if any(use) else ks), reason
 
     def _measured(self, bucket: int) -> Realised:
         """The bucket's measurements; a new bucket starts from the nearest
@@ -148,7 +155,8 @@ class GoodputController(StaticController):
         k, none = self.bet(rows), [False] * len(rows)
         use = self._worth_it(rows, k)
         if self._rate(rows, k, use) > self._rate(rows, 0, none) * 1.0001:
-            return self._for_rows(rows, k, use)
+            ks, reason = self._for_rows(rows, k, use)
+            return self._lookups_alone(rows, ks), reason
         return self._for_rows(rows, 0, none)
 
     def bet(self, rows: list[Row]) -> int:
@@ -175,7 +183,19 @@ class GoodputController(StaticController):
             chosen = candidates[self._probe_cursor % len(candidates)]
             k, use = 1, [i == chosen for i in range(len(rows))]
         self._steps_off = 0
-        return [min(k, r.budget) if u else 0 for r, u in zip(rows, use)], None
+        return self._ks(rows, k, use), None
+
+    @staticmethod
+    def _ks(rows: list[Row], k: int, use: list[bool]) -> list[int]:
+        return [min(k, r.budget) if u else 0 for r, u in zip(rows, use)]
+
+    def _lookups_alone(self, rows: list[Row], ks: list[int]) -> list[int]:
+        """``ks``, or ``ks`` without the draft model, if that yields more tokens per second:
+        the rows it would draft for propose their shorter lookups, or nothing. A draft step
+        costs a fixed part whatever its rows (``DraftStepFit``), which the few rows that
+        no lookup covers may not pay for while the others' lookups are free."""
+        alone = [min(k, r.lookup) if k and r.drafts(k) else k for r, k in zip(rows, ks)]
+        return alone if alone != ks and self._rate_of(rows, alone) >= self._rate_of(rows, ks) else ks
 
     def _worth_it(self, rows: list[Row], k: int) -> list[bool]:
         """Rows whose expected extra tokens pay for the drafting they add."""
@@ -187,16 +207,21 @@ class GoodputController(StaticController):
                 use.append(False)
                 continue
             gain = r.estimate.expected_tokens(min(k, r.budget)) - 1.0
-            cost = per_row_draft * tokens_per_second if r.drafts_with_model else 0.0
+            cost = per_row_draft * tokens_per_second if r.drafts(k) else 0.0
             use.append(gain > cost)
         return use
 
     def _rate(self, rows: list[Row], k: int, use: list[bool]) -> float:
-        """Expected tokens per second for the batch if ``use`` rows propose up to k."""
-        width = 1 + (k if any(use) else 0)
-        drafting = sum(1 for r, u in zip(rows, use) if u and r.drafts_with_model)
-        seconds = self.costs.target_seconds(len(rows), width) + self.costs.draft_seconds(drafting, k)
-        return self._tokens(rows, k, use) / seconds
+        """Expected tokens per second for the batch if ``use`` rows propose up to k
+        (without the draft model, if lookups alone yield more)."""
+        return self._rate_of(rows, self._lookups_alone(rows, self._ks(rows, k, use)))
+
+    def _rate_of(self, rows: list[Row], ks: list[int]) -> float:
+        """Expected tokens per second for the batch if row i proposes ``ks[i]``."""
+        drafted = [k for r, k in zip(rows, ks) if k and r.drafts(k)]
+        seconds = (self.costs.target_seconds(len(rows), 1 + max(ks))
+                   + self.costs.draft_seconds(len(drafted), max(drafted, default=0)))
+        return sum(r.estimate.expected_tokens(k) if k else 1.0 for r, k in zip(rows, ks)) / seconds
 
     @staticmethod
     def _tokens(rows: list[Row], k: int, use: list[bool]) -> float:

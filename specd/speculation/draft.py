@@ -89,7 +89,7 @@ class DraftModelProposer:
         still catch up on their pending tokens in the first forward (resuming
         later needs no new prefill); their draft steps are discarded and do
         not consume their RNG."""
-        ks = round_.ks
+        ks = round_.model_ks
         members = [i for i in round_.rows(self.method) if ks[i] or round_.seqs[i] in self.rows]
         seqs = [round_.seqs[i] for i in members]
         new = self.rows.follow(seqs)

@@ -65,20 +65,21 @@ class NgramProposer:
     def propose(self, round_: Round) -> Drafts:
         out = Drafts()
         for i in round_.rows(self.method):
-            k = round_.ks[i]
-            if not k:
-                continue
-            seq, spec = round_.seqs[i], round_.specs[i]
-            index = self.indexes.get(seq)
-            if index is None:
-                index = self.indexes[seq] = NgramIndex(spec.ngram_min, spec.ngram_max)
-                index.extend(seq.prompt)
-            unseen = seq.context_length - len(index.tokens)
-            index.extend(seq.tokens[len(seq.tokens) - unseen:])
-            found = index.propose(k)
-            if found:
-                out.chains[i] = found
+            if round_.ks[i]:
+                found = self.lookup(round_.seqs[i], round_.specs[i], round_.ks[i])
+                if found:
+                    out.chains[i] = found
         return out
+
+    def lookup(self, seq: Sequence, spec: SpeculationConfig, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's suffix."""
+        index = self.indexes.get(seq)
+        if index is None:
+            index = self.indexes[seq] = NgramIndex(spec.ngram_min, spec.ngram_max)
+            index.extend(seq.prompt)
+        unseen = seq.context_length - len(index.tokens)
+        index.extend(seq.tokens[len(seq.tokens) - unseen:])
+        return index.propose(k)
 
     def commit(self, round_: Round, outcome: Outcome) -> None:
         """The index reads accepted tokens from the sequence at the next lookup."""

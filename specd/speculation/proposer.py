@@ -30,10 +30,17 @@ class Round:
     last_tokens: list[int]
     specs: list[SpeculationConfig]  # each row's speculation (its request's, else the model's)
     ks: list[int]  # proposals planned per row (0: the row does not draft this round)
+    # rows of a draft model that propose a prompt lookup instead this round (it covers their k)
+    lookups: dict[int, list[int]] = field(default_factory=dict)
 
     def rows(self, method: Method) -> list[int]:
         """Rows that use ``method``, drafting this round or not."""
         return [i for i, spec in enumerate(self.specs) if spec.method == method]
+
+    @property
+    def model_ks(self) -> list[int]:
+        """What a draft model drafts per row: the planned k, but nothing for a row proposing a lookup."""
+        return [0 if i in self.lookups else k for i, k in enumerate(self.ks)]
 
 
 @dataclass

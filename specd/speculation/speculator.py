@@ -257,14 +257,19 @@ class Speculator:
         room_tokens = seq.request.max_tokens - len(seq.tokens) - 1
         return max(0, min(spec.num_speculative_tokens, room_context, room_tokens))
 
-    def _plan(self, seqs: list[Sequence], specs: list[SpeculationConfig], budgets: list[int]) -> list[int]:
-        """The controller's choice of k for each row, within its budget."""
-        rows = []
-        for s, spec, budget in zip(seqs, specs, budgets):
+    def _plan(self, seqs: list[Sequence], last_tokens: list[int], specs: list[SpeculationConfig],
+              budgets: list[int]) -> Round:
+        """The controller's choice of k for each row, within its budget, and the
+        draft-model rows whose prompt lookup covers it: a lookup costs the device
+        nothing, so they propose it and the draft model does not draft for them."""
+        rows, found = [], {}
+        for i, (s, spec, budget) in enumerate(zip(seqs, specs, budgets)):
             estimate = self.estimates.get(s)
             if estimate is None:
                 estimate = self.estimates[s] = self.controller.new_estimate()
-            rows.append(Row(budget, spec.method in (Method.DRAFT, Method.EAGLE), estimate))
+            if budget and spec.method == Method.DRAFT:
+                found[i] = self.ngram.lookup(s, spec, budget)
+            rows.append(Row(budget, spec.method in (Method.DRAFT, Method.EAGLE), estimate, len(found.get(i, ()))))
         ks, reason = self.controller.plan(rows, len(seqs))
         if self.agree is not None:
             ks = self.agree(ks)
@@ -272,7 +277,8 @@ class Speculator:
             self._chosen_k.observe(k)
         if reason is not None:
             self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
-        return ks
+        lookups = {i: chain[:ks[i]] for i, chain in found.items() if 0 < ks[i] <= len(chain)}
+        return Round(seqs, last_tokens, specs, ks, lookups)
 
     def propose(self, seqs: list[Sequence], last_tokens: list[int]) -> Proposal:
         """This step's proposals: each row's k (the controller's), its proposers' drafts, grammar-forced
@@ -284,7 +290,7 @@ class Speculator:
                 s.stats.source = "model" if s.request.speculation is None else "request"
         budgets = [self._budget(s, spec) for s, spec in zip(seqs, specs)]
         if any(budgets):
-            round_ = Round(seqs, last_tokens, specs, self._plan(seqs, specs, budgets))
+            round_ = self._plan(seqs, last_tokens, specs, budgets)
             offered, caught_up = self._collect(round_)
         else:  # nobody may speculate: keep the plain decode path free of controller work
             round_ = Round(seqs, last_tokens, specs, [0] * len(seqs))
@@ -343,9 +349,10 @@ class Speculator:
 
     def _collect(self, round_: Round) -> tuple[Drafts, bool]:
         """Every attached proposer's drafts for its rows, and whether one caught rows up."""
-        offered, caught_up = Drafts(), False
+        offered, caught_up = Drafts(chains=dict(round_.lookups)), False
+        ks = round_.model_ks
         for proposer in self._proposers():
-            if not any(round_.ks[i] for i in round_.rows(proposer.method)):
+            if not any(ks[i] for i in round_.rows(proposer.method)):
                 continue
             started = time.perf_counter()
             drafts = proposer.propose(round_)
@@ -455,9 +462,10 @@ class Speculator:
             self.metrics.grammar_forced_tokens.labels(self.name).inc(sum(outcome.accepted) - sum(accepted))
         # what a grammar cut counts as proposed and rejected, so acceptance stays honest
         proposed = verified if proposal.cut is None else [n + c for n, c in zip(verified, proposal.cut)]
-        for s, k, a in zip(seqs, proposed, accepted):
+        lookups = proposal.round.lookups
+        for i, (s, k, a) in enumerate(zip(seqs, proposed, accepted)):
             if k:
-                self._count(s, k, a)
+                self._count(s, k, a, Method.NGRAM if i in lookups else s.stats.method)
             else:
                 s.stats.plain_steps += 1
         self.drafted_total += sum(proposed)
@@ -506,11 +514,13 @@ class Speculator:
             gumbel.append(mx.random.gumbel(shape=(self.vocab,), key=k_g))
         return mx.stack(uniforms), mx.stack(gumbel)
 
-    def _count(self, seq: Sequence, drafted: int, accepted: int) -> None:
+    def _count(self, seq: Sequence, drafted: int, accepted: int, method: Method) -> None:
+        """One round's proposals of a request, in its stats and in the metrics under the
+        method that proposed them (a draft pairing's lookups under ``ngram``)."""
         seq.stats.rounds += 1
         seq.stats.drafted += drafted
         seq.stats.accepted += accepted
-        m, labels = self.metrics, (self.name, seq.stats.method)
+        m, labels = self.metrics, (self.name, method)
         m.spec_num_drafts.labels(*labels).inc()
         m.spec_num_draft_tokens.labels(*labels).inc(drafted)
         m.spec_num_accepted_tokens.labels(*labels).inc(accepted)
