@@ -86,7 +86,7 @@ def mlx_lm_forward(model, prompts: mx.array, context: int, width: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/demo/target")
-    ap.add_argument("--runs", type=int, default=5, help="alternating runs of every forward; medians are reported")
+    ap.add_argument("--runs", type=int, default=6, help="runs of every forward, each variant first in turn; medians")
     ap.add_argument("--out", default="ops/bench/results/attention.json")
     args = ap.parse_args()
 
@@ -103,17 +103,19 @@ def main() -> None:
     cases = [("decode, 4 rows x 1,700", 4, 1700, 1), ("decode, 8 rows x 300", 8, 300, 1),
              ("verify of 4, 8 rows x 300", 8, 300, 4), ("prefill of 55 over 1,600", 1, 1600, 55)]
     own_softmax = kv._softmax
-    runs: dict[str, dict[str, list[float]]] = {name: {"specd": [], "specd_mx_softmax": [], "mlx_lm": []}
-                                               for name, *_ in cases}
-    for _ in range(args.runs):
+    variants = {"specd": lambda *a: specd_forward(model, *a),
+                "specd_mx_softmax": lambda *a: specd_forward(model, *a),
+                "mlx_lm": lambda *a: mlx_lm_forward(reference, *a)}
+    runs: dict[str, dict[str, list[float]]] = {name: {v: [] for v in variants} for name, *_ in cases}
+    for run in range(args.runs):
+        order = list(variants)[run % 3:] + list(variants)[:run % 3]  # each goes first in turn
         for name, rows, context, width in cases:
             prompts = mx.random.randint(10, 1000, (rows, context + width))
+            for variant in order:
+                kv._softmax = own_softmax if variant != "specd_mx_softmax" else (
+                    lambda scores: mx.softmax(scores, axis=-1, precise=True))
+                runs[name][variant].append(variants[variant](prompts, context, width))
             kv._softmax = own_softmax
-            runs[name]["specd"].append(specd_forward(model, prompts, context, width))
-            kv._softmax = lambda scores: mx.softmax(scores, axis=-1, precise=True)
-            runs[name]["specd_mx_softmax"].append(specd_forward(model, prompts, context, width))
-            kv._softmax = own_softmax
-            runs[name]["mlx_lm"].append(mlx_lm_forward(reference, prompts, context, width))
     forward = [{"forward": name, **{k: statistics.median(v) for k, v in by.items()}, "runs": by}
                for name, by in runs.items()]
 
