@@ -547,9 +547,10 @@ def test_a_lookup_that_finds_nothing_counts_against_the_k_chosen():
 
 
 def test_lookups_alone_when_the_draft_step_costs_more_than_the_rows_they_miss_gain():
-    """A draft step costs a fixed part for one row as for eight: with lookups covering seven rows,
-    the eighth proposes nothing rather than pay for it, and a row with a shorter lookup proposes
-    that; with lookups covering two rows, the draft model drafts for the six others."""
+    """A draft step costs a fixed part for one row as for eight: with lookups covering six of
+    eight rows, the row without one proposes nothing rather than pay for it, and the row with a
+    shorter lookup proposes that; with lookups covering two rows, the draft model drafts for the
+    six others."""
     cost = costs(0.004, 0.0001, draft_fixed=0.002, draft_per_row=0.00005)
     controller = GoodputController(PolicySettings(max_speculative_tokens=3), "p", cost)
 
