@@ -15,7 +15,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from specd.core.cache import BatchRowCache
-from specd.core.kv import STEP, KVQuantization, RowKV, parts, side_concat, side_slice, stored
+from specd.core.kv import (POWER_SOFTMAX_MIN_SCORES, STEP, KVQuantization, RowKV, _softmax, parts, side_concat,
+                           side_slice, stored)
 
 D = 1024  # token ids are below this
 
@@ -283,3 +284,17 @@ def test_a_row_of_padding_only_attends_to_nothing_and_keeps_the_values_width():
     assert out.shape == (2, 2, 3, 16)
     assert np.array(out[1]).tolist() == np.zeros((2, 3, 16)).tolist()
     assert cache.held == [3, 0] and cache.pending == [0, 1]
+
+
+def test_attention_softmax_over_large_scores_equals_mlx_softmax():
+    """Scores of ``POWER_SOFTMAX_MIN_SCORES`` or more take e**x through ``mx.power`` on the CPU
+    backend: the weights equal MLX's softmax, masked columns (-inf) included, in float32 and
+    for half-precision scores."""
+    mx.random.seed(3)
+    scores = mx.random.normal((1, 2, 64, 300)) * 8
+    masked = mx.where(mx.random.uniform(shape=scores.shape) < 0.3, -mx.inf, scores)
+    for s, atol in ((scores, 1e-6), (masked, 1e-6), (masked.astype(mx.float16), 1e-3)):
+        assert s.size >= POWER_SOFTMAX_MIN_SCORES
+        got, want = _softmax(s), mx.softmax(s, axis=-1, precise=True)
+        assert got.dtype == s.dtype
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol)
