@@ -134,7 +134,7 @@ class GoodputController(StaticController):
             return [0] * len(rows), "policy_disabled"
         measured = self._measured(batch_bucket(batch_size))
         k, reason = measured.decide(self._cap(rows), lambda: self.bet(rows),
-                                    lambda k: self._tokens(rows, k, self._worth_it(rows, k)))
+                                    lambda k: self._expected(rows, self._ks(rows, k, self._worth_it(rows, k))))
         if k == 0:
             return [0] * len(rows), reason
         use = self._worth_it(rows, k)
@@ -221,12 +221,12 @@ class GoodputController(StaticController):
         drafted = [k for r, k in zip(rows, ks) if k and r.drafts(k)]
         seconds = (self.costs.target_seconds(len(rows), 1 + max(ks))
                    + self.costs.draft_seconds(len(drafted), max(drafted, default=0)))
-        return sum(r.estimate.expected_tokens(k) if k else 1.0 for r, k in zip(rows, ks)) / seconds
+        return self._expected(rows, ks) / seconds
 
     @staticmethod
-    def _tokens(rows: list[Row], k: int, use: list[bool]) -> float:
-        """Expected tokens a step yields for the batch if ``use`` rows propose up to k."""
-        return sum(r.estimate.expected_tokens(min(k, r.budget)) if u else 1.0 for r, u in zip(rows, use))
+    def _expected(rows: list[Row], ks: list[int]) -> float:
+        """Expected tokens a step yields for the batch if row i proposes ``ks[i]``."""
+        return sum(r.estimate.expected_tokens(k) for r, k in zip(rows, ks))
 
 
 def make_controller(policy: PolicySettings | None, name: str | None, costs: CostModel,
