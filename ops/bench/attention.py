@@ -11,7 +11,7 @@ median time of, side by side:
   context, through specd's rows with each softmax, and through mlx-lm's
   ``BatchKVCache``/``KVCache`` (its attention, as ``mlx_lm.server`` runs it).
 
-    python ops/bench/attention.py [--model models/demo/target] [--runs 5]
+    python ops/bench/attention.py [--model models/demo/target] [--runs 6]
 """
 
 from __future__ import annotations
@@ -25,21 +25,19 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from spec_decode import machine_info, write_result
+from spec_decode import machine_info, step_cost, write_result
 from specd.core import kv
-from specd.core.cache import make_row_cache
-from specd.core.loader import load_model
 
 
-def median_ms(run: Callable[[], object], after: Callable[[], None] = lambda: None, repeat: int = 60) -> float:
-    """Median milliseconds of ``run`` evaluated (the first fifth is warm-up); ``after`` undoes it."""
+def median_ms(run: Callable[[], object], after: Callable[[], None] = lambda: None, repeat: int = 20) -> float:
+    """Median milliseconds of ``run`` evaluated; ``after`` undoes it."""
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         mx.eval(run())
         times.append(time.perf_counter() - start)
         after()
-    return 1000 * statistics.median(times[repeat // 5:])
+    return 1000 * statistics.median(times)
 
 
 def softmax_rows(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
@@ -53,24 +51,11 @@ def softmax_rows(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
     return out
 
 
-def specd_forward(model, prompts: mx.array, context: int, width: int) -> float:
-    """A forward of ``width`` new columns per row over ``context`` held, through specd's rows."""
-    cache = make_row_cache(model, [0] * prompts.shape[0])
-    for start in range(0, context, 512):
-        cache.forward(model, prompts[:, start:min(context, start + 512)])
-        mx.eval(cache.state)
-    new = prompts[:, context:context + width]
-    return median_ms(lambda: cache.forward(model, new), lambda: cache.rollback([width] * prompts.shape[0]),
-                     repeat=60 if width == 1 else 20)
-
-
-def mlx_lm_forward(model, prompts: mx.array, context: int, width: int) -> float:
-    """The same forward through mlx-lm's caches (a batch's ``BatchKVCache``, one row's ``KVCache``)."""
-    rows = prompts.shape[0]
+def mlx_lm_forward(model, rows: int, context: int, width: int) -> float:
+    """Milliseconds of the forward ``step_cost`` times through specd's rows, through mlx-lm's
+    caches instead (a batch's ``BatchKVCache``, one row's ``KVCache``)."""
     cache = [BatchKVCache([0] * rows) if rows > 1 else KVCache() for _ in model.layers]
-    for start in range(0, context, 512):
-        mx.eval(model(prompts[:, start:min(context, start + 512)], cache=cache))
-        mx.eval([c.state for c in cache])
+    mx.eval(model(mx.zeros((rows, context), dtype=mx.int32) + 5, cache=cache))
 
     def undo() -> None:
         for c in cache:
@@ -79,8 +64,8 @@ def mlx_lm_forward(model, prompts: mx.array, context: int, width: int) -> float:
                 c._idx -= width
             else:
                 c.trim(width)
-    new = prompts[:, context:context + width]
-    return median_ms(lambda: model(new, cache=cache), undo, repeat=60 if width == 1 else 20)
+    inputs = mx.zeros((rows, width), dtype=mx.int32) + 7
+    return median_ms(lambda: model(inputs, cache=cache), undo)
 
 
 def main() -> None:
@@ -91,8 +76,7 @@ def main() -> None:
     args = ap.parse_args()
 
     mx.random.seed(0)
-    model, _ = load_model(args.model)
-    reference, _ = load(args.model)
+    model, _ = load(args.model)
     kv_heads = model.args.num_key_value_heads
     group = model.args.num_attention_heads // kv_heads
     shapes = {"decode, 1,700 columns": (1, kv_heads, group, 1700),
@@ -103,18 +87,22 @@ def main() -> None:
     cases = [("decode, 4 rows x 1,700", 4, 1700, 1), ("decode, 8 rows x 300", 8, 300, 1),
              ("verify of 4, 8 rows x 300", 8, 300, 4), ("prefill of 55 over 1,600", 1, 1600, 55)]
     own_softmax = kv._softmax
-    variants = {"specd": lambda *a: specd_forward(model, *a),
-                "specd_mx_softmax": lambda *a: specd_forward(model, *a),
-                "mlx_lm": lambda *a: mlx_lm_forward(reference, *a)}
+
+    def specd_ms(rows: int, context: int, width: int) -> float:
+        return 1000 * step_cost(model, context, width, rows, reps=20)
+
+    def mlx_lm_ms(rows: int, context: int, width: int) -> float:
+        return mlx_lm_forward(model, rows, context, width)
+    variants = {"specd": (own_softmax, specd_ms),  # the softmax specd's attention uses, and the forward timed
+                "specd_mx_softmax": (lambda scores: mx.softmax(scores, axis=-1, precise=True), specd_ms),
+                "mlx_lm": (own_softmax, mlx_lm_ms)}
     runs: dict[str, dict[str, list[float]]] = {name: {v: [] for v in variants} for name, *_ in cases}
     for run in range(args.runs):
         order = list(variants)[run % 3:] + list(variants)[:run % 3]  # each goes first in turn
         for name, rows, context, width in cases:
-            prompts = mx.random.randint(10, 1000, (rows, context + width))
             for variant in order:
-                kv._softmax = own_softmax if variant != "specd_mx_softmax" else (
-                    lambda scores: mx.softmax(scores, axis=-1, precise=True))
-                runs[name][variant].append(variants[variant](prompts, context, width))
+                kv._softmax, forward = variants[variant]
+                runs[name][variant].append(forward(rows, context, width))
             kv._softmax = own_softmax
     forward = [{"forward": name, **{k: statistics.median(v) for k, v in by.items()}, "runs": by}
                for name, by in runs.items()]
