@@ -22,6 +22,7 @@ from mlx_lm.generate import generate_step
 
 from conftest import code_sample, free_port, model_manifest, run_engine
 from specd.core.cache import make_row_cache, padding_leaks, runs_row_by_row
+from specd.core import kv
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
@@ -107,6 +108,14 @@ def check_family(path: Path, draft_path: Path | None = None) -> None:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_matches_mlx_lm_batched_and_speculating(family, family_models):
+    check_family(family_models(family))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3", "qwen3_moe", "qwen3_next", "lfm2"])
+def test_rows_gathered_into_one_attention_call_match_mlx_lm(family, family_models, monkeypatch):
+    """The attention a GPU runs (``kv.gathers``: a layer's rows in one call) is as exact as row by row,
+    here on the CPU: plain, sliding-window, mixture-of-experts and hybrid recurrent families."""
+    monkeypatch.setattr(kv, "gathers", lambda: True)
     check_family(family_models(family))
 
 

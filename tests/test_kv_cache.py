@@ -12,13 +12,25 @@ import random
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
+from specd.core import kv
 from specd.core.cache import BatchRowCache
 from specd.core.kv import (POWER_SOFTMAX_MIN_SCORES, STEP, KVQuantization, RowKV, _softmax, parts, side_concat,
                            side_slice, stored)
 
 D = 1024  # token ids are below this
+
+
+@pytest.fixture(autouse=True, scope="module", params=["row by row", "gathered"])
+def attention_path(request):
+    """Every test here runs over both of ``RowKV.attend``'s paths: row by row (MLX's CPU backend)
+    and all rows in one call (``gathers()`` on a GPU), whatever device runs the tests."""
+    chosen = kv.gathers
+    kv.gathers = lambda: request.param == "gathered"
+    yield request.param
+    kv.gathers = chosen
 
 
 def onehot(tokens: list[list[int]]) -> tuple[mx.array, mx.array]:
@@ -298,3 +310,37 @@ def test_attention_softmax_over_large_scores_equals_mlx_softmax():
         got, want = _softmax(s), mx.softmax(s, axis=-1, precise=True)
         assert got.dtype == s.dtype
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=6), st.integers(1, 5), st.sampled_from([None, 9]),
+       st.sampled_from([1, 2, 4]), st.data())
+def test_gathered_attention_equals_row_by_row_attention(lengths, n, window, group, data):
+    """All rows' queries in one call, over every row's columns side by side under a mask, give each
+    query what attending its own row gives: rows of any length, restored in pieces or not,
+    grouped heads, several new tokens, windows."""
+    kv_heads, dims = 2, 32
+    mx.random.seed(data.draw(st.integers(0, 1000)))
+    cache = RowKV([0] * len(lengths), window=window)
+    for b, length in enumerate(lengths):
+        if data.draw(st.booleans()):  # a cached prefix, read in place in pieces
+            keys, values = mx.random.normal((1, kv_heads, length, dims)), mx.random.normal((1, kv_heads, length, dims))
+            cut = data.draw(st.integers(0, length))
+            cache.restore(b, [(keys[..., a:z, :], values[..., a:z, :]) for a, z in ((0, cut), (cut, length)) if z > a],
+                          length)
+        else:
+            one = RowKV([0], window=window)
+            one.update_and_fetch(mx.random.normal((1, kv_heads, length, dims)), mx.random.normal((1, kv_heads, length, dims)))
+            for name in RowKV._ROW_FIELDS:
+                getattr(cache, name)[b] = getattr(one, name)[0]
+    cache.update_and_fetch(mx.random.normal((len(lengths), kv_heads, n, dims)),
+                           mx.random.normal((len(lengths), kv_heads, n, dims)))
+    queries = mx.random.normal((len(lengths), kv_heads * group, n, dims))
+    gathered = cache._attend_gathered(queries * 0.25)
+    kv.gathers, chosen = (lambda: False), kv.gathers
+    try:
+        want = cache.attend(queries, scale=0.25)
+    finally:
+        kv.gathers = chosen
+    assert gathered is not None
+    np.testing.assert_allclose(np.array(gathered), np.array(want), atol=2e-5, rtol=1e-4)

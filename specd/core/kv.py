@@ -19,8 +19,10 @@ same cache.  ``route_attention`` points a model's modules at ``attention``
 here instead, which hands a ``RowKV`` layer's queries to ``RowKV.attend``:
 each row's queries over its own keys, exactly, row by row (no gather into
 a padded batch, which would need the longest row's memory for every row
-again, in every layer).  Every other cache goes to mlx-lm's own function
-unchanged.  A model whose attention does not come through here, or that
+again, in every layer).  On a GPU, where each of a row's kernels costs a
+launch, the rows' columns are put side by side (nothing padded) and attended
+in one call under a mask that keeps each query to its own row (``gathers``).
+Every other cache goes to mlx-lm's own function unchanged.  A model whose attention does not come through here, or that
 reads the keys it fetched for anything else, is found at load (``attends``
 stays 0, or its logits are wrong) and runs row by row.
 """
@@ -217,6 +219,11 @@ class RowKV:
             raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
         out: list[mx.array | None] = []
         queries = queries * scale  # once for every row
+        if (self.tree is None and sinks is None and self.quantization is None and gathers()
+                and all(n and not skip for skip, n in self._written)):
+            gathered = self._attend_gathered(queries)
+            if gathered is not None:
+                return gathered
         row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
         for b, ((skip, n), q) in enumerate(zip(self._written, row_queries)):
             if not n:  # a prompt that starts in a later chunk: its padding's output is never read
@@ -230,6 +237,29 @@ class RowKV:
             return out[0]
         shape = next(row for row in out if row is not None).shape  # values may be narrower than queries
         return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
+
+    def _attend_gathered(self, queries: mx.array) -> mx.array | None:
+        """Every row's new queries (B, heads, n, D), scaled, in one attention call: the columns
+        each row sees, of all rows side by side (one copy), and a mask that gives each query its
+        own row's columns, causally and within the window. It computes scores for every row's
+        columns, so it is taken only up to ``GATHER_MAX_SCORES`` (None above: row by row)."""
+        rows, heads, n, dims = queries.shape
+        starts = [0 if self.window is None else max(0, held - n - self.window + 1) for held in self.held]
+        seen = [held - start for held, start in zip(self.held, starts)]
+        if rows * heads * n * sum(seen) > GATHER_MAX_SCORES:
+            return None
+        pieces = [p for b, start in enumerate(starts) for p in _seen_pieces(self._pieces(b), start)]
+        keys = side_concat([k for k, _ in pieces])
+        values = side_concat([v for _, v in pieces])
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        stacked = queries.reshape(rows, kv_heads, group, n, dims).transpose(1, 0, 2, 3, 4)
+        scores = stacked.reshape(1, kv_heads, rows * group * n, dims) @ keys.swapaxes(-1, -2)
+        # MLX's fused attention would build a kernel plan for every new column count (each step's)
+        scores = mx.where(_gather_mask(tuple(seen), n, group, self.window), scores, -mx.inf)
+        out = _softmax(scores) @ values
+        width = out.shape[-1]  # values may be narrower than queries
+        return out.reshape(kv_heads, rows, group, n, width).transpose(1, 0, 2, 3, 4).reshape(rows, heads, n, width)
 
     def attend_with(self, queries: mx.array, scale: float, keys: mx.array, values: mx.array,
                     ancestry: mx.array) -> mx.array:
@@ -374,6 +404,56 @@ def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arr
     return mask
 
 
+def _seen_pieces(pieces: list[tuple[Side, Side]], start: int) -> list[tuple[Side, Side]]:
+    """A row's pieces from its held column ``start`` on (views, never copies)."""
+    out, at = [], 0
+    for k, v in pieces:
+        lo, hi = max(start - at, 0), side_columns(k)
+        at += hi
+        if hi > lo:
+            out.append((side_slice(k, lo, hi), side_slice(v, lo, hi)) if lo else (k, v))
+    return out
+
+
+def gathers() -> bool:
+    """Whether a layer's rows attend in one call (``RowKV._attend_gathered``) rather than row by
+    row. On a GPU every row's few kernels cost a launch each, far more than copying the batch's
+    columns together (``ops/bench/attention.py``); on MLX's CPU backend, row by row is faster."""
+    return mx.default_device() != mx.cpu
+
+
+# Scores a gathered attention call may compute (each query scores every row's columns); above, the
+# wasted work outgrows the launches it saves and rows attend one by one
+GATHER_MAX_SCORES = 1 << 24
+_GATHER_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()  # the last few steps' (every layer shares them)
+GATHER_MASKS_KEPT = 8
+
+
+def _gather_mask(seen: tuple[int, ...], n: int, group: int, window: int | None) -> mx.array:
+    """(rows * group * n, sum(seen)): query j of row b (of each of its ``group`` heads) sees the
+    columns of row b's ``seen[b]`` that are at or before its own position, within ``window``."""
+    key = (seen, n, group, window)
+    with _MASKS_LOCK:
+        mask = _GATHER_MASKS.get(key)
+        if mask is not None:
+            _GATHER_MASKS.move_to_end(key)
+            return mask
+    lengths = np.array(seen)
+    column_row = np.repeat(np.arange(len(seen)), lengths)
+    column = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    query_row = np.repeat(np.arange(len(seen)), group * n)
+    position = np.repeat(lengths - n, group * n) + np.tile(np.arange(n), len(seen) * group)
+    visible = (column_row[None, :] == query_row[:, None]) & (column[None, :] <= position[:, None])
+    if window is not None:
+        visible &= column[None, :] > position[:, None] - window
+    mask = mx.array(visible)
+    with _MASKS_LOCK:
+        _GATHER_MASKS[key] = mask
+        while len(_GATHER_MASKS) > GATHER_MASKS_KEPT:
+            _GATHER_MASKS.popitem(last=False)
+    return mask
+
+
 def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: int, window: int | None,
                     quantization: KVQuantization | None = None, sinks: mx.array | None = None,
                     seen: mx.array | None = None) -> mx.array:
@@ -388,12 +468,7 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
     _, heads, n, dims = queries.shape
     kv_heads = parts(pieces[0][0])[0].shape[1]
     start = 0 if window is None else max(0, held - n - window + 1)
-    seen_pieces, at = [], 0
-    for k, v in pieces:
-        lo, hi = max(start - at, 0), side_columns(k)
-        at += hi
-        if hi > lo:
-            seen_pieces.append((side_slice(k, lo, hi), side_slice(v, lo, hi)) if lo else (k, v))
+    seen_pieces = _seen_pieces(pieces, start)
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
     scores = [_product(grouped, k, True, quantization) for k, _ in seen_pieces]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
