@@ -381,15 +381,22 @@ MASK_CACHE_CELLS = 1 << 26
 _cached_cells = 0
 
 
+def _cached_mask(masks: OrderedDict[tuple, mx.array], key: tuple) -> mx.array | None:
+    """A mask already made, now the most recently used of ``masks`` (None if not made)."""
+    with _MASKS_LOCK:
+        mask = masks.get(key)
+        if mask is not None:
+            masks.move_to_end(key)
+        return mask
+
+
 def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.array:
     """(n, capacity): the last ``n`` of ``held`` columns see themselves and what is
     before them (within ``window``), and nothing past ``held``."""
     key = (n, held, capacity, window)
-    with _MASKS_LOCK:
-        mask = _CAUSAL_MASKS.get(key)
-        if mask is not None:
-            _CAUSAL_MASKS.move_to_end(key)
-            return mask
+    mask = _cached_mask(_CAUSAL_MASKS, key)
+    if mask is not None:
+        return mask
     columns = mx.arange(capacity)[None, :]
     rows = mx.arange(held - n, held)[:, None]
     mask = (columns <= rows) if window is None else (columns <= rows) & (columns > rows - window)
@@ -433,11 +440,9 @@ def _gather_mask(seen: tuple[int, ...], n: int, group: int, window: int | None) 
     """(rows * group * n, sum(seen)): query j of row b (of each of its ``group`` heads) sees the
     columns of row b's ``seen[b]`` that are at or before its own position, within ``window``."""
     key = (seen, n, group, window)
-    with _MASKS_LOCK:
-        mask = _GATHER_MASKS.get(key)
-        if mask is not None:
-            _GATHER_MASKS.move_to_end(key)
-            return mask
+    mask = _cached_mask(_GATHER_MASKS, key)
+    if mask is not None:
+        return mask
     lengths = np.array(seen)
     column_row = np.repeat(np.arange(len(seen)), lengths)
     column = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
