@@ -113,7 +113,7 @@ def test_family_matches_mlx_lm_batched_and_speculating(family, family_models):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3", "qwen3_moe", "qwen3_next", "lfm2"])
 def test_rows_gathered_into_one_attention_call_match_mlx_lm(family, family_models, monkeypatch):
-    """The attention a GPU runs (``kv.gathers``: a layer's rows in one call) is as exact as row by row,
+    """The attention a GPU runs (``kv.gathers``: a layer's rows in one pass) is as exact as row by row,
     here on the CPU: plain, sliding-window, mixture-of-experts and hybrid recurrent families."""
     monkeypatch.setattr(kv, "gathers", lambda: True)
     check_family(family_models(family))

@@ -26,7 +26,7 @@ D = 1024  # token ids are below this
 @pytest.fixture(autouse=True, scope="module", params=["row by row", "gathered"])
 def attention_path(request):
     """Every test here runs over both of ``RowKV.attend``'s paths: row by row (MLX's CPU backend)
-    and all rows in one call (``gathers()`` on a GPU), whatever device runs the tests."""
+    and all rows in one pass (``gathers()`` on a GPU), whatever device runs the tests."""
     chosen = kv.gathers
     kv.gathers = lambda: request.param == "gathered"
     yield request.param
@@ -316,7 +316,7 @@ def test_attention_softmax_over_large_scores_equals_mlx_softmax():
 @given(st.lists(st.integers(1, 200), min_size=1, max_size=6), st.integers(1, 5), st.sampled_from([None, 9]),
        st.sampled_from([1, 2, 4]), st.data())
 def test_gathered_attention_equals_row_by_row_attention(lengths, n, window, group, data):
-    """All rows' queries in one call, over every row's columns side by side under a mask, give each
+    """All rows' queries in one pass, over every row's columns side by side under a mask, give each
     query what attending its own row gives: rows of any length, restored in pieces or not,
     grouped heads, several new tokens, windows."""
     kv_heads, dims = 2, 32

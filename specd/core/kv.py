@@ -21,10 +21,11 @@ each row's queries over its own keys, exactly, row by row (no gather into
 a padded batch, which would need the longest row's memory for every row
 again, in every layer).  On a GPU, where each of a row's kernels costs a
 launch, the rows' columns are put side by side (nothing padded) and attended
-in one call under a mask that keeps each query to its own row (``gathers``).
-Every other cache goes to mlx-lm's own function unchanged.  A model whose attention does not come through here, or that
-reads the keys it fetched for anything else, is found at load (``attends``
-stays 0, or its logits are wrong) and runs row by row.
+in one pass under a mask that keeps each query to its own row (``gathers``).
+Every other cache goes to mlx-lm's own function unchanged.  A model whose
+attention does not come through here, or that reads the keys it fetched for
+anything else, is found at load (``attends`` stays 0, or its logits are
+wrong) and runs row by row.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ class RowKV:
         return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
 
     def _attend_gathered(self, queries: mx.array) -> mx.array | None:
-        """Every row's new queries (B, heads, n, D), scaled, in one attention call: the columns
+        """Every row's new queries (B, heads, n, D), scaled, attended in one pass: the columns
         each row sees, of all rows side by side (one copy), and a mask that gives each query its
         own row's columns, causally and within the window. It computes scores for every row's
         columns, so it is taken only up to ``GATHER_MAX_SCORES`` (None above: row by row)."""
@@ -255,7 +256,7 @@ class RowKV:
         group = heads // kv_heads
         stacked = queries.reshape(rows, kv_heads, group, n, dims).transpose(1, 0, 2, 3, 4)
         scores = stacked.reshape(1, kv_heads, rows * group * n, dims) @ keys.swapaxes(-1, -2)
-        # MLX's fused attention would build a kernel plan for every new column count (each step's)
+        # not MLX's fused attention: on CUDA it builds a cuDNN plan per column count, a new one every step
         scores = mx.where(_gather_mask(tuple(seen), n, group, self.window), scores, -mx.inf)
         out = _softmax(scores) @ values
         width = out.shape[-1]  # values may be narrower than queries
@@ -423,9 +424,10 @@ def _seen_pieces(pieces: list[tuple[Side, Side]], start: int) -> list[tuple[Side
 
 
 def gathers() -> bool:
-    """Whether a layer's rows attend in one call (``RowKV._attend_gathered``) rather than row by
-    row. On a GPU every row's few kernels cost a launch each, far more than copying the batch's
-    columns together (``ops/bench/attention.py``); on MLX's CPU backend, row by row is faster."""
+    """Whether a layer's rows attend in one pass (``RowKV._attend_gathered``) rather than row by
+    row. On a GPU every row's few kernels cost a launch each, more than copying the batch's
+    columns together (``ops/bench/results/gpu_h200.json``); on MLX's CPU backend, row by row is
+    faster (``ops/bench/results/attention.json``)."""
     return mx.default_device() != mx.cpu
 
 
