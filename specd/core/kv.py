@@ -220,8 +220,9 @@ class RowKV:
             raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
         out: list[mx.array | None] = []
         queries = queries * scale  # once for every row
-        if (self.tree is None and sinks is None and self.quantization is None and gathers()
-                and all(n and not skip for skip, n in self._written)):
+        # one row attends as it is (gathering it would only copy its pieces together)
+        if (len(self._written) > 1 and self.tree is None and sinks is None and self.quantization is None
+                and gathers() and all(n and not skip for skip, n in self._written)):
             gathered = self._attend_gathered(queries)
             if gathered is not None:
                 return gathered
