@@ -188,19 +188,43 @@ def write_result(path: str, result: dict[str, Any]) -> None:
     print(f"\nwrote {out}")
 
 
+async def one_run(engine: Engine, prompts: list[list[int]], spec, max_tokens: int,
+                  concurrency: int) -> dict[str, Any]:
+    """Serving ``prompts`` in groups of ``concurrency``: tokens/s and speculation totals."""
+    totals = {"tokens": 0, "wall_s": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "steps": 0}
+    for i in range(0, len(prompts), concurrency):
+        group = prompts[i:i + concurrency]  # all at once
+        r = await serve_clients(engine, [[p] for p in group], [spec or NO_SPECULATION] * len(group), max_tokens)
+        for key in totals:
+            totals[key] += r[key]
+    totals["tok_s"] = totals["tokens"] / totals["wall_s"]
+    return totals
+
+
 async def measure(engine: Engine, prompts: list[list[int]], spec, max_tokens: int, runs: int,
                   concurrency: int) -> dict[str, Any]:
     """Median over ``runs`` of serving ``prompts`` in groups of ``concurrency``."""
-    per_run = []
+    return summarize([await one_run(engine, prompts, spec, max_tokens, concurrency) for _ in range(runs)])
+
+
+async def interleaved(engine: Engine, prompts: list[list[int]], configs: dict[str, tuple], max_tokens: int,
+                      runs: int, concurrency: int) -> dict[str, dict[str, Any]]:
+    """Each configuration ((speculation, policy)) measured ``runs`` times, the configurations
+    taken in turn run by run, so each run's ratio to the first configuration compares runs
+    side by side (``paired``: their median): this machine's speed drifts by more than the
+    gains measured between spells of a minute."""
+    per_run: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(runs):
-        totals = {"tokens": 0, "wall_s": 0.0, "drafted": 0, "accepted": 0, "rounds": 0, "steps": 0}
-        for i in range(0, len(prompts), concurrency):
-            group = prompts[i:i + concurrency]  # all at once
-            r = await serve_clients(engine, [[p] for p in group], [spec or NO_SPECULATION] * len(group), max_tokens)
-            for key in totals:
-                totals[key] += r[key]
-        totals["tok_s"] = totals["tokens"] / totals["wall_s"]
-        per_run.append(totals)
+        for name, (spec, policy) in configs.items():
+            engine.set_policy(policy, None if policy is None else "goodput-default")
+            per_run[name].append(await one_run(engine, prompts, spec, max_tokens, concurrency))
+    engine.set_policy(None, None)
+    base = per_run[next(iter(configs))]
+    return {name: {**summarize(rs), "paired": median([r["tok_s"] / b["tok_s"] for r, b in zip(rs, base)])}
+            for name, rs in per_run.items()}
+
+
+def summarize(per_run: list[dict[str, Any]]) -> dict[str, Any]:
     first = per_run[0]  # greedy: every run drafts and accepts the same tokens
     rounds = first["rounds"]
     return {"tok_s": median([r["tok_s"] for r in per_run]), "runs": per_run,
@@ -227,14 +251,16 @@ def row(name: str, m: dict, plain_tok_s: float, k: int | None, c: float | None, 
 
 def print_rows(title: str, rows: list[dict]) -> None:
     print(f"\n== {title}")
-    print(f"{'config':<18}{'tok/s':>9}{'speedup':>9}{'alpha':>8}{'acc/rnd':>9}{'spec%':>7}{'c':>7}{'v':>7}"
-          f"{'ideal':>8}{'ideal@L':>9}{'eff':>7}")
+    paired = any("paired_speedup" in r for r in rows)
+    print(f"{'config':<18}{'tok/s':>9}{'speedup':>9}" + (f"{'paired':>8}" if paired else "")
+          + f"{'alpha':>8}{'acc/rnd':>9}{'spec%':>7}{'c':>7}{'v':>7}{'ideal':>8}{'ideal@L':>9}{'eff':>7}")
 
     def f(x, fmt):
         return format(x, fmt) if isinstance(x, (int, float)) else "-"
     for r in rows:
-        print(f"{r['config']:<18}{r['tok_s']:>9.1f}{f(r['speedup'], '.2f'):>8}x{f(r['alpha'], '.3f'):>8}"
-              f"{f(r['mean_accepted'], '.2f'):>9}{f(100 * r['spec_fraction'], '.0f'):>7}"
+        print(f"{r['config']:<18}{r['tok_s']:>9.1f}{f(r['speedup'], '.2f'):>8}x"
+              + (f"{f(r.get('paired_speedup'), '.2f'):>7}x" if paired else "")
+              + f"{f(r['alpha'], '.3f'):>8}{f(r['mean_accepted'], '.2f'):>9}{f(100 * r['spec_fraction'], '.0f'):>7}"
               f"{f(r.get('c'), '.3f'):>7}{f(r.get('v'), '.2f'):>7}"
               f"{f(r.get('ideal'), '.2f'):>8}{f(r.get('ideal_at_L'), '.2f'):>9}{f(r.get('efficiency'), '.2f'):>7}")
 
@@ -266,19 +292,20 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             result["costs_by_batch"][conc] = bc
             print(f"batch {conc}: target step {bc['target_step_s'] * 1e3:.2f} ms, c = {bc['c']:.3f}, "
                   f"v({args.conc_k}) = {bc['v'][args.conc_k]:.2f}")
-            base = await measure(engine, prompts[:max(conc, 8)], None, args.max_tokens, args.runs, conc)
-            rows.append(row(f"c={conc} off", base, base["tok_s"], None, None, bc["v"]))
-            for method, k in ((Method.NGRAM, args.conc_k), (Method.DRAFT, args.conc_k)):
-                m = await measure(engine, prompts[:max(conc, 8)], SpeculationConfig(method, k), args.max_tokens,
-                                  args.runs, conc)
-                rows.append(row(f"c={conc} {method} k={k}", m, base["tok_s"], k,
-                                bc["c"] if method == "draft" else 0.0, bc["v"]))
-            engine.set_policy(PolicySettings(), "goodput-default")  # a SpecPolicy with the manifest's defaults
-            m = await measure(engine, prompts[:max(conc, 8)], SpeculationConfig(Method.DRAFT, args.conc_k),
-                              args.max_tokens, args.runs, conc)
-            engine.set_policy(None, None)
-            rows.append(row(f"c={conc} draft goodput", m, base["tok_s"], None, bc["c"], bc["v"]))
-        print_rows("concurrency sweep (speedup vs spec-off at the same concurrency)", rows)
+            k = args.conc_k
+            configs = {f"c={conc} off": (None, None),
+                       f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None),
+                       f"c={conc} draft k={k}": (SpeculationConfig(Method.DRAFT, k), None),
+                       # a SpecPolicy with the manifest's defaults
+                       f"c={conc} draft goodput": (SpeculationConfig(Method.DRAFT, k), PolicySettings())}
+            measured = await interleaved(engine, prompts[:max(conc, 8)], configs, args.max_tokens, args.runs, conc)
+            base = measured[f"c={conc} off"]["tok_s"]
+            for name, m in measured.items():
+                fixed_k = None if "goodput" in name or "off" in name else k
+                c = None if "off" in name else (0.0 if "ngram" in name else bc["c"])
+                rows.append({**row(name, m, base, fixed_k, c, bc["v"]), "paired_speedup": m["paired"]})
+        print_rows("concurrency sweep (speedup vs spec-off at the same concurrency; paired: the median "
+                   "of each run's ratio to the spec-off run beside it)", rows)
         result["concurrency"] = rows
     finally:
         await engine.shutdown(1)
