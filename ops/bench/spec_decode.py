@@ -292,18 +292,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             result["costs_by_batch"][conc] = bc
             print(f"batch {conc}: target step {bc['target_step_s'] * 1e3:.2f} ms, c = {bc['c']:.3f}, "
                   f"v({args.conc_k}) = {bc['v'][args.conc_k]:.2f}")
-            k = args.conc_k
-            configs = {f"c={conc} off": (None, None),
-                       f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None),
-                       f"c={conc} draft k={k}": (SpeculationConfig(Method.DRAFT, k), None),
+            k, c = args.conc_k, bc["c"]
+            # name: (speculation, policy, the fixed k and the draft's cost c its ideal is modelled with)
+            configs = {f"c={conc} off": (None, None, None, None),
+                       f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None, k, 0.0),
+                       f"c={conc} draft k={k}": (SpeculationConfig(Method.DRAFT, k), None, k, c),
                        # a SpecPolicy with the manifest's defaults
-                       f"c={conc} draft goodput": (SpeculationConfig(Method.DRAFT, k), PolicySettings())}
-            measured = await interleaved(engine, prompts[:max(conc, 8)], configs, args.max_tokens, args.runs, conc)
+                       f"c={conc} draft goodput": (SpeculationConfig(Method.DRAFT, k), PolicySettings(), None, c)}
+            measured = await interleaved(engine, prompts[:max(conc, 8)], {n: v[:2] for n, v in configs.items()},
+                                         args.max_tokens, args.runs, conc)
             base = measured[f"c={conc} off"]["tok_s"]
             for name, m in measured.items():
-                fixed_k = None if "goodput" in name or "off" in name else k
-                c = None if "off" in name else (0.0 if "ngram" in name else bc["c"])
-                rows.append({**row(name, m, base, fixed_k, c, bc["v"]), "paired_speedup": m["paired"]})
+                rows.append({**row(name, m, base, *configs[name][2:], bc["v"]), "paired_speedup": m["paired"]})
         print_rows("concurrency sweep (speedup vs spec-off at the same concurrency; paired: the median "
                    "of each run's ratio to the spec-off run beside it)", rows)
         result["concurrency"] = rows
