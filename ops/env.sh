@@ -27,6 +27,9 @@ if ! "$VENV/bin/python" -c "import specd, openai, pytest" 2>/dev/null \
 fi
 if [ -e "$OPENBLAS" ]; then
   export LD_PRELOAD="$OPENBLAS${LD_PRELOAD:+:$LD_PRELOAD}"
+  # Its idle worker threads sleep within 2^4 cycles rather than spin for 2^28 on the cores
+  # MLX's CPU streams attend on (specd/core/kv.py); the specd service sets the same.
+  export OPENBLAS_THREAD_TIMEOUT="${OPENBLAS_THREAD_TIMEOUT:-4}"
 fi
 export PATH="$VENV/bin:$PATH"
 cd "$ROOT"

@@ -46,6 +46,7 @@ LINUX_USER = "specd"
 DARWIN_SYSTEM_PLIST_DIR = "/Library/LaunchDaemons"
 DARWIN_AGENT_PLIST_DIR = "Library/LaunchAgents"  # under the user's home
 LAUNCHD_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+OPENBLAS_THREAD_TIMEOUT = 4  # OpenBLAS's shortest spin before an idle worker sleeps: 2**4 cycles
 
 
 def openblas_path(machine: str | None = None) -> str:
@@ -214,6 +215,7 @@ def render_tmpfiles(cfg: ServiceConfig) -> str:
 
 def render_env(cfg: ServiceConfig) -> str:
     preload = f"LD_PRELOAD={cfg.openblas}"
+    timeout = f"OPENBLAS_THREAD_TIMEOUT={OPENBLAS_THREAD_TIMEOUT}"
     hf_home = cfg.hf_home or f"{cfg.state_dir}/huggingface"
     return "\n".join([
         "# Environment of the specd service (systemd EnvironmentFile, read at every start;",
@@ -221,8 +223,10 @@ def render_env(cfg: ServiceConfig) -> str:
         "",
         "# Linux CPU hosts: preload OpenBLAS.  The mlx[cpu] wheel links the reference BLAS",
         "# (float32 matmul ~3 GFLOP/s; OpenBLAS ~100+).  Needs `apt install libopenblas0-pthread`;",
-        "# `specd doctor` checks it.",
+        "# `specd doctor` checks it.  Its idle worker threads then sleep within 2^4 cycles rather",
+        "# than spin for 2^28 on the cores MLX's CPU streams attend on (core/kv.py).",
         preload if cfg.preload_openblas else f"#{preload}",
+        timeout if cfg.preload_openblas else f"#{timeout}",
         "",
         "# Log level: debug, info, warning or error (JSON lines, in the journal).",
         "#SPECD_LOG_LEVEL=info",

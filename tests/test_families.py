@@ -111,11 +111,17 @@ def test_family_matches_mlx_lm_batched_and_speculating(family, family_models):
     check_family(family_models(family))
 
 
+@pytest.mark.parametrize("path", ["gathered", "dealt to streams"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3", "qwen3_moe", "qwen3_next", "lfm2"])
-def test_rows_gathered_into_one_attention_call_match_mlx_lm(family, family_models, monkeypatch):
-    """The attention a GPU runs (``kv.gathers``: a layer's rows in one pass) is as exact as row by row,
-    here on the CPU: plain, sliding-window, mixture-of-experts and hybrid recurrent families."""
-    monkeypatch.setattr(kv, "gathers", lambda: True)
+def test_other_attention_paths_match_mlx_lm(family, path, family_models, monkeypatch):
+    """The attention a GPU runs (``kv.gathers``: a layer's rows in one pass), and rows dealt to
+    CPU streams (``kv._deal``: what a CPU of several cores runs for long rows, here every row), are
+    as exact as row by row: plain, sliding-window, mixture-of-experts and hybrid recurrent families."""
+    if path == "gathered":
+        monkeypatch.setattr(kv, "gathers", lambda: True)
+    else:
+        monkeypatch.setattr(kv, "DEAL_MIN_SCORES", 0)
+        monkeypatch.setattr(kv, "CPU_STREAMS", 3)
     check_family(family_models(family))
 
 

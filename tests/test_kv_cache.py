@@ -23,14 +23,17 @@ from specd.core.kv import (POWER_SOFTMAX_MIN_SCORES, STEP, KVQuantization, RowKV
 D = 1024  # token ids are below this
 
 
-@pytest.fixture(autouse=True, scope="module", params=["row by row", "gathered"])
+@pytest.fixture(autouse=True, scope="module", params=["row by row", "gathered", "dealt to streams"])
 def attention_path(request):
-    """Every test here runs over both of ``RowKV.attend``'s paths: row by row (MLX's CPU backend)
-    and all rows in one pass (``gathers()`` on a GPU), whatever device runs the tests."""
-    chosen = kv.gathers
+    """Every test here runs over each of ``RowKV.attend``'s paths, whatever device runs the tests:
+    row by row, all rows in one pass (``gathers()`` on a GPU), and row by row with every row
+    dealt to one of three CPU streams (``_deal``, on a CPU of several cores)."""
+    chosen, threshold, streams = kv.gathers, kv.DEAL_MIN_SCORES, kv.CPU_STREAMS
     kv.gathers = lambda: request.param == "gathered"
+    if request.param == "dealt to streams":
+        kv.DEAL_MIN_SCORES, kv.CPU_STREAMS = 0, 3
     yield request.param
-    kv.gathers = chosen
+    kv.gathers, kv.DEAL_MIN_SCORES, kv.CPU_STREAMS = chosen, threshold, streams
 
 
 def onehot(tokens: list[list[int]]) -> tuple[mx.array, mx.array]:

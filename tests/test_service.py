@@ -156,7 +156,7 @@ def test_linux_dry_run_prints_everything_and_changes_nothing(tmp_path):
         files[service.LINUX_SYSUSERS_PATH]
     if service.LINUX_ENV_FILE in files and Path(service.openblas_path()).exists():
         # this host has OpenBLAS: the service preloads it
-        assert f"\nLD_PRELOAD={service.openblas_path()}\n" in files[service.LINUX_ENV_FILE]
+        assert f"\nLD_PRELOAD={service.openblas_path()}\nOPENBLAS_THREAD_TIMEOUT=4\n" in files[service.LINUX_ENV_FILE]
 
 
 def test_linux_dry_run_unit_passes_systemd_analyze_verify(tmp_path):

@@ -8,10 +8,11 @@ median time of, side by side:
   forward and a prefill chunk: MLX's ``mx.softmax`` against specd's
   ``_softmax`` (on the CPU backend, e**x as 2**(x log2 e) through ``mx.power``);
 * ``forward``: a decode step of B rows and a prefill chunk over a long
-  context, through specd's rows attended row by row (with each softmax) and
-  gathered into one call per layer (``kv.gathers``: what a GPU runs), and
-  through mlx-lm's ``BatchKVCache``/``KVCache`` (its attention, as
-  ``mlx_lm.server`` runs it).
+  context, through specd's rows attended row by row on one stream (with each
+  softmax), row by row with long rows dealt to one CPU stream per core
+  (``kv._deal``: what a CPU of several cores runs), and gathered into one
+  call per layer (``kv.gathers``: what a GPU runs), and through mlx-lm's
+  ``BatchKVCache``/``KVCache`` (its attention, as ``mlx_lm.server`` runs it).
 
     python ops/bench/attention.py [--model models/demo/target] [--runs 6]
 """
@@ -88,7 +89,8 @@ def main() -> None:
 
     cases = [("decode, 4 rows x 1,700", 4, 1700, 1), ("decode, 8 rows x 300", 8, 300, 1),
              ("verify of 4, 8 rows x 300", 8, 300, 4), ("prefill of 55 over 1,600", 1, 1600, 55)]
-    own_softmax, own_path = kv._softmax, kv.gathers
+    own_softmax, own_path, own_deal = kv._softmax, kv.gathers, kv.DEAL_MIN_SCORES
+    one_stream = 1 << 62  # no row has this many scores: every row stays on the default stream
 
     def specd_ms(rows: int, context: int, width: int) -> float:
         return 1000 * step_cost(model, context, width, rows, reps=20)
@@ -96,22 +98,25 @@ def main() -> None:
     def mlx_lm_ms(rows: int, context: int, width: int) -> float:
         return mlx_lm_forward(model, rows, context, width)
     mx_softmax = lambda scores: mx.softmax(scores, axis=-1, precise=True)  # noqa: E731
-    # (the softmax specd's attention uses, whether a layer's rows are gathered, the forward timed)
-    variants = {"specd_row_by_row": (own_softmax, False, specd_ms),
-                "specd_gathered": (own_softmax, True, specd_ms),
-                "specd_row_by_row_mx_softmax": (mx_softmax, False, specd_ms),
-                "mlx_lm": (own_softmax, False, mlx_lm_ms)}
+    # (the softmax specd's attention uses, whether a layer's rows are gathered, the scores from which a
+    # row is dealt to a stream of its own, the forward timed)
+    variants = {"specd_row_by_row": (own_softmax, False, one_stream, specd_ms),
+                "specd_dealt": (own_softmax, False, own_deal, specd_ms),
+                "specd_gathered": (own_softmax, True, own_deal, specd_ms),
+                "specd_row_by_row_mx_softmax": (mx_softmax, False, one_stream, specd_ms),
+                "mlx_lm": (own_softmax, False, own_deal, mlx_lm_ms)}
     runs: dict[str, dict[str, list[float]]] = {name: {v: [] for v in variants} for name, *_ in cases}
     for run in range(args.runs):
         first = run % len(variants)
         order = list(variants)[first:] + list(variants)[:first]  # each goes first in turn
         for name, rows, context, width in cases:
             for variant in order:
-                kv._softmax, gathered, forward = variants[variant]
+                kv._softmax, gathered, kv.DEAL_MIN_SCORES, forward = variants[variant]
                 kv.gathers = lambda gathered=gathered: gathered
                 runs[name][variant].append(forward(rows, context, width))
-            kv._softmax, kv.gathers = own_softmax, own_path
-    default = "specd_gathered" if own_path() else "specd_row_by_row"
+            kv._softmax, kv.gathers, kv.DEAL_MIN_SCORES = own_softmax, own_path, own_deal
+    default = ("specd_gathered" if own_path() else "specd_dealt" if mx.default_device() == mx.cpu and kv.CPU_STREAMS > 1
+               else "specd_row_by_row")
     forward = [{"forward": name, **{k: statistics.median(v) for k, v in by.items()}, "specd": statistics.median(by[default]),
                 "runs": by} for name, by in runs.items()]
 
@@ -119,12 +124,13 @@ def main() -> None:
     for r in softmax:
         print(f"{r['scores']:32} {r['mx_softmax_ms']:9.3f}ms {r['specd_softmax_ms']:7.3f}ms "
               f"{r['specd_softmax_ms'] / r['mx_softmax_ms']:6.2f}x")
-    print(f"\n{'forward (medians of runs)':28} {'row by row':>11} {'gathered':>9} {'rows, mx.softmax':>17} "
+    print(f"\n{'forward (medians of runs)':28} {'row by row':>11} {'dealt':>9} {'gathered':>9} {'rows, mx.softmax':>17} "
           f"{'mlx_lm':>9} {'specd/mlx_lm':>13}   (specd: {default})")
     for r in forward:
-        print(f"{r['forward']:28} {r['specd_row_by_row']:9.2f}ms {r['specd_gathered']:7.2f}ms "
+        print(f"{r['forward']:28} {r['specd_row_by_row']:9.2f}ms {r['specd_dealt']:7.2f}ms {r['specd_gathered']:7.2f}ms "
               f"{r['specd_row_by_row_mx_softmax']:15.2f}ms {r['mlx_lm']:7.2f}ms {r['specd'] / r['mlx_lm']:12.2f}x")
     write_result(args.out, {"machine": machine_info(args), "device": str(mx.default_device()),
+                            "cpu_streams": kv.CPU_STREAMS,
                             "specd_attention": default, "softmax": softmax, "forward": forward})
 
 

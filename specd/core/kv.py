@@ -31,6 +31,7 @@ wrong) and runs row by row.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -227,18 +228,25 @@ class RowKV:
             if gathered is not None:
                 return gathered
         row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
-        for b, ((skip, n), q) in enumerate(zip(self._written, row_queries)):
+        streams = _deal([n * self._seen(b, n) for b, (_, n) in enumerate(self._written)])
+        for b, ((skip, n), q, stream) in enumerate(zip(self._written, row_queries, streams)):
             if not n:  # a prompt that starts in a later chunk: its padding's output is never read
                 out.append(None)
                 continue
             q = q[:, :, skip:, :] if skip else q
             seen = None if self.tree is None else self._tree_mask(b, n, self.held[b])
-            row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization, sinks, seen)
+            with mx.stream(stream):
+                row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization, sinks, seen)
             out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
         if len(out) == 1:
             return out[0]
         shape = next(row for row in out if row is not None).shape  # values may be narrower than queries
         return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
+
+    def _seen(self, b: int, n: int) -> int:
+        """Columns row b's ``n`` newest queries attend to (all it holds, or its window's)."""
+        held = self.held[b]
+        return held if self.window is None else min(held, n + self.window - 1)
 
     def _attend_gathered(self, queries: mx.array) -> mx.array | None:
         """Every row's new queries (B, heads, n, D), scaled, attended in one pass: the columns
@@ -246,8 +254,8 @@ class RowKV:
         own row's columns, causally and within the window. It computes scores for every row's
         columns, so it is taken only up to ``GATHER_MAX_SCORES`` (None above: row by row)."""
         rows, heads, n, dims = queries.shape
-        starts = [0 if self.window is None else max(0, held - n - self.window + 1) for held in self.held]
-        seen = [held - start for held, start in zip(self.held, starts)]
+        seen = [self._seen(b, n) for b in range(rows)]
+        starts = [held - columns for held, columns in zip(self.held, seen)]
         if rows * heads * n * sum(seen) > GATHER_MAX_SCORES:
             return None
         pieces = [p for b, start in enumerate(starts) for p in _seen_pieces(self._pieces(b), start)]
@@ -422,6 +430,46 @@ def _seen_pieces(pieces: list[tuple[Side, Side]], start: int) -> list[tuple[Side
         if hi > lo:
             out.append((side_slice(k, lo, hi), side_slice(v, lo, hi)) if lo else (k, v))
     return out
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+CPU_STREAMS = _cores()  # streams a layer's rows are dealt to on the CPU, the default one among them
+# A row attends on a stream of its own only with at least this many scores (queries x columns): each
+# stream it is handed to costs a synchronisation, which a short row's attention does not pay for.
+DEAL_MIN_SCORES = 512
+_streams = threading.local()  # MLX's streams belong to the thread that made them
+
+
+def _deal(scores: list[int]) -> list[mx.Stream]:
+    """The stream each row of a layer attends on. MLX's CPU backend runs one stream's ops in
+    order on one thread, so a layer's rows, which do not depend on each other, attend in parallel
+    on ``CPU_STREAMS`` streams: the longest rows first, each to the stream with the least work so
+    far (rows below ``DEAL_MIN_SCORES`` stay on the default stream). On a GPU, or with one core,
+    every row stays on the default stream."""
+    default = mx.default_stream(mx.default_device())
+    if (mx.default_device() != mx.cpu or CPU_STREAMS < 2
+            or sum(1 for s in scores if s >= DEAL_MIN_SCORES) < 2):
+        return [default] * len(scores)
+    streams = [default, *_further_cpu_streams(CPU_STREAMS - 1)]
+    load = [sum(s for s in scores if s < DEAL_MIN_SCORES)] + [0] * (len(streams) - 1)
+    dealt = [default] * len(scores)
+    for b in sorted(range(len(scores)), key=lambda b: -scores[b]):
+        if scores[b] >= DEAL_MIN_SCORES:
+            least = min(range(len(streams)), key=load.__getitem__)
+            load[least] += scores[b]
+            dealt[b] = streams[least]
+    return dealt
+
+
+def _further_cpu_streams(n: int) -> list[mx.Stream]:
+    """``n`` CPU streams of this thread's own besides its default one."""
+    further = _streams.__dict__.setdefault("cpu", [])
+    further.extend(mx.new_stream(mx.cpu) for _ in range(n - len(further)))
+    return further[:n]
 
 
 def gathers() -> bool:
