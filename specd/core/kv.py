@@ -19,9 +19,11 @@ same cache.  ``route_attention`` points a model's modules at ``attention``
 here instead, which hands a ``RowKV`` layer's queries to ``RowKV.attend``:
 each row's queries over its own keys, exactly, row by row (no gather into
 a padded batch, which would need the longest row's memory for every row
-again, in every layer).  On a GPU, where each of a row's kernels costs a
-launch, the rows' columns are put side by side (nothing padded) and attended
-in one pass under a mask that keeps each query to its own row (``gathers``).
+again, in every layer); on a CPU of several cores, long rows attend in
+parallel, each dealt to one of a few CPU streams (``_deal``).  On a GPU, where
+each of a row's kernels costs a launch, the rows' columns are put side by side
+(nothing padded) and attended in one pass under a mask that keeps each query to
+its own row (``gathers``).
 Every other cache goes to mlx-lm's own function unchanged.  A model whose
 attention does not come through here, or that reads the keys it fetched for
 anything else, is found at load (``attends`` stays 0, or its logits are
@@ -437,7 +439,9 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-CPU_STREAMS = _cores()  # streams a layer's rows are dealt to on the CPU, the default one among them
+# Streams a layer's rows are dealt to on the CPU, the default one among them: one per core, at most
+# 4, as MLX keeps a thread for each stream an engine thread makes until the process ends.
+CPU_STREAMS = min(_cores(), 4)
 # A row attends on a stream of its own only with at least this many scores (queries x columns): each
 # stream it is handed to costs a synchronisation, which a short row's attention does not pay for.
 DEAL_MIN_SCORES = 512
