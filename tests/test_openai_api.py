@@ -156,6 +156,7 @@ def test_disconnected_stream_frees_its_slot(client, daemon):
     ({"model": "no-such-model", "prompt": "x"}, 404, "model"),
     ({"model": "tiny", "prompt": [5] * 5000}, 400, "prompt"),
     ({"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
+    ({"model": "tiny", "prompt": [5, -1]}, 400, "prompt"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {str(10**9): 1}}, 400, "logit_bias"),

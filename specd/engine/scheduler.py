@@ -402,6 +402,9 @@ def check_request(request: GenerationRequest, model: str, drafter: Method | None
                               f"with method: {spec.method}, or ask for ngram", "speculation.method")
     if not request.prompt_tokens:
         raise RequestRejected("prompt is empty", "prompt")
+    outside = next((t for t in (min(request.prompt_tokens), max(request.prompt_tokens)) if not 0 <= t < vocab), None)
+    if outside is not None:  # an id past the embedding's rows would read outside it
+        raise RequestRejected(f"prompt has token id {outside}; this model's vocabulary is [0, {vocab})", "prompt")
     if len(request.prompt_tokens) >= max_context:
         raise RequestRejected(
             f"prompt has {len(request.prompt_tokens)} tokens; this model's context "

@@ -214,10 +214,7 @@ def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
     if isinstance(prompt, str):
         return engine.tokenizer.encode(prompt, add_special_tokens=False)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = engine.vocab_size
-        if not all(0 <= t < vocab for t in prompt):
-            raise bad_request(f"token ids must be in [0, {vocab})", "prompt")
-        return list(prompt)
+        return list(prompt)  # each id is checked against the model's vocabulary with the rest of the request
     raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
 
 
