@@ -230,7 +230,7 @@ class RowKV:
             if gathered is not None:
                 return gathered
         row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
-        streams = _deal([n * self._seen(b, n) for b, (_, n) in enumerate(self._written)])
+        streams = _deal([n * _seen_columns(self.held[b], n, self.window) for b, (_, n) in enumerate(self._written)])
         for b, ((skip, n), q, stream) in enumerate(zip(self._written, row_queries, streams)):
             if not n:  # a prompt that starts in a later chunk: its padding's output is never read
                 out.append(None)
@@ -245,18 +245,13 @@ class RowKV:
         shape = next(row for row in out if row is not None).shape  # values may be narrower than queries
         return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
 
-    def _seen(self, b: int, n: int) -> int:
-        """Columns row b's ``n`` newest queries attend to (all it holds, or its window's)."""
-        held = self.held[b]
-        return held if self.window is None else min(held, n + self.window - 1)
-
     def _attend_gathered(self, queries: mx.array) -> mx.array | None:
         """Every row's new queries (B, heads, n, D), scaled, attended in one pass: the columns
         each row sees, of all rows side by side (one copy), and a mask that gives each query its
         own row's columns, causally and within the window. It computes scores for every row's
         columns, so it is taken only up to ``GATHER_MAX_SCORES`` (None above: row by row)."""
         rows, heads, n, dims = queries.shape
-        seen = [self._seen(b, n) for b in range(rows)]
+        seen = [_seen_columns(held, n, self.window) for held in self.held]
         starts = [held - columns for held, columns in zip(self.held, seen)]
         if rows * heads * n * sum(seen) > GATHER_MAX_SCORES:
             return None
@@ -423,6 +418,11 @@ def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arr
     return mask
 
 
+def _seen_columns(held: int, n: int, window: int | None) -> int:
+    """Of a row's ``held`` columns, how many its ``n`` newest queries attend to (all, or the window's)."""
+    return held if window is None else min(held, n + window - 1)
+
+
 def _seen_pieces(pieces: list[tuple[Side, Side]], start: int) -> list[tuple[Side, Side]]:
     """A row's pieces from its held column ``start`` on (views, never copies)."""
     out, at = [], 0
@@ -527,7 +527,7 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
     per head in the softmax, with no value (gpt-oss)."""
     _, heads, n, dims = queries.shape
     kv_heads = parts(pieces[0][0])[0].shape[1]
-    start = 0 if window is None else max(0, held - n - window + 1)
+    start = held - _seen_columns(held, n, window)
     seen_pieces = _seen_pieces(pieces, start)
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
     scores = [_product(grouped, k, True, quantization) for k, _ in seen_pieces]
