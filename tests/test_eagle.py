@@ -60,18 +60,20 @@ def test_greedy_parity_for_chains_and_trees_in_mixed_batches(target, prompts, ve
     model, tokenizer = target
     head = published(head_for(model, version), model, tmp_path)
 
+    rows = prompts + [prompts[1][:1]]  # and a one-token prompt: nothing to prefill, no features to draft from
+
     async def both(engine):
-        plain = await asyncio.gather(*(generate(engine, p) for p in prompts))
-        mixes = [CHAIN, TREE, None, NGRAM, WIDE, TREE, CHAIN]
+        plain = await asyncio.gather(*(generate(engine, p) for p in rows))
+        mixes = [CHAIN, TREE, None, NGRAM, WIDE, TREE, CHAIN, TREE]
         sampled = SamplingParams(temperature=0.8, seed=3)
         mixed = await asyncio.gather(
-            *(generate(engine, p, spec, delay=0.01 * (i % 3)) for i, (p, spec) in enumerate(zip(prompts, mixes))),
+            *(generate(engine, p, spec, delay=0.01 * (i % 3)) for i, (p, spec) in enumerate(zip(rows, mixes))),
             generate(engine, prompts[2], TREE, sampled), generate(engine, prompts[0], CHAIN, sampled))
         status = engine.scheduler.speculator
-        return plain, mixed[: len(prompts)], status.accepted_total, status.drafted_total
+        return plain, mixed[: len(rows)], status.accepted_total, status.drafted_total
 
     plain, mixed, accepted, drafted = run_engine(model, tokenizer, both, draft_model=head, max_batch_size=16)
-    assert all(len(p) == 48 for p in plain)
+    assert all(len(p) == 48 for p in plain[: len(prompts)])
     assert mixed == plain
     assert drafted > 0 and accepted > 0  # trees were verified and some branches kept
 

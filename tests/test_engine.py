@@ -102,14 +102,15 @@ def test_waiting_queue_is_bounded(target):
 
 def test_an_engine_fault_fails_its_requests_and_the_engine_keeps_serving(target):
     """A fault in the step that samples a prefill group's first tokens (the
-    group has left the prefill and not yet joined the batch) fails those
-    requests instead of leaving them waiting, and the next request is served."""
+    decode forward, which also evaluates the group's last prefill chunk: the
+    group has just left the prefill for the batch) fails those requests
+    instead of leaving them waiting, and the next request is served."""
     model, tokenizer = target
     prompt = prompts(tokenizer, 1, 8)[0]
     # lazy, on this thread's stream: the engine thread cannot evaluate it (what
     # an array built at load time in another thread does)
     poisoned = mx.zeros((1,)) + 1
-    faults = [True]
+    faults = [True, False]  # popped from the end: the prefill chunk's logits are never evaluated
 
     def around(call, *args, **kwargs):
         out = call(*args, **kwargs)

@@ -91,6 +91,33 @@ def test_greedy_parity_in_mixed_batches_joining_mid_flight(pair, prompts, refere
     assert [r[0] for r in results] == reference
 
 
+def test_rows_with_nothing_to_prefill(pair, prompts):
+    """A prefill runs over a context's every token but the last, which the decode step feeds. A
+    one-token prompt has nothing to prefill, and neither has a prompt the prefix cache holds whole
+    (asked again): alone, and beside longer rows, plain, n-gram and draft give the greedy tokens of
+    mlx-lm's own generator."""
+    from mlx_lm.generate import generate_step
+    import mlx.core as mx
+    target, tokenizer = pair[0], pair[1]
+    shorts = [[prompts[0][0]], [prompts[5][3]], prompts[2]]
+    expected = []
+    for p in shorts:
+        tokens = [t for t, _ in generate_step(mx.array(p), target, max_tokens=24)]
+        ends = [i for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids]
+        expected.append(tokens[: ends[0] + 1] if ends else tokens)  # the engine stops at EOS
+
+    async def go(engine):
+        alone = [await generate(engine, p, max_tokens=24) for p in shorts]
+        batched = await asyncio.gather(*(generate(engine, p, spec, max_tokens=24, delay=0.01 * i)
+                                         for i, (p, spec) in enumerate(itertools.product(shorts + prompts[6:8],
+                                                                                          [None, NGRAM, DRAFT]))))
+        return alone, batched[: 3 * len(shorts)]
+    alone, batched = serve(pair, go, max_batch_size=8)
+    assert [a[0] for a in alone] == expected
+    assert [b[0] for b in batched] == [e for e in expected for _ in range(3)]
+    assert alone[2][2].cached_tokens == 0 and all(b[2].cached_tokens == len(shorts[2]) - 1 for b in batched[6:])
+
+
 def test_eos_inside_an_accepted_run(pair, prompts, reference):
     """The draft is the target itself, so every proposal is accepted; making a
     token that greedy decoding reaches an EOS puts the EOS mid-run."""

@@ -90,9 +90,15 @@ class Sequence:
 
     @property
     def prefill_tokens(self) -> list[int]:
-        """What a prefill runs over: the prompt, or, resuming after a preemption,
-        every token it holds but the last (the next step feeds that one)."""
-        return self.prompt + self.tokens[:-1] if self.tokens else self.prompt
+        """What a prefill runs over: every token of the context but the last,
+        which the decode step feeds (``next_input``). So no prefill computes
+        logits, and a row's first token is sampled with the batch's."""
+        return (self.prompt + self.tokens)[:-1]
+
+    @property
+    def next_input(self) -> int:
+        """The token a decode step feeds next: the prompt's last, then the last one produced."""
+        return (self.tokens or self.prompt)[-1]
 
     @property
     def context_length(self) -> int:

@@ -3,14 +3,16 @@ processors, then the sampler or the verifier.
 
 Every forward of the target goes through it, over a batch's ``RowCache``:
 
-- a prefill chunk (``prefill``): the forward only; a group's last chunk ends
-  with ``first_tokens``, which processes and samples each row's next token;
+- a prefill chunk (``prefill``): the forward over every token of a row's
+  context but the last, for its keys and values only (no logits);
 - a decode step (``decode``): the speculator proposes (nothing, when no row
   speculates), the runner forwards ``[last, proposals...]`` per row (or every
-  row's draft tree, with ancestor-only attention), processes the logits, and
-  then samples one token per row or, when some row proposed, hands them to
-  the speculator's verifier, which keeps a prefix of each row's proposals and
-  rolls the caches back to exactly that.
+  row's draft tree, with ancestor-only attention), ``last`` being its
+  context's last token (so a row that just joined samples its first token
+  here, with the batch's), processes the logits, and then samples one token
+  per row or, when some row proposed, hands them to the speculator's
+  verifier, which keeps a prefix of each row's proposals and rolls the
+  caches back to exactly that.
 
 The logits processors, in this order: each row's ``logit_bias`` and
 presence, frequency and repetition penalties (``adjust_logits``, every
@@ -44,14 +46,11 @@ class ModelRunner:
         self.model = model
         self.speculator = speculator
 
-    def prefill(self, cache: RowCache, inputs: mx.array) -> mx.array:
-        """One prefill chunk of a group's rows."""
-        return cache.forward(self.model, inputs)
-
-    def first_tokens(self, seqs: list[Sequence], logits: mx.array) -> tuple[list[int], mx.array]:
-        """Each row's first token from its prompt's last logits (B, 1, V), and the processed logits."""
-        last = self.process(logits[:, -1:, :], seqs)
-        return sample_tokens(seqs, last[:, 0, :]), last
+    def prefill(self, cache: RowCache, inputs: mx.array) -> None:
+        """One prefill chunk of a group's rows: their keys and values only. Its logits are
+        never evaluated (lazy, they cost nothing): a context's last token is fed by the
+        decode step, as mlx-lm's generators feed it apart from the prompt."""
+        cache.forward(self.model, inputs)
 
     def process(self, logits: mx.array, seqs: list[Sequence], inputs: mx.array | None = None,
                 ancestry: mx.array | None = None, drafts: list[list[int]] | None = None,

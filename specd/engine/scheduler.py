@@ -67,7 +67,7 @@ class _PrefillGroup:
     """Newcomers whose prompts are being prefilled together, chunk by chunk."""
 
     seqs: list[Sequence]
-    contexts: list[list[int]]  # what each row prefills: its prompt, or all it holds if it was preempted
+    contexts: list[list[int]]  # what each row prefills: its context but the last token (Sequence.prefill_tokens)
     tokens: mx.array  # (B, L) left-padded contexts
     cache: RowCache
     start: int = 0  # the first column run (cached prefixes end here)
@@ -309,40 +309,34 @@ class Scheduler:
         self.prefill = _PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
 
     def _prefill_chunk(self) -> None:
-        """Run one bounded chunk of the prefill group; on its last chunk the
-        group samples its first tokens and joins the running batch (a row
-        resuming after a preemption samples nothing: its next input is the
-        last token it produced)."""
+        """Run one bounded chunk of the prefill group. After its last chunk the
+        group joins the running batch, each row's next input its context's last
+        token: this step's decode forward samples the rows' first tokens, with
+        the batch's (no prefill computes logits)."""
         group = self.prefill
         width = group.tokens.shape[1]
-        chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
-        end = min(width, group.done + chunk)
-        logits = self.runner.prefill(group.cache, group.tokens[:, group.done:end])
-        self.speculator.prefilled(group.seqs, group.done, end, [width - len(c) for c in group.contexts],
-                                  first=group.done == group.start)
-        group.done = end
-        self._record_prefill(group, end)
-        if end < width:
-            mx.eval(group.cache.state)
-            return
-        fresh = [i for i, s in enumerate(group.seqs) if not s.tokens]
-        first: dict[int, int] = {}
-        if fresh:
-            seqs = [group.seqs[i] for i in fresh]
-            self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in seqs))
-            tokens, last = self.runner.first_tokens(
-                seqs, logits if len(fresh) == len(group.seqs) else logits[mx.array(fresh)])
-            self._emit(seqs, last, [[t] for t in tokens])
-            first = dict(zip(fresh, tokens))
-        self.prefill = None  # only now: until the group joins the batch, a fault must still find it
-        keep = [i for i, s in enumerate(group.seqs) if s.finish_reason is None and not s.cancelled]
+        if group.done < width:  # else nothing to run: a one-token prompt, or a context all cached
+            chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
+            end = min(width, group.done + chunk)
+            self.runner.prefill(group.cache, group.tokens[:, group.done:end])
+            self.speculator.prefilled(group.seqs, group.done, end, [width - len(c) for c in group.contexts],
+                                      first=group.done == group.start)
+            group.done = end
+            self._record_prefill(group, end)
+            if end < width:
+                mx.eval(group.cache.state)
+                return
+        self.prefill = None
+        fresh = [s for s in group.seqs if not s.tokens]
+        self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in fresh))
+        keep = [i for i, s in enumerate(group.seqs) if not s.cancelled]
         self._leave([s for i, s in enumerate(group.seqs) if i not in keep])
         if not keep:
             return
         if len(keep) < len(group.seqs):
             group.cache.select(keep)
-        self.batch.extend([group.seqs[i] for i in keep], group.cache,
-                          [first[i] if i in first else group.seqs[i].tokens[-1] for i in keep])
+        seqs = [group.seqs[i] for i in keep]
+        self.batch.extend(seqs, group.cache, [s.next_input for s in seqs])
 
     def _record_prefill(self, group: _PrefillGroup, end: int) -> None:
         """Record what each row's context has run so far (a later request can

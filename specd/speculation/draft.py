@@ -73,11 +73,12 @@ class DraftModelProposer:
     def _admit(self, seqs: list[Sequence], last_tokens: list[int]) -> None:
         """Prefill the draft cache for sequences it has not seen yet, each
         from the longest prefix the draft's cache tree holds."""
-        context = [s.prompt + s.tokens[:-1] for s in seqs]
+        context = [s.prefill_tokens for s in seqs]
         run, cached = self.prefixes.plan(context)
         starts = [self.prefixes.start(s, c, n) for s, c, n in zip(seqs, context, cached)]
         cache = make_row_cache(self.model, [max(0, run - len(c)) for c in context], starts)
-        cache.forward(self.model, mx.array([([0] * run + c)[-run:] for c in context]))
+        if run:  # nothing to run: one-token prompts
+            cache.forward(self.model, mx.array([([0] * run + c)[-run:] for c in context]))
         for b, (s, c) in enumerate(zip(seqs, context)):
             self.prefixes.record(s, c, len(c), cache, b)
         mx.eval(cache.state)

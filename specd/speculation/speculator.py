@@ -202,10 +202,11 @@ class Speculator:
             self.drafter.prefilled(seqs, [self.spec_for(s) for s in seqs], columns, first)
 
     def prefix_limit(self, seq: Sequence) -> int:
-        """The longest cached prefix ``seq`` may start from: an EAGLE head
+        """The longest cached prefix ``seq`` may start from: all its prefill
+        runs over (the decode step feeds its last token), but an EAGLE head
         needs the target's features of every position it has no cached
         entry for, so the target runs those again."""
-        limit = len(seq.prefill_tokens) - 1
+        limit = len(seq.prefill_tokens)
         if isinstance(self.drafter, EagleProposer) and self.spec_for(seq).method == Method.EAGLE:
             limit = min(limit, self.drafter.cached(seq.prefill_tokens))
         return limit

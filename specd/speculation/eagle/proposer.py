@@ -90,8 +90,9 @@ class EagleProposer:
         """The head's cache only ever receives accepted context: nothing to settle."""
 
     def can_draft(self, seq: Sequence) -> bool:
-        """Whether the head has seen this sequence's every feature."""
-        return seq in self.queued
+        """Whether the head has seen this sequence's every feature, and has some (a one-token
+        prompt has none until its first decode step)."""
+        return seq in self.rows or bool(self.queued.get(seq))
 
     def release(self, seqs: list[Sequence]) -> None:
         """Feed leaving rows what is queued for them and record the head's
@@ -152,9 +153,11 @@ class EagleProposer:
     def _start(self, new: list[Sequence]) -> dict[Sequence, mx.array]:
         """Give sequences the head has not seen yet their rows, each from its
         cached entries on, fed all that is queued; returns their last outputs."""
-        origins = [self.origin.pop(s) for s in new]
+        origins = [self.origin[s] for s in new]
         starts = [0 if o is None else o.length for o in origins]
         pairs = [self._pairs(s, n) for s, n in zip(new, starts)]
+        for s in new:
+            del self.origin[s]
         cache = BatchRowCache([RowKV([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
         if any(origins):
             cache.restore(origins)
