@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from specd.core import kv
 from specd.core.cache import BatchRowCache
-from specd.core.kv import (POWER_SOFTMAX_MIN_SCORES, STEP, KVQuantization, RowKV, _softmax, parts, side_concat,
+from specd.core.kv import (SOFTMAX_MIN_SCORES, STEP, KVQuantization, RowKV, _softmax, parts, side_concat,
                            side_slice, stored)
 
 D = 1024  # token ids are below this
@@ -302,14 +302,15 @@ def test_a_row_of_padding_only_attends_to_nothing_and_keeps_the_values_width():
 
 
 def test_attention_softmax_over_large_scores_equals_mlx_softmax():
-    """Scores of ``POWER_SOFTMAX_MIN_SCORES`` or more take e**x through ``mx.power`` on the CPU
+    """Scores of ``SOFTMAX_MIN_SCORES`` or more take e**x from ``_exp2_parts`` on the CPU
     backend: the weights equal MLX's softmax, masked columns (-inf) included, in float32 and
-    for half-precision scores."""
+    for half-precision scores, over scores far apart (a row's peak far above the rest)."""
     mx.random.seed(3)
     scores = mx.random.normal((1, 2, 64, 300)) * 8
     masked = mx.where(mx.random.uniform(shape=scores.shape) < 0.3, -mx.inf, scores)
-    for s, atol in ((scores, 1e-6), (masked, 1e-6), (masked.astype(mx.float16), 1e-3)):
-        assert s.size >= POWER_SOFTMAX_MIN_SCORES
+    spread = scores * 40  # differences past 2**-126's reach: weights that round to nothing
+    for s, atol in ((scores, 1e-6), (masked, 1e-6), (spread, 1e-6), (masked.astype(mx.float16), 1e-3)):
+        assert s.size >= SOFTMAX_MIN_SCORES
         got, want = _softmax(s), mx.softmax(s, axis=-1, precise=True)
         assert got.dtype == s.dtype
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol)

@@ -38,6 +38,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Union
 
 import mlx.core as mx
@@ -554,18 +555,41 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
 
 
 LOG2E = 1.4426950408889634  # e**x == 2**(x * LOG2E)
-POWER_SOFTMAX_MIN_SCORES = 1 << 14  # below this, one fused op beats the five of the power form
+ROUND = 12582912.0  # 1.5 * 2**23: adding it to a float32 below 2**22 in magnitude rounds it to an integer
+# 2**f == e**(f ln 2): the Taylor terms up to f**7 (highest first), which for |f| <= 1/2 leave an error
+# below float32's rounding
+EXP2_TAYLOR = (1.525273380405984e-05, 1.5403530393381608e-04, 1.3333558146428443e-03, 9.618129107628477e-03,
+               5.550410866482158e-02, 2.402265069591007e-01, 6.931471805599453e-01, 1.0)
+SOFTMAX_MIN_SCORES = 1 << 11  # below this, MLX's one fused softmax beats the few ops of ``_softmax``
+
+
+@partial(mx.compile, shapeless=True)
+def _exp2_parts(x: mx.array, peak: mx.array) -> tuple[mx.array, mx.array]:
+    """e**(x - peak) for ``x <= peak``, as 2**f (a polynomial) and the bits of the float 2**n, where
+    n + f == (x - peak) log2 e, n an integer and |f| <= 1/2 (floored at 2**-126: nothing a softmax
+    weighs). Elementwise arithmetic only, so MLX's CPU backend fuses it into one pass (where a C++
+    compiler is at hand; unfused otherwise); the bits become a float outside, as compiled functions
+    cannot reinterpret an array."""
+    y = mx.maximum((x - peak) * LOG2E, -126.0)
+    n = (y + ROUND) - ROUND
+    f = y - n
+    power = EXP2_TAYLOR[0]
+    for term in EXP2_TAYLOR[1:]:
+        power = power * f + term
+    return power, mx.left_shift(n.astype(mx.int32) + 127, 23)
 
 
 def _softmax(scores: mx.array) -> mx.array:
     """Attention's softmax over the last axis, in float32 (``precise``, as mlx-lm's attention).
-    On MLX's CPU backend, large scores take e**x as 2**(x log2 e) through ``mx.power``, which that
-    backend runs several times faster than ``mx.exp`` (``ops/bench/attention.py``); elsewhere,
-    and for small scores, MLX's own softmax."""
-    if mx.default_device() != mx.cpu or scores.size < POWER_SOFTMAX_MIN_SCORES:
+    On MLX's CPU backend ``mx.exp`` costs many times its arithmetic ops, and a prefill chunk's
+    softmax most of its attention (``ops/bench/attention.py``): there, scores past ``SOFTMAX_MIN_SCORES``
+    take e**x from ``_exp2_parts``, within a few float32 roundings of MLX's own softmax. Elsewhere,
+    and for fewer scores, MLX's own softmax."""
+    if mx.default_device() != mx.cpu or scores.size < SOFTMAX_MIN_SCORES:
         return mx.softmax(scores, axis=-1, precise=True)
     x = scores.astype(mx.float32)
-    e = mx.power(2.0, (x - x.max(axis=-1, keepdims=True)) * LOG2E)
+    power, exponent = _exp2_parts(x, x.max(axis=-1, keepdims=True))
+    e = power * exponent.view(mx.float32)
     return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
 
 
