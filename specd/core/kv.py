@@ -560,7 +560,9 @@ ROUND = 12582912.0  # 1.5 * 2**23: adding it to a float32 below 2**22 in magnitu
 # below float32's rounding
 EXP2_TAYLOR = (1.525273380405984e-05, 1.5403530393381608e-04, 1.3333558146428443e-03, 9.618129107628477e-03,
                5.550410866482158e-02, 2.402265069591007e-01, 6.931471805599453e-01, 1.0)
-SOFTMAX_MIN_SCORES = 1 << 11  # below this, MLX's one fused softmax beats the few ops of ``_softmax``
+# Below this, MLX's one fused softmax beats the few ops of ``_softmax`` (a decode or verify step's rows,
+# more so when they are dealt to several streams); a prefill chunk's scores are far above it
+SOFTMAX_MIN_SCORES = 1 << 14
 
 
 @partial(mx.compile, shapeless=True)
