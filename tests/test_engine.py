@@ -137,6 +137,42 @@ def test_an_engine_fault_fails_its_requests_and_the_engine_keeps_serving(target)
     assert finish == "length" and len(tokens) == 4 and recovered is None  # ...a step succeeds
 
 
+def test_a_fault_while_failing_requests_still_ends_them(target):
+    """A fault in a step whose clean-up (releasing the failed rows from the
+    speculator) faults too: the requests still end with the engine error, and
+    the engine thread lives to serve the next request."""
+    model, tokenizer = target
+    prompt = prompts(tokenizer, 1, 8)[0]
+    poisoned = mx.zeros((1,)) + 1  # lazy, on this thread's stream: the engine thread cannot evaluate it
+    faults = [True, False]  # popped from the end: the decode forward of the first token
+
+    def around(call, *args, **kwargs):
+        out = call(*args, **kwargs)
+        return out + poisoned if faults and faults.pop() else out
+
+    async def go(engine):
+        speculator = engine.scheduler.speculator
+        release = speculator.release
+        broken = [True]
+
+        def release_once_broken(seqs):
+            if broken and broken.pop():
+                raise RuntimeError("release broke")
+            release(seqs)
+        speculator.release = release_once_broken
+        hook(model, around)
+        try:
+            failed = await asyncio.wait_for(_collect(engine.generate(GenerationRequest("f", prompt, GREEDY, 4))), 30)
+            served = await asyncio.wait_for(run(engine, prompt, 4), 30)
+            return failed[-1], served, broken
+        finally:
+            unhook(model, around)
+
+    failed, (tokens, _, finish), broken = with_engine(target, go)
+    assert failed.error and "engine error" in failed.error and not broken
+    assert finish == "length" and len(tokens) == 4
+
+
 async def _collect(outputs):
     return [out async for out in outputs]
 

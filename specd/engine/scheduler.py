@@ -21,6 +21,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import structlog
 
 from ..core.batch import RunningBatch
 from ..core.cache import RowCache, kv_bytes, make_row_cache, model_prefixes, padding_leaks
@@ -37,6 +38,8 @@ from ..core.request import Method, SpeculationConfig
 from ..speculation.speculator import Speculator
 from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
 from .runner import ModelRunner
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,10 @@ class Scheduler:
         self.waiting.clear()
         self.prefill = None
         self.batch = RunningBatch()
-        self._leave(seqs)
+        try:
+            self._leave(seqs)
+        except Exception:  # whatever releasing them broke, the requests still end, never hang
+            log.exception("releasing failed requests failed", model=self.name)
         for seq in seqs:
             self.metrics.request_failure.labels(self.name, "engine_error").inc()
             seq.emit(StepOutput(text="", tokens=[], logprobs=None, error=message,
