@@ -207,7 +207,8 @@ def test_rows_joining_and_leaving_in_any_order_keep_their_own_tokens(events):
 @given(st.data(), st.sampled_from([None, 5]), st.sampled_from([None, KVQuantization(8, 64)]))
 def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, window, quantization):
     """Rows restored from a cached prefix in pieces (the prefix cache's nodes,
-    quantized or not) read them in place: through writes, rejected tails,
+    quantized or not) read them in place, or those before a position and a copy
+    of the others: through writes, rejected tails,
     draft-tree writes, evictions and leaves, each new token sees exactly its
     row's kept tokens (within the window), the pieces are never written, and
     a row's bytes are its own columns only."""
@@ -226,10 +227,13 @@ def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, w
                 for (k, v), lo, hi in zip(pieces, bounds, bounds[1:]) if hi > start]
     rows = data.draw(st.integers(1, 3))
     cache = RowKV([0] * rows, window=window, quantization=quantization)
+    in_place = [data.draw(st.one_of(st.none(), st.integers(0, len(prefix)))) for _ in range(rows)]
     for b in range(rows):
-        cache.restore(b, restored, len(prefix))
+        cache.restore(b, restored, len(prefix), in_place[b])
     kept = [list(prefix) for _ in range(rows)]
-    assert cache.nbytes == 0 and cache.held == [len(prefix) - start] * rows
+    assert cache.held == [len(prefix) - start] * rows
+    assert cache.shared_columns == [len(prefix) - start if p is None else max(0, p - start) for p in in_place]
+    assert (cache.nbytes == 0) == all(p is None or p == len(prefix) for p in in_place)
     for step in range(data.draw(st.integers(1, 12))):
         if cache.needs_eviction():
             cache.evict()

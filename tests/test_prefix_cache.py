@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, code_sample, run_engine
+from specd.core import prefix as prefix_module
 from specd.core.cache import kv_bytes
 from specd.core.loader import load_model, text_config, vocab_size
 from specd.core.prefix import PrefixStore, RowPrefixes
@@ -72,12 +74,19 @@ sequences = st.lists(st.integers(0, 2), min_size=1, max_size=24)  # a tiny alpha
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(sequences, st.integers(1, 24), st.booleans()), min_size=1, max_size=30),
-       st.integers(0, 400), st.booleans())
-def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, budget, stateful):
+       st.integers(0, 400), st.booleans(), st.sampled_from([2, 5, prefix_module.PIECE_TOKENS]))
+def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, budget, stateful, piece_tokens):
     """Rows record prefixes (in two steps, some keeping their lease); every
     match restores exactly the recorded columns (and, for a recurrent model,
-    only at a snapshot, the snapshot taken there); the budget always holds,
-    the byte and node counts are exact, and leased nodes are never evicted."""
+    only at a snapshot, the snapshot taken there), in the pieces ``ends``
+    names, whether or not nodes hold the few positions above them; the budget
+    always holds, the byte and node counts are exact, and leased nodes are
+    never evicted."""
+    with mock.patch.object(prefix_module, "PIECE_TOKENS", piece_tokens):
+        check_the_tree(rows, budget, stateful)
+
+
+def check_the_tree(rows, budget, stateful):
     store = PrefixStore(budget, pressure=None)
     tree = store.tree("t", stateful)
     leases = []
@@ -104,27 +113,59 @@ def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, bud
             assert store.bytes == sum(node.nbytes for node in nodes) and store.nodes == len(nodes)
             for held, prefix in leases:
                 assert attached(held.node) and depth(held.node) == len(prefix)
-            pieces, = tree.restore(probe, [0], n)[0]
-            keys, values = (mx.concatenate(list(sides), axis=2) for sides in zip(*pieces))
-            assert np.array(keys).ravel().tolist() == [column(probe, p) for p in range(n)]
-            assert np.array(values).ravel().tolist() == [-column(probe, p) for p in range(n)]
+            start = n // 3
+            (pieces,), _ = tree.restore(probe, [0], n)
+            assert len(pieces) == len(tree.ends(probe, n))
+            for got, first in ((pieces, 0), (tree.restore(probe, [start], n)[0][0], start)):
+                keys, values = (mx.concatenate(list(sides), axis=2) for sides in zip(*got))
+                assert np.array(keys).ravel().tolist() == [column(probe, p) for p in range(first, n)]
+                assert np.array(values).ravel().tolist() == [-column(probe, p) for p in range(first, n)]
             if stateful:
                 snapshot = tree.restore(probe, [0], n)[1]
                 assert snapshot is not None and snapshot[0][0].item() == column(probe, n - 1)
 
 
-def test_a_long_cached_prefix_is_read_in_place_and_a_short_one_copied():
-    """A row reads a prefix of at least ``SHARE_MIN_TOKENS`` in place (and the
-    budget counts it as the prefix cache's); a shorter one it copies, since the
-    memory saved is small and a second piece costs every decode step."""
-    store = PrefixStore(1 << 30, pressure=None)
-    rows = RowPrefixes(store.tree("t", False), [None, 8])
-    tokens = list(range(1, 400))
-    lease = rows.tree.lease(tokens, 0)
-    rows.tree.extend(lease, tokens, len(tokens), lambda lo, hi: columns_of(tokens, lo, hi) * 2)
-    long, short = RowPrefixes.SHARE_MIN_TOKENS, RowPrefixes.SHARE_MIN_TOKENS - 1
-    assert rows.start("a", tokens, long).shared and rows.shared(long) == 7  # the window's layer: its last 7
-    assert not rows.start("b", tokens, short).shared and rows.shared(short) == 0
+def test_a_row_reads_long_nodes_in_place_and_copies_short_ones():
+    """A row reads a cached prefix's leading nodes in place as far as each piece
+    saves more than ``PIECE_TOKENS`` tokens of copying (and the budget counts
+    them as the prefix cache's), and copies the rest: a short prefix whole, and a
+    conversation's turns after a long system prompt, which are short nodes that
+    cannot merge (each reply, as generated, stays a branch beside the next turn),
+    so the row reads two pieces, not one per turn; and a long node below a
+    few positions (a chat template's opening) holds a copy of them."""
+    def cached(*prompts):
+        tree = PrefixStore(1 << 30, pressure=None).tree("t", False)
+        for tokens in prompts:
+            lease = tree.lease(tokens, 0)
+            tree.extend(lease, tokens, len(tokens), lambda lo, hi: columns_of(tokens, lo, hi) * 2)
+            lease.release()
+        return RowPrefixes(tree, [None, 8]), RowPrefixes(tree, [None])
+
+    system = list(range(1, 400))
+    long, short = prefix_module.PIECE_TOKENS, prefix_module.PIECE_TOKENS - 1
+    rows, _ = cached(system)
+    assert rows.start("a", system, long).in_place == long and rows.shared(system, long) == 7  # the window's last 7
+    rows, _ = cached(system)
+    assert rows.start("b", system, short).in_place == 0 and rows.shared(system, short) == 0
+    history, replies = list(system), [system]
+    for turn in range(4):
+        history = history + [1000 + 100 * turn + i for i in range(30)]
+        replies.append(history + [5000 + turn])  # the reply as generated: the next turn diverges before its end
+    rows, full = cached(*replies)
+    rows.tree.prepare(history, len(history))
+    assert rows.tree.ends(history, len(history)) == [399, 429, 459, 489, 519]
+    prefix = full.start("c", history, len(history))
+    assert prefix.in_place == 399 and full.shared(history, len(history)) == 399
+    assert rows.shared(history, len(history)) == 0  # the window's layer sees only copied positions
+    assert [sum(k.shape[2] for k, _ in pieces) for pieces in prefix.columns] == [519]
+    # prompts that part after their first three tokens: the long node holds those three as well
+    other = system[:3] + [9000 + i for i in range(300)]
+    rows, _ = cached(system, other)
+    prefix = rows.start("d", other, len(other))
+    assert rows.tree.ends(other, len(other)) == [303] and prefix.in_place == 303
+    assert [len(pieces) for pieces in prefix.columns] == [1, 1]
+    for pieces, first in zip(prefix.columns, (0, 303 - 7)):
+        assert np.array(pieces[0][0]).ravel().tolist() == [column(other, p) for p in range(first, 303)]
 
 
 # -- the engine ------------------------------------------------------------------
@@ -179,22 +220,28 @@ async def converse(engine, system, questions, opening, spec, params, delay, max_
     return turns
 
 
-def play(model, tokenizer, budget, spec=None, drafter=None, params=GREEDY, conversations=3, **config):
-    """Conversations in one engine, arriving a little apart (rows of different
-    conversations and turns share batches, some starting from cached prefixes
-    and some not); returns their turns, whether some batch mixed rows that
-    did and did not start from the cache, and the prefix store's status
-    (taken before the engine stops and clears it) with the draft tree's bytes."""
+def play(model, tokenizer, budget, spec=None, drafter=None, params=GREEDY, conversations=3,
+         piece_tokens=prefix_module.PIECE_TOKENS, **config):
+    """Conversations in one engine, after a request that shares only their
+    first token (a chat template's opening: their prefixes start below a node
+    of one token), arriving a little apart (rows of different conversations
+    and turns share batches, some starting from cached prefixes and some not);
+    returns their turns, whether some batch mixed rows that did and did not
+    start from the cache, and the prefix store's status (taken before the
+    engine stops and clears it) with the draft tree's bytes. A small
+    ``piece_tokens`` makes rows read these short prefixes in place, in part."""
     system, questions, ids = conversation_prompts(tokenizer)
     specs = spec if isinstance(spec, list) else [spec] * conversations
 
     async def go(engine):
+        opening = GenerationRequest(f"p{next(_ids)}", system[:1] + ids[700:740], GREEDY, 2, (), specs[0])
+        assert all([out.error is None async for out in engine.generate(opening)])
         mixed = False
 
         async def watch():
             nonlocal mixed
             while True:
-                cached = {s.cached_tokens > 0 for s in list(engine.scheduler.batch.seqs)}
+                cached = {s.cached_tokens > 1 for s in list(engine.scheduler.batch.seqs)}  # beyond the opening's
                 mixed = mixed or cached == {True, False}
                 await asyncio.sleep(0.002)
         watcher = asyncio.ensure_future(watch())
@@ -206,7 +253,8 @@ def play(model, tokenizer, budget, spec=None, drafter=None, params=GREEDY, conve
         drafter_bytes = sum(n.nbytes for n in drafter.nodes()) if drafter else 0
         return turns, mixed, {**store.status(), "drafterBytes": drafter_bytes}
     settings = {"max_batch_size": 4, "prefill_step_tokens": 16, **config}
-    return run_engine(model, tokenizer, go, drafter, prefix_cache_bytes=budget, **settings)
+    with mock.patch.object(prefix_module, "PIECE_TOKENS", piece_tokens):
+        return run_engine(model, tokenizer, go, drafter, prefix_cache_bytes=budget, **settings)
 
 
 def tokens_of(turns):
@@ -224,11 +272,12 @@ def assert_same(turns, expected) -> None:
 @pytest.mark.parametrize("family", ["target", "gemma3_text", "qwen3_next", "falcon_h1"])
 def test_conversations_are_identical_with_and_without_the_cache(family, models):
     """Greedy, speculation off, n-gram and a mixed batch: the forged Llama,
-    a sliding-window family and two recurrent ones (state snapshots)."""
+    a sliding-window family and two recurrent ones (state snapshots); rows
+    copy their short prefixes, or read them in place in part."""
     model, tokenizer = models(family)
     expected, _, _ = play(model, tokenizer, 0)
-    for spec in (None, NGRAM, [NGRAM, None, NGRAM]):
-        turns, mixed, store = play(model, tokenizer, None, spec)
+    for spec, piece_tokens in ((None, 16), (NGRAM, prefix_module.PIECE_TOKENS), ([NGRAM, None, NGRAM], 16)):
+        turns, mixed, store = play(model, tokenizer, None, spec, piece_tokens=piece_tokens)
         assert_same(turns, expected)
         assert all(cached > 0 for conv in turns for _, cached, _ in conv[1:]), "later turns start from the cache"
         assert mixed, "no batch mixed rows that started from the cache with rows that did not"
@@ -255,7 +304,7 @@ def test_draft_models_and_eagle_heads_keep_their_own_cached_prefixes(method, mod
                 drafting.extend((s.cached_tokens, s in self.queued) for s in seqs)
         EagleProposer.prefilled = prefilled
     try:
-        turns, _, store = play(model, tokenizer, None, spec, drafter)
+        turns, _, store = play(model, tokenizer, None, spec, drafter, piece_tokens=16)
     finally:
         if method != "draft":
             EagleProposer.prefilled = original

@@ -251,7 +251,7 @@ class BatchRowCache:
         for i, leaf in enumerate(self._attention()):
             for b, prefix in enumerate(prefixes):
                 if prefix is not None:
-                    leaf.restore(b, prefix.columns[i], prefix.length, prefix.shared)
+                    leaf.restore(b, prefix.columns[i], prefix.length, prefix.in_place)
         for j, leaf in enumerate(self.recurrent):
             states = [p.snapshot[j] if p is not None and p.snapshot else None for p in prefixes]
             template = next(filter(None, states), None)

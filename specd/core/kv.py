@@ -196,26 +196,22 @@ class RowKV:
 
     def _row_columns(self, b: int, start: int, end: int) -> tuple[Side, Side]:
         """Row b's held columns [start, end), as a view where they lie in one piece."""
-        keys, values, at = [], [], 0
-        for k, v in self._pieces(b):
-            n = side_columns(k)
-            lo, hi = max(start - at, 0), min(end - at, n)
-            if hi > lo:
-                keys.append(side_slice(k, lo, hi))
-                values.append(side_slice(v, lo, hi))
-            at += n
-        return side_concat(keys), side_concat(values)
+        pieces = _pieces_between(self._pieces(b), start, end)
+        return side_concat([k for k, _ in pieces]), side_concat([v for _, v in pieces])
 
-    def _own(self, b: int, keep: int | None = None) -> None:
-        """Copy row b's newest ``keep`` (by default all) held columns into a buffer of its own,
-        ending its reading of shared pieces (a window's eviction, a rollback into them)."""
+    def _own(self, b: int, keep: int | None = None, in_place: int = 0) -> None:
+        """Copy row b's newest ``keep`` (by default all) held columns into a buffer of its own, but
+        for the first ``in_place`` of them, which it goes on reading in its shared pieces; older
+        columns are dropped (a window's eviction, a rollback into shared pieces)."""
         held = self.held[b]
         keep = held if keep is None else keep
         if not self.shared[b] and keep == held:
             return
-        keys, values = self._row_columns(b, held - keep, held)
-        self.keys[b], self.values[b] = _regrown(keys, keys, keep), _regrown(values, values, keep)
-        self.shared[b], self.shared_columns[b], self.held[b] = [], 0, keep
+        first = held - keep
+        keys, values = self._row_columns(b, first + in_place, held)
+        self.shared[b] = _pieces_between(self.shared[b], first, first + in_place)
+        self.keys[b], self.values[b] = _regrown(keys, keys, keep - in_place), _regrown(values, values, keep - in_place)
+        self.shared_columns[b], self.held[b] = in_place, keep
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
@@ -256,7 +252,7 @@ class RowKV:
         starts = [held - columns for held, columns in zip(self.held, seen)]
         if rows * heads * n * sum(seen) > GATHER_MAX_SCORES:
             return None
-        pieces = [p for b, start in enumerate(starts) for p in _seen_pieces(self._pieces(b), start)]
+        pieces = [p for b, start in enumerate(starts) for p in _pieces_between(self._pieces(b), start)]
         keys = side_concat([k for k, _ in pieces])
         values = side_concat([v for _, v in pieces])
         kv_heads = keys.shape[1]
@@ -360,15 +356,17 @@ class RowKV:
             return None
         return self._row_columns(b, start - first, end - first)
 
-    def restore(self, b: int, pieces: list[tuple[Side, Side]], length: int, shared: bool = True) -> None:
+    def restore(self, b: int, pieces: list[tuple[Side, Side]], length: int, in_place: int | None = None) -> None:
         """Start the (fresh) row b from a cached prefix of ``length`` positions
         whose newest columns are ``pieces`` (the prefix cache's, never written):
-        the row reads them in place, or (not ``shared``) copies them into its own buffer."""
-        self.shared[b], self.shared_columns[b] = list(pieces), sum(side_columns(k) for k, _ in pieces)
-        self.held[b], self.positions[b] = self.shared_columns[b], length
+        the row reads those of positions before ``in_place`` (by default all) in
+        place, and copies the others into its own buffer."""
+        held = sum(side_columns(k) for k, _ in pieces)
+        self.shared[b], self.shared_columns[b] = list(pieces), held
+        self.held[b], self.positions[b] = held, length
         self._offset = None
-        if not shared:
-            self._own(b)
+        if in_place is not None and in_place < length:
+            self._own(b, in_place=max(0, in_place - (length - held)))
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -424,14 +422,16 @@ def _seen_columns(held: int, n: int, window: int | None) -> int:
     return held if window is None else min(held, n + window - 1)
 
 
-def _seen_pieces(pieces: list[tuple[Side, Side]], start: int) -> list[tuple[Side, Side]]:
-    """A row's pieces from its held column ``start`` on (views, never copies)."""
+def _pieces_between(pieces: list[tuple[Side, Side]], start: int, end: int | None = None) -> list[tuple[Side, Side]]:
+    """Columns [start, end) (by default to the last) of a row's consecutive pieces, in pieces
+    (views, never copies)."""
     out, at = [], 0
     for k, v in pieces:
-        lo, hi = max(start - at, 0), side_columns(k)
-        at += hi
+        n = side_columns(k)
+        lo, hi = max(start - at, 0), n if end is None else min(end - at, n)
+        at += n
         if hi > lo:
-            out.append((side_slice(k, lo, hi), side_slice(v, lo, hi)) if lo else (k, v))
+            out.append((k, v) if (lo, hi) == (0, n) else (side_slice(k, lo, hi), side_slice(v, lo, hi)))
     return out
 
 
@@ -529,7 +529,7 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
     _, heads, n, dims = queries.shape
     kv_heads = parts(pieces[0][0])[0].shape[1]
     start = held - _seen_columns(held, n, window)
-    seen_pieces = _seen_pieces(pieces, start)
+    seen_pieces = _pieces_between(pieces, start)
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
     scores = [_product(grouped, k, True, quantization) for k, _ in seen_pieces]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)

@@ -47,18 +47,40 @@ Columns = list[tuple[Side, Side]]  # per attention layer: (1, H, n, D) keys and 
 Pieces = list[tuple[Side, Side]]  # one layer's columns in consecutive pieces (the nodes' own arrays, not copied)
 Snapshot = list[list]  # per recurrent layer: its state arrays, batch of 1
 
+# What a piece a row reads in place is worth in tokens copied. Reading a cached prefix in place saves
+# the memory of a copy (many rows on one system prompt hold it once), but each piece a row reads costs
+# every decode step a few ops per attention layer: a row reads one piece per node of its prefix, copies
+# the short nodes at its end (a conversation's turns), and a long node holds a copy of the few
+# positions above it (a chat template's opening, a node of its own once two prompts differ after it).
+PIECE_TOKENS = 256
+
 
 @dataclass(eq=False)
 class Node:
     key: np.ndarray  # the edge's tokens
     parent: "Node | None"
-    columns: Columns  # every attention layer's keys and values for the edge's positions
+    columns: Columns  # every attention layer's keys and values for the edge's positions (after ``lead`` others)
     snapshot: Snapshot | None = None  # the recurrent state after the edge's last token
     children: dict[int, "Node"] = field(default_factory=dict)
     locks: int = 0
     used: int = 0  # the store's clock when last matched or extended
     serial: int = 0  # creation order: ties in ``used`` evict alike on every tensor-parallel rank
     nbytes: int = 0
+    lead: int = 0  # 0, or every position above the edge, whose columns ``columns`` holds a copy of first
+
+
+def _edge(node: Node) -> Columns:
+    """The columns of ``node``'s edge only (views)."""
+    if not node.lead:
+        return node.columns
+    return [(side_slice(k, node.lead, side_columns(k)), side_slice(v, node.lead, side_columns(v)))
+            for k, v in node.columns]
+
+
+def _joined(sources: list[Columns]) -> Columns:
+    """Consecutive positions' columns as one piece per layer (not yet copied)."""
+    return [(side_concat([c[i][0] for c in sources]), side_concat([c[i][1] for c in sources]))
+            for i in range(len(sources[0]))]
 
 
 def _nbytes(columns: Columns, snapshot: Snapshot | None) -> int:
@@ -75,7 +97,7 @@ class RowPrefix:
     length: int
     columns: list[Pieces]
     snapshot: Snapshot | None = None
-    shared: bool = True  # the row reads the columns in place (else it copies them into its own buffer)
+    in_place: int = 0  # the row reads the columns of positions before this in place, and copies the others
 
 
 @dataclass(eq=False)
@@ -144,7 +166,10 @@ class PrefixTree:
         for i, start in enumerate(starts):
             pieces, pos = [], 0
             for node, n in path:
-                lo, hi = max(start - pos, 0), n
+                first = pos - node.lead  # the position of the node's first column
+                if node.lead:
+                    pieces = []  # the node holds the positions above it too
+                lo, hi = max(start - first, 0), pos + n - first
                 if hi > lo:
                     keys, values = node.columns[i]
                     pieces.append((side_slice(keys, lo, hi), side_slice(values, lo, hi)))
@@ -152,13 +177,23 @@ class PrefixTree:
             columns.append(pieces)
         return columns, snapshot
 
+    def ends(self, tokens: Sequence[int], length: int) -> list[int]:
+        """Where the pieces end that a row restoring the cached ``tokens[:length]`` reads
+        (one per node, from the last that holds the positions above it), the last at ``length``."""
+        out, pos = [], 0
+        for node, n in self._path(tokens, length):
+            pos += n
+            out = [pos] if node.lead else out + [pos]
+        return out
+
     def prepare(self, tokens: Sequence[int], length: int) -> None:
         """Make the cached prefix ``tokens[:length]`` end at a node, in as few
         nodes as the tree has branches above it: a prefix that ends inside an
         edge splits it (a row restoring it then reads a node that a later split
         would not replace with copies), and a chain of nodes that nothing else
         branches from or holds (the chunks of one prefill, a conversation's
-        turns) becomes one node, so a row reads a long prefix in a few pieces."""
+        turns) becomes one node, so a row reads a long prefix in a few pieces;
+        then a long node below a few positions holds them too (``_lead``)."""
         path = self._path(tokens, length)
         if not path:
             return
@@ -166,6 +201,28 @@ class PrefixTree:
         if n < len(end.key):
             end = self._split(end, n)
         self._merge_chain(end)
+        self._lead(tokens, length)
+
+    def _lead(self, tokens: Sequence[int], length: int) -> None:
+        """Copy the columns above the first node of the path that has at least one but fewer than
+        ``PIECE_TOKENS`` positions above it, and ``PIECE_TOKENS`` of its own, in front of its own:
+        requests whose prompts differ after their first few tokens (a chat template's opening, then
+        different system prompts) make those tokens a node, one more piece for every row to read."""
+        path, pos = self._path(tokens, length), 0
+        for node, n in path:
+            if 0 < pos < PIECE_TOKENS <= len(node.key) and not node.lead:
+                above, up = [], node.parent
+                while up is not self.root:
+                    above.insert(0, up)
+                    if up.lead:
+                        break
+                    up = up.parent
+                columns = _joined([above[0].columns] + [_edge(a) for a in above[1:]] + [node.columns])
+                if self._make_room(path[-1][0], _nbytes(columns, None) - _nbytes(node.columns, None)):
+                    node.columns, node.lead = _owned(columns), pos
+                    self.store.account(node)
+                return
+            pos += n
 
     def _merge_chain(self, end: Node) -> None:
         """Merge ``end`` with the ancestors that have one child, no snapshot and
@@ -180,8 +237,8 @@ class PrefixTree:
         if len(chain) == 1:
             return
         first = chain[0]
-        end.columns = _owned([(side_concat([node.columns[i][0] for node in chain]),
-                               side_concat([node.columns[i][1] for node in chain])) for i in range(len(end.columns))])
+        end.columns = _owned(_joined([first.columns] + [_edge(node) for node in chain[1:]]))
+        end.lead = first.lead
         end.key = np.concatenate([node.key for node in chain])
         end.parent = first.parent
         end.parent.children[int(end.key[0])] = end
@@ -254,7 +311,7 @@ class PrefixTree:
         lease.node, lease.depth = node, pos
 
     def _make_room(self, keep: Node, need: int) -> bool:
-        """``store.make_room``, never evicting ``keep`` (the node being extended)."""
+        """``store.make_room``, never evicting ``keep`` (the node being extended) or its ancestors."""
         self._lock(keep, 1)
         try:
             return self.store.make_room(need)
@@ -264,13 +321,15 @@ class PrefixTree:
     def _split(self, node: Node, n: int) -> Node:
         """Cut ``node``'s edge after ``n`` tokens; returns the new upper node
         (the lower part keeps the snapshot, the children and the locks)."""
-        upper = Node(node.key[:n], node.parent, _owned([(side_slice(k, 0, n), side_slice(v, 0, n))
+        lead = node.lead
+        upper = Node(node.key[:n], node.parent, _owned([(side_slice(k, 0, lead + n), side_slice(v, 0, lead + n))
                                                         for k, v in node.columns]),
-                     locks=node.locks, used=node.used, serial=self.store.tick())
+                     locks=node.locks, used=node.used, serial=self.store.tick(), lead=lead)
         node.parent.children[int(node.key[0])] = upper
         node.key = node.key[n:]
-        node.columns = _owned([(side_slice(k, n, side_columns(k)), side_slice(v, n, side_columns(v)))
+        node.columns = _owned([(side_slice(k, lead + n, side_columns(k)), side_slice(v, lead + n, side_columns(v)))
                                for k, v in node.columns])
+        node.lead = 0
         node.parent = upper
         upper.children[int(node.key[0])] = node
         self.store.nodes += 1
@@ -418,9 +477,6 @@ class RowPrefixes:
     that cannot start from a prefix) every row starts empty."""
 
     SLACK = 32  # cached tokens a row may recompute to share a group's prefill width
-    # A shorter cached prefix is copied into the row's own buffer, not read in place: the memory
-    # it would save is small, and a second piece costs every decode step a few ops per layer.
-    SHARE_MIN_TOKENS = 256
 
     def __init__(self, tree: PrefixTree | None, windows: list[int | None]):
         self.tree = tree
@@ -470,16 +526,26 @@ class RowPrefixes:
         return all(common_prefix(np.asarray(c, dtype=np.int64), new) - max(m, m_new) < self.SLACK
                    for c, m in zip(contexts[:-1], matches[:-1]))
 
-    def reads_in_place(self, length: int) -> bool:
-        """Whether a row starting from a ``length``-token cached prefix reads it in place."""
-        return length >= self.SHARE_MIN_TOKENS
-
-    def shared(self, length: int) -> int:
-        """Tokens of a ``length``-token cached prefix that a row starting from it reads in
-        place in every attention layer (a sliding window's layer reads only what it still sees)."""
-        if self.tree is None or not self.windows or not self.reads_in_place(length):
+    def in_place(self, tokens: Sequence[int], length: int) -> int:
+        """How many leading positions of the cached prefix ``tokens[:length]`` a row starting from it
+        reads in place: up to the end of the piece that leaves the least cost, each piece read
+        counting as ``PIECE_TOKENS`` tokens and each position after it as one token copied."""
+        if self.tree is None or not length:
             return 0
-        return min(length if w is None else min(length, w - 1) for w in self.windows)
+        best, least = 0, length
+        for pieces, end in enumerate(self.tree.ends(tokens, length), 1):
+            cost = pieces * PIECE_TOKENS + length - end
+            if cost <= least:  # a tie reads in place: less memory
+                best, least = end, cost
+        return best
+
+    def shared(self, tokens: Sequence[int], length: int) -> int:
+        """Tokens of the cached prefix ``tokens[:length]`` that a row starting from it reads in
+        place in every attention layer (a sliding window's layer restores only what it still sees)."""
+        if not self.windows:
+            return 0
+        in_place = self.in_place(tokens, length)
+        return min(in_place if w is None else max(0, in_place - max(0, length - (w - 1))) for w in self.windows)
 
     def start(self, key: object, tokens: Sequence[int], length: int) -> RowPrefix | None:
         """The prefix a row starts from (None: from nothing); the row holds a lease from now on."""
@@ -491,7 +557,7 @@ class RowPrefixes:
             return None
         starts = [0 if w is None else max(0, length - (w - 1)) for w in self.windows]
         columns, snapshot = self.tree.restore(tokens, starts, length)
-        return RowPrefix(length, columns, snapshot, shared=self.reads_in_place(length))
+        return RowPrefix(length, columns, snapshot, self.in_place(tokens, length))
 
     def record(self, key: object, known: Sequence[int], held: int, cache: "BatchRowCache", b: int) -> None:
         """Row b of ``cache`` holds ``held`` positions, whose tokens begin

@@ -281,7 +281,7 @@ class Scheduler:
             context = seq.prefill_tokens
             limit = self.speculator.prefix_limit(seq)
             match = self.prefixes.match(context, limit)
-            own = len(context) - self.prefixes.shared(match)
+            own = len(context) - self.prefixes.shared(context, match)
             if (holds or seqs) and not self.kv.fits(holds + [own]):
                 self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
                 break
