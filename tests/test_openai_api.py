@@ -244,11 +244,18 @@ def test_speculation_per_request_and_by_pairing(client, daemon):
                                     extra_body={"speculation": {"method": "none"}})
     assert getattr(off.usage, "speculation", None) is None
     after = scrape(daemon)
-    name = "specd_spec_decode_num_draft_tokens_total"
-    # the pairing's rows also propose n-gram lookups where the context repeats: counted under ngram
-    series = [(name, (("method", method), ("model_name", "tiny-spec"))) for method in ("draft", "ngram")]
-    assert after[series[0]] > before.get(series[0], 0)
-    assert sum(after.get(s, 0) - before.get(s, 0) for s in series) == stats["draft_tokens"]
+    # the pairing's rows also propose n-gram lookups where the context repeats: counted under ngram,
+    # in the request's usage as in the metrics
+    by_method = stats["by_method"]
+    assert set(by_method) <= {"draft", "ngram"} and by_method["draft"]["draft_tokens"] > 0
+    for field in ("rounds", "draft_tokens", "accepted_tokens"):
+        assert sum(m[field] for m in by_method.values()) == stats[field]
+    for method in ("draft", "ngram"):
+        for field, name in (("draft_tokens", "specd_spec_decode_num_draft_tokens_total"),
+                            ("accepted_tokens", "specd_spec_decode_num_accepted_tokens_total"),
+                            ("rounds", "specd_spec_decode_num_drafts_total")):
+            series = (name, (("method", method), ("model_name", "tiny-spec")))
+            assert after.get(series, 0) - before.get(series, 0) == by_method.get(method, {}).get(field, 0)
     assert any(n == "specd_spec_decode_num_accepted_tokens_per_pos_total" for n, _ in after)
     assert any(n == "specd_spec_decode_verify_seconds_count" for n, _ in after)
 

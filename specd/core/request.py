@@ -4,7 +4,7 @@ shared by the HTTP layer, the scheduler and speculation."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
 
@@ -66,7 +66,9 @@ class SpecStats:
     """A request's speculation so far, as its usage reports it: the method in
     effect (its own ``speculation`` or the Model's pairing, ``source``), rounds
     that verified proposals, and steps it decoded plainly though speculating
-    (the controller chose k = 0, or nothing matched to propose)."""
+    (the controller chose k = 0, or nothing matched to propose); and the rounds
+    by the method that proposed them, as ``/metrics`` counts them (a draft
+    pairing's free prompt lookups under ``ngram``)."""
 
     rounds: int = 0
     drafted: int = 0
@@ -74,18 +76,32 @@ class SpecStats:
     plain_steps: int = 0
     method: Method = Method.NONE
     source: str = "model"  # "request": its own speculation field; "model": the Model's DraftPairing
+    by_method: dict[Method, list[int]] = field(default_factory=dict)  # method -> [rounds, drafted, accepted]
+
+    def count(self, drafted: int, accepted: int, method: Method) -> None:
+        """One round's proposals, made by ``method``."""
+        self.rounds, self.drafted, self.accepted = self.rounds + 1, self.drafted + drafted, self.accepted + accepted
+        mine = self.by_method.setdefault(method, [0, 0, 0])
+        mine[0], mine[1], mine[2] = mine[0] + 1, mine[1] + drafted, mine[2] + accepted
 
     def as_dict(self) -> dict:
         return {
             "method": self.method,
             "source": self.source,
-            "rounds": self.rounds,
             "plain_steps": self.plain_steps,
-            "draft_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
-            "mean_accepted_length": round(self.accepted / self.rounds, 4) if self.rounds else 0.0,
+            **_rates(self.rounds, self.drafted, self.accepted),
+            "by_method": {m: _rates(*totals) for m, totals in self.by_method.items()},
         }
+
+
+def _rates(rounds: int, drafted: int, accepted: int) -> dict:
+    return {
+        "rounds": rounds,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "mean_accepted_length": round(accepted / rounds, 4) if rounds else 0.0,
+    }
 
 
 @dataclass

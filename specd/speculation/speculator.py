@@ -518,9 +518,7 @@ class Speculator:
     def _count(self, seq: Sequence, drafted: int, accepted: int, method: Method) -> None:
         """One round's proposals of a request, in its stats and in the metrics under the
         method that proposed them (a draft pairing's lookups under ``ngram``)."""
-        seq.stats.rounds += 1
-        seq.stats.drafted += drafted
-        seq.stats.accepted += accepted
+        seq.stats.count(drafted, accepted, method)
         m, labels = self.metrics, (self.name, method)
         m.spec_num_drafts.labels(*labels).inc()
         m.spec_num_draft_tokens.labels(*labels).inc(drafted)
