@@ -74,11 +74,23 @@ def side_slice(side: Side, start: int, end: int) -> Side:
     return _like(side, [a[..., start:end, :] for a in parts(side)])
 
 
+def pair_slice(pair: tuple[Side, Side], start: int, end: int | None = None) -> tuple[Side, Side]:
+    """Columns [start, end) (by default to the last) of a layer's keys and values."""
+    keys, values = pair
+    end = side_columns(keys) if end is None else end
+    return side_slice(keys, start, end), side_slice(values, start, end)
+
+
 def side_concat(sides: list[Side]) -> Side:
     """Columns of several pieces, in order (one piece as it is: no copy)."""
     if len(sides) == 1:
         return sides[0]
     return _like(sides[0], [mx.concatenate(group, axis=2) for group in zip(*map(parts, sides))])
+
+
+def pair_concat(pairs: list[tuple[Side, Side]]) -> tuple[Side, Side]:
+    """A layer's keys and values of several consecutive pieces, as one (one piece as it is: no copy)."""
+    return side_concat([k for k, _ in pairs]), side_concat([v for _, v in pairs])
 
 
 def side_columns(side: Side) -> int:
@@ -196,8 +208,7 @@ class RowKV:
 
     def _row_columns(self, b: int, start: int, end: int) -> tuple[Side, Side]:
         """Row b's held columns [start, end), as a view where they lie in one piece."""
-        pieces = _pieces_between(self._pieces(b), start, end)
-        return side_concat([k for k, _ in pieces]), side_concat([v for _, v in pieces])
+        return pair_concat(_pieces_between(self._pieces(b), start, end))
 
     def _own(self, b: int, keep: int | None = None, in_place: int = 0) -> None:
         """Copy row b's newest ``keep`` (by default all) held columns into a buffer of its own, but
@@ -253,8 +264,7 @@ class RowKV:
         if rows * heads * n * sum(seen) > GATHER_MAX_SCORES:
             return None
         pieces = [p for b, start in enumerate(starts) for p in _pieces_between(self._pieces(b), start)]
-        keys = side_concat([k for k, _ in pieces])
-        values = side_concat([v for _, v in pieces])
+        keys, values = pair_concat(pieces)
         kv_heads = keys.shape[1]
         group = heads // kv_heads
         stacked = queries.reshape(rows, kv_heads, group, n, dims).transpose(1, 0, 2, 3, 4)
@@ -431,7 +441,7 @@ def _pieces_between(pieces: list[tuple[Side, Side]], start: int, end: int | None
         lo, hi = max(start - at, 0), n if end is None else min(end - at, n)
         at += n
         if hi > lo:
-            out.append((k, v) if (lo, hi) == (0, n) else (side_slice(k, lo, hi), side_slice(v, lo, hi)))
+            out.append((k, v) if (lo, hi) == (0, n) else pair_slice((k, v), lo, hi))
     return out
 
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .kv import Side, side_bytes, side_columns, side_concat, side_copy, side_slice
+from .kv import Side, pair_concat, pair_slice, side_bytes, side_copy
 from .memory import host_memory_bytes
 
 if TYPE_CHECKING:
@@ -71,16 +71,12 @@ class Node:
 
 def _edge(node: Node) -> Columns:
     """The columns of ``node``'s edge only (views)."""
-    if not node.lead:
-        return node.columns
-    return [(side_slice(k, node.lead, side_columns(k)), side_slice(v, node.lead, side_columns(v)))
-            for k, v in node.columns]
+    return [pair_slice(pair, node.lead) for pair in node.columns] if node.lead else node.columns
 
 
 def _joined(sources: list[Columns]) -> Columns:
     """Consecutive positions' columns as one piece per layer (not yet copied)."""
-    return [(side_concat([c[i][0] for c in sources]), side_concat([c[i][1] for c in sources]))
-            for i in range(len(sources[0]))]
+    return [pair_concat(list(layer)) for layer in zip(*sources)]
 
 
 def _nbytes(columns: Columns, snapshot: Snapshot | None) -> int:
@@ -171,8 +167,7 @@ class PrefixTree:
                     pieces = []  # the node holds the positions above it too
                 lo, hi = max(start - first, 0), pos + n - first
                 if hi > lo:
-                    keys, values = node.columns[i]
-                    pieces.append((side_slice(keys, lo, hi), side_slice(values, lo, hi)))
+                    pieces.append(pair_slice(node.columns[i], lo, hi))
                 pos += n
             columns.append(pieces)
         return columns, snapshot
@@ -322,13 +317,11 @@ class PrefixTree:
         """Cut ``node``'s edge after ``n`` tokens; returns the new upper node
         (the lower part keeps the snapshot, the children and the locks)."""
         lead = node.lead
-        upper = Node(node.key[:n], node.parent, _owned([(side_slice(k, 0, lead + n), side_slice(v, 0, lead + n))
-                                                        for k, v in node.columns]),
+        upper = Node(node.key[:n], node.parent, _owned([pair_slice(pair, 0, lead + n) for pair in node.columns]),
                      locks=node.locks, used=node.used, serial=self.store.tick(), lead=lead)
         node.parent.children[int(node.key[0])] = upper
         node.key = node.key[n:]
-        node.columns = _owned([(side_slice(k, lead + n, side_columns(k)), side_slice(v, lead + n, side_columns(v)))
-                               for k, v in node.columns])
+        node.columns = _owned([pair_slice(pair, lead + n) for pair in node.columns])
         node.lead = 0
         node.parent = upper
         upper.children[int(node.key[0])] = node
