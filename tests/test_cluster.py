@@ -548,9 +548,9 @@ LOGPROBS = st.builds(TokenLogprob, st.integers(0, 2**31 - 1), FLOAT,
 OUTPUTS = st.builds(StepOutput, st.text(st.characters(exclude_categories=()), max_size=20), st.lists(st.integers(0, 2**31 - 1), max_size=4),
                     st.none() | st.lists(LOGPROBS, max_size=3), st.none() | st.sampled_from(["stop", "length"]),
                     st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6), st.none() | TEXT,
-                    st.none() | TEXT, st.none() | st.builds(SpecStats, st.integers(0, 99), st.integers(0, 99),
-                                                            st.integers(0, 99), st.integers(0, 99),
-                                                            st.sampled_from(list(Method)), TEXT))
+                    st.none() | TEXT, st.none() | st.builds(
+                        SpecStats, st.integers(0, 99), st.sampled_from(list(Method)), TEXT,
+                        st.dictionaries(st.sampled_from(list(Method)), st.lists(st.integers(0, 99), min_size=3, max_size=3))))
 
 
 @given(REQUESTS, OUTPUTS)

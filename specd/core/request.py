@@ -70,19 +70,23 @@ class SpecStats:
     by the method that proposed them, as ``/metrics`` counts them (a draft
     pairing's free prompt lookups under ``ngram``)."""
 
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
     plain_steps: int = 0
     method: Method = Method.NONE
     source: str = "model"  # "request": its own speculation field; "model": the Model's DraftPairing
-    by_method: dict[Method, list[int]] = field(default_factory=dict)  # method -> [rounds, drafted, accepted]
+    by_method: dict[Method, list[int]] = field(default_factory=dict)  # method -> [rounds, drafted, accepted]: the totals sum them
 
     def count(self, drafted: int, accepted: int, method: Method) -> None:
         """One round's proposals, made by ``method``."""
-        self.rounds, self.drafted, self.accepted = self.rounds + 1, self.drafted + drafted, self.accepted + accepted
-        mine = self.by_method.setdefault(method, [0, 0, 0])
-        mine[0], mine[1], mine[2] = mine[0] + 1, mine[1] + drafted, mine[2] + accepted
+        totals = self.by_method.setdefault(method, [0, 0, 0])
+        for i, n in enumerate((1, drafted, accepted)):
+            totals[i] += n
+
+    rounds = property(lambda self: self._total(0))
+    drafted = property(lambda self: self._total(1))
+    accepted = property(lambda self: self._total(2))
+
+    def _total(self, i: int) -> int:
+        return sum(totals[i] for totals in self.by_method.values())
 
     def as_dict(self) -> dict:
         return {
