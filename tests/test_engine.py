@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 
 from conftest import code_sample, run_engine
+from specd.core import kv
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.engine.engine import Engine, EngineOverloaded
@@ -202,3 +206,23 @@ def test_a_model_that_builds_arrays_at_load_time_serves_from_the_engine_thread(f
     tokens, _, finish = run_engine(model, tokenizer, go)  # first: the reference would evaluate them here
     reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=16)]
     assert tokens == reference and finish == "length"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc")
+def test_engines_that_stop_leave_no_threads_behind(target):
+    """MLX keeps a thread for every stream until the process ends, and streams belong to the thread
+    that made them: Models that load and unload (scale to zero, reloads) must not leave threads behind."""
+    ps = prompts(target[1], 2, 40)
+
+    async def two_rows(engine):  # two rows attend on streams of their own (dealt even on one core)
+        return await asyncio.gather(*(run(engine, p, 4) for p in ps))
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    with mock.patch.object(kv, "CPU_STREAMS", 3):
+        counts = []
+        for _ in range(4):
+            with_engine(target, two_rows)
+            counts.append(threads())
+    assert counts[1:] == [counts[0]] * 3, counts

@@ -451,7 +451,8 @@ def _cores() -> int:
 
 
 # Streams a layer's rows are dealt to on the CPU, the default one among them: one per core, at most
-# 4, as MLX keeps a thread for each stream an engine thread makes until the process ends.
+# 4, as MLX keeps a thread for each stream an engine thread makes until the process ends (engine
+# threads are reused, ``engine/threads.py``, and their streams with them).
 CPU_STREAMS = min(_cores(), 4)
 # A row attends on a stream of its own only with at least this many scores (queries x columns): each
 # stream it is handed to costs a synchronisation, which a short row's attention does not pay for.

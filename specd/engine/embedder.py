@@ -22,6 +22,7 @@ import structlog
 from ..core.embedding import Pooling, embed_long, embed_rows
 from ..core.loader import text_config, vocab_size
 from ..metrics import Metrics
+from . import threads
 from .engine import EngineOverloaded, EngineUnavailable
 from .scheduler import RequestRejected
 
@@ -83,7 +84,7 @@ class Embedder:
         self._queue: deque[_Job] = deque()
         self._running = 0
         self._accepting, self._stopped = True, False
-        self._thread = threading.Thread(target=self._run, name=f"embedder-{name}", daemon=True)
+        self._stepped: threading.Event | None = None  # set once its loop has returned (``threads.run``)
 
     @property
     def max_context(self) -> int:
@@ -95,7 +96,7 @@ class Embedder:
             return len(self._queue) + self._running
 
     def start(self) -> None:
-        self._thread.start()
+        self._stepped = threads.run(self._run, f"embedder-{self.name}")
 
     def group_status(self) -> dict | None:
         return None
@@ -140,7 +141,8 @@ class Embedder:
         with self._cv:
             self._stopped = True
             self._cv.notify()
-        await asyncio.to_thread(self._thread.join, 10.0)
+        if self._stepped is not None:
+            await asyncio.to_thread(self._stepped.wait, 10.0)
 
     # -- embedder thread ---------------------------------------------------
 

@@ -25,6 +25,7 @@ from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
 from ..speculation.config import PolicySettings
 from ..speculation.eagle.checkpoint import load_head
+from . import threads
 from .scheduler import EngineConfig, Scheduler, StepInputs, check_request
 
 log = structlog.get_logger(__name__)
@@ -143,7 +144,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.scheduler = Scheduler(name, model, tokenizer, config, self.metrics, speculation, drafter)
         self.inbox = Inbox()
-        self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)
+        self._stepped: threading.Event | None = None  # set once its loop has returned (``threads.run``)
 
     # -- ServingEngine ---------------------------------------------------
 
@@ -174,7 +175,7 @@ class Engine:
         return len(self.inbox) + self.scheduler.in_flight
 
     def start(self) -> None:
-        self._thread.start()
+        self._stepped = threads.run(self._run, f"engine-{self.name}")
 
     def check_prompt(self, request: GenerationRequest) -> None:
         """Raise RequestRejected if the request can never be served as asked."""
@@ -248,7 +249,8 @@ class Engine:
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.stop()
-        await asyncio.to_thread(self._thread.join, 10.0)
+        if self._stepped is not None:
+            await asyncio.to_thread(self._stepped.wait, 10.0)
 
     def stop(self) -> None:
         """Stop now: the engine thread leaves after its current step, failing what is left."""
