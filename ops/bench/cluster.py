@@ -25,8 +25,12 @@ The Model is the demo target, in one run:
    prefix-aware routing against round-robin: the prefix-cache hit rate of
    turns 2 to 6 (``cached_tokens`` over prompt tokens) and their median time
    to first token.
+3. **Two replicas sharing one host** (``shared``): the demo workload of 1, with 2 Nodes
+   against 1 but no daemon pinned, so the two Nodes share every core as two replicas on one
+   Mac would share its GPU. It measures what a setting allowing two replicas on one Node
+   could gain at best (``docs/cluster.md``: specd has none).
 
-3. **Tensor against pipeline parallelism over a link** (``--links``, root:
+4. **Tensor against pipeline parallelism over a link** (``--links``, root:
    network namespaces and ``tc``): the demo target on a 2-rank ring Topology,
    rank 1 in its own network namespace, one group per split, the link changed
    under the running groups; decode tokens/s of one stream and of 4 at once
@@ -50,7 +54,7 @@ The Model is the demo target, in one run:
    pay here, so ``auto`` has a real choice to make.
 
     specd forge models/test --preset test   # the tokenizer of the --big model
-    python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|links|latency]
+    python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|shared|links|latency]
 """
 
 from __future__ import annotations
@@ -102,17 +106,18 @@ def daemon(home: Path, core: int | None, env: dict, *extra: str):
 
 
 @contextlib.contextmanager
-def cluster(workdir: Path, workers: int, routing: str, env: dict):
-    """A head and ``workers`` Nodes (worker i on core i), the demo target with one replica each."""
+def cluster(workdir: Path, workers: int, routing: str, env: dict, pinned: bool = True):
+    """A head and ``workers`` Nodes (worker i on core i; unless ``pinned`` is False: every daemon
+    on every core, as Nodes sharing one host), the demo target with one replica each."""
     workdir.mkdir(parents=True)
     (workdir / "token").write_text(TOKEN)
     cores = os.cpu_count() or 1
     with contextlib.ExitStack() as stack:
-        head = stack.enter_context(daemon(workdir / "head", cores - 1, env, "--cluster-token-file",
+        head = stack.enter_context(daemon(workdir / "head", cores - 1 if pinned else None, env, "--cluster-token-file",
                                           str(workdir / "token"), "--memory-limit", "1Mi", "--routing", routing))
         for i in range(workers):
-            stack.enter_context(daemon(workdir / f"w{i}", i % cores, env, "--join", head, "--token-file",
-                                       str(workdir / "token"), "--node-name", f"w{i}"))
+            stack.enter_context(daemon(workdir / f"w{i}", i % cores if pinned else None, env, "--join", head,
+                                       "--token-file", str(workdir / "token"), "--node-name", f"w{i}"))
         yield head
 
 
@@ -171,12 +176,12 @@ def agent_prompts(run: int) -> list[str]:
 
 async def throughput(workdir: Path, replicas: int, runs: int, env: dict, model: Path, max_tokens: int,
                      prompts=decode_prompts, counted: str = "completion",
-                     concurrency: tuple[int, ...] = (8,)) -> dict[int, list[float]]:
+                     concurrency: tuple[int, ...] = (8,), pinned: bool = True) -> dict[int, list[float]]:
     """Tokens per second of ``concurrency`` concurrent completions (the first prompts of a batch of
     its own), one rate per run: the completion tokens, or (``counted="all"``) prompt and completion
     tokens together."""
     rates: dict[int, list[float]] = {c: [] for c in concurrency}
-    with cluster(workdir, replicas, "prefix", env) as head:
+    with cluster(workdir, replicas, "prefix", env, pinned) as head:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
             await serving(session, head, replicas, model)
             await completion(session, head, "def warm_up():", 4)
@@ -201,6 +206,15 @@ async def replicas_compared(workdir: Path, runs: int, env: dict, model: Path, ma
     out["bound"] = 2 * out["one_node_c4_tok_s"] / out["one_node_tok_s"]
     out["raw"]["one_c4"] = one[4]
     return out
+
+
+async def sharing_a_host(workdir: Path, runs: int, env: dict) -> dict:
+    """Two replicas on one host: 2 Nodes against 1, every daemon free to run on every core (as two
+    Nodes on one Mac would share its GPU), 8 concurrent 128-token completions: what a setting
+    allowing two replicas on one Node could gain at best (its two engines would share one process)."""
+    one = await throughput(workdir / "one", 1, runs, env, DEMO, 128, pinned=False)
+    two = await throughput(workdir / "two", 2, runs, env, DEMO, 128, pinned=False)
+    return compared(one[8], two[8])
 
 
 # What each end of the veth does to what it sends (a tc qdisc): bandwidth only. Latency is added by
@@ -398,7 +412,7 @@ async def multiturn(workdir: Path, routing: str, runs: int, env: dict) -> dict:
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
     env, _ = child_env()
-    parts = set(args.only or ("throughput", "multiturn", *(["links", "latency"] if args.links else [])))
+    parts = set(args.only or ("throughput", "multiturn", "shared", *(["links", "latency"] if args.links else [])))
     out: dict = {}
     if "throughput" in parts:
         out["throughput_c8"] = {
@@ -408,6 +422,8 @@ async def bench(args: argparse.Namespace, workdir: Path) -> dict:
         if args.big:
             out["throughput_c8"]["random 1 GB"] = await replicas_compared(workdir / "big", args.runs, env,
                                                                           one_gb(workdir), 32)
+    if "shared" in parts:
+        out["one_host_c8"] = await sharing_a_host(workdir / "shared", args.runs, env)
     if "multiturn" in parts:
         out["multiturn_c4"] = {"prefix": await multiturn(workdir / "prefix", "prefix", args.runs, env),
                                "round-robin": await multiturn(workdir / "rr", "round-robin", args.runs, env)}
@@ -436,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also a random 1 GB model: its throughput, and (with latency) its splits")
     parser.add_argument("--links", action="store_true",
                         help="also tensor against pipeline parallelism over slowed links and added latency (root: netns, tc)")
-    parser.add_argument("--only", action="append", choices=("throughput", "multiturn", "links", "latency"),
+    parser.add_argument("--only", action="append", choices=("throughput", "multiturn", "shared", "links", "latency"),
                         help="only this part (repeatable)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -446,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model}, c=8 tok/s: 1 replica on 1 Node {t['one_node_tok_s']:.1f}, 2 replicas on 2 Nodes "
               f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x (at most {t['bound']:.2f}x: 1 Node at c=4 "
               f"{t['one_node_c4_tok_s']:.1f}, twice)")
+    if "one_host_c8" in results:
+        t = results["one_host_c8"]
+        print(f"demo, c=8 tok/s on one host's cores: 1 Node {t['one_node_tok_s']:.1f}, 2 Nodes "
+              f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x")
     for routing, r in results.get("multiturn_c4", {}).items():
         print(f"multi-turn c=4, {routing:>11}: hit rate {r['hit_rate']:.2f}, later-turn TTFT "
               f"{1000 * r['later_turn_ttft_s']:.0f} ms")
