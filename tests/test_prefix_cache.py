@@ -73,11 +73,12 @@ sequences = st.lists(st.integers(0, 2), min_size=1, max_size=24)  # a tiny alpha
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(sequences, st.integers(1, 24), st.booleans()), min_size=1, max_size=30),
+@given(st.lists(st.tuples(sequences, st.integers(1, 24), st.booleans(), st.integers(0, 12)), min_size=1, max_size=30),
        st.integers(0, 400), st.booleans(), st.sampled_from([2, 5, prefix_module.PIECE_TOKENS]))
 def test_the_tree_restores_exactly_what_was_recorded_within_its_budget(rows, budget, stateful, piece_tokens):
-    """Rows record prefixes (in two steps, some keeping their lease); every
-    match restores exactly the recorded columns (and, for a recurrent model,
+    """Rows record prefixes (in two steps, some keeping their lease, the tokens
+    after a drawn prompt length as their output, so what is superseded goes when
+    a later prefix is prepared); every match restores exactly the recorded columns (and, for a recurrent model,
     only at a snapshot, the snapshot taken there), in the pieces ``ends``
     names, whether or not nodes hold the few positions above them; the budget
     always holds, the byte and node counts are exact, and leased nodes are
@@ -90,12 +91,12 @@ def check_the_tree(rows, budget, stateful):
     store = PrefixStore(budget, pressure=None)
     tree = store.tree("t", stateful)
     leases = []
-    for tokens, end, keep in rows:
+    for tokens, end, keep, prompt in rows:
         end = min(end, len(tokens))
         lease = tree.lease(tokens, 0)
         for stop in sorted({max(1, end // 2), end}):
             snapshot = [[mx.array([column(tokens, stop - 1)])]]
-            tree.extend(lease, tokens, stop, lambda lo, hi: columns_of(tokens, lo, hi), snapshot)
+            tree.extend(lease, tokens, stop, lambda lo, hi: columns_of(tokens, lo, hi), snapshot, prompt)
             assert store.bytes <= budget
         (leases if keep else []).append((lease, tokens[: lease.depth]))
         if not keep:
@@ -104,7 +105,7 @@ def check_the_tree(rows, budget, stateful):
             assert attached(held.node) and depth(held.node) == len(prefix)
         nodes = tree.nodes()
         assert store.bytes == sum(n.nbytes for n in nodes) and store.nodes == len(nodes)
-        for probe, _, _ in rows:
+        for probe, *_ in rows:
             n = tree.match(probe, len(probe))
             if n == 0:
                 continue
@@ -130,9 +131,12 @@ def test_a_row_reads_long_nodes_in_place_and_copies_short_ones():
     saves more than ``PIECE_TOKENS`` tokens of copying (and the budget counts
     them as the prefix cache's), and copies the rest: a short prefix whole, and a
     conversation's turns after a long system prompt, which are short nodes that
-    cannot merge (each reply, as generated, stays a branch beside the next turn),
+    cannot merge (another prompt branches after each),
     so the row reads two pieces, not one per turn; and a long node below a
-    few positions (a chat template's opening) holds a copy of them."""
+    few positions (a chat template's opening) holds a copy of them. (Here each
+    turn branches because another prompt went on differently, which the tree
+    keeps: a reply that was only generated makes way,
+    ``test_a_conversations_superseded_replies_make_way_for_its_turns_to_merge``.)"""
     def cached(*prompts):
         tree = PrefixStore(1 << 30, pressure=None).tree("t", False)
         for tokens in prompts:
@@ -166,6 +170,60 @@ def test_a_row_reads_long_nodes_in_place_and_copies_short_ones():
     assert [len(pieces) for pieces in prefix.columns] == [1, 1]
     for pieces, first in zip(prefix.columns, (0, 303 - 7)):
         assert np.array(pieces[0][0]).ravel().tolist() == [column(other, p) for p in range(first, 303)]
+
+
+def test_a_conversations_superseded_replies_make_way_for_its_turns_to_merge():
+    """Each reply as generated, and the few prompt tokens before it that the next turn
+    renders otherwise (a chat template's "assistant" line, then the reply resent as
+    text), go once the next turn restores its prefix: the conversation's turns merge
+    into one node that a row reads in one piece, however many turns it has. A reply a
+    request still holds stays, and so does a branch with more than
+    ``SUPERSEDED_PROMPT_TOKENS`` prompt tokens of its own (another conversation on the
+    same system prompt)."""
+    store = PrefixStore(1 << 30, pressure=None)
+    tree = store.tree("t", False)
+
+    def request(prompt: list[int], reply: list[int]):
+        """A request as the scheduler records it: its prompt but the last token as it
+        prefills, then all it held as it leaves; returns its lease."""
+        n = tree.match(prompt, len(prompt) - 1)
+        tree.prepare(prompt, n)
+        lease = tree.lease(prompt, n)
+        tokens = prompt + reply
+        for end in (len(prompt) - 1, len(tokens) - 1):
+            tree.extend(lease, tokens, end, lambda lo, hi: columns_of(tokens, lo, hi), prompt=len(prompt))
+        return lease
+
+    system = list(range(1, 400))
+    other = system + [7000 + i for i in range(prefix_module.SUPERSEDED_PROMPT_TOKENS + 1)]  # one too many to go
+    request(other, [8000, 8001]).release()
+    history, held = list(system), None
+    for turn in range(6):
+        prompt = history + [1000 + 100 * turn + i for i in range(30)] + [1, 2]  # ends with "assistant\n"
+        reply = [5000 + 100 * turn + i for i in range(20)]
+        lease = request(prompt, reply)
+        if turn == 3:
+            held = lease, prompt + reply[:-1]
+        else:
+            lease.release()
+        history = prompt[:-1] + [3] + reply[:10] + [4]  # the next turn renders it otherwise from its last token on
+    cached = tree.match(history, len(history))
+    assert cached == len(history) - 12  # all but the last reply, as resent
+    tree.prepare(history, cached)
+    assert tree.match(other, len(other)) == len(other)
+    lease, reply = held
+    assert attached(lease.node) and depth(lease.node) == len(reply)
+    pieces = tree.ends(history, cached)
+    assert pieces[0] == len(system) and len(pieces) == 3  # turns 1-4, then 5 and 6: the held reply parts them
+    lease.release()
+    tree.prepare(history, cached)
+    assert tree.ends(history, cached) == [len(system), cached]
+    nodes = tree.nodes()
+    # the system prompt, the other conversation and its reply, this one and its last reply
+    assert store.nodes == len(nodes) == 5 and store.bytes == sum(n.nbytes for n in nodes)
+    (got,), _ = tree.restore(history, [0], cached)
+    keys = mx.concatenate([k for k, _ in got], axis=2)
+    assert np.array(keys).ravel().tolist() == [column(history, p) for p in range(cached)]
 
 
 # -- the engine ------------------------------------------------------------------

@@ -24,7 +24,9 @@ first cuts a node there, and merges the chain of unbranched nodes above it,
 so the row reads few pieces, of nodes that stay), then on the deepest node
 it extended, which keeps that node and its ancestors from eviction;
 everything else is evicted least recently used first when the budget is
-exceeded or memory runs short.
+exceeded or memory runs short.  A conversation's last reply as generated goes
+sooner, once its next turn (which resends the reply as text, rendered with
+other tokens) is prepared: it would keep the turns from merging.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ Snapshot = list[list]  # per recurrent layer: its state arrays, batch of 1
 # the short nodes at its end (a conversation's turns), and a long node holds a copy of the few
 # positions above it (a chat template's opening, a node of its own once two prompts differ after it).
 PIECE_TOKENS = 256
+# The most prompt tokens a superseded reply's branch may hold (``_superseded``): the few before a reply
+# that the next turn renders otherwise (a chat template's assistant header), bounding what dropping a
+# branch that was not superseded costs (that many tokens to prefill again, and its reply).
+SUPERSEDED_PROMPT_TOKENS = 16
 
 
 @dataclass(eq=False)
@@ -67,6 +73,7 @@ class Node:
     serial: int = 0  # creation order: ties in ``used`` evict alike on every tensor-parallel rank
     nbytes: int = 0
     lead: int = 0  # 0, or every position above the edge, whose columns ``columns`` holds a copy of first
+    generated: int = 0  # the edge's last tokens that the request recording them generated (not its prompt's)
 
 
 def _edge(node: Node) -> Columns:
@@ -222,10 +229,13 @@ class PrefixTree:
     def _merge_chain(self, end: Node) -> None:
         """Merge ``end`` with the ancestors that have one child, no snapshot and
         no lease of their own (their locks are all their child's), into ``end``:
-        leases on ``end`` stay valid, since its last position is the same."""
+        leases on ``end`` stay valid, since its last position is the same.
+        What is superseded beside the chain goes first (``_superseded``)."""
         chain = [end]
         while True:
             up = chain[0].parent
+            for sibling in [c for c in up.children.values() if c is not chain[0] and _superseded(c)]:
+                self._drop(sibling)
             if up is self.root or len(up.children) > 1 or up.snapshot is not None or up.locks != chain[0].locks:
                 break
             chain.insert(0, up)
@@ -235,6 +245,7 @@ class PrefixTree:
         end.columns = _owned(_joined([first.columns] + [_edge(node) for node in chain[1:]]))
         end.lead = first.lead
         end.key = np.concatenate([node.key for node in chain])
+        end.generated = _trailing_generated(chain)
         end.parent = first.parent
         end.parent.children[int(end.key[0])] = end
         end.used = max(node.used for node in chain)
@@ -243,6 +254,12 @@ class PrefixTree:
             node.children = {}
         self.store.nodes -= len(chain) - 1
         self.store.account(end)
+
+    def _drop(self, node: Node) -> None:
+        """Drop an unleased node and everything below it."""
+        for child in list(node.children.values()):
+            self._drop(child)
+        self.store.remove(node)
 
     # -- leases -------------------------------------------------------------------
 
@@ -264,12 +281,14 @@ class PrefixTree:
     # -- writing ------------------------------------------------------------------
 
     def extend(self, lease: Lease, tokens: Sequence[int], end: int,
-               columns: Callable[[int, int], Columns | None], snapshot: Snapshot | None = None) -> None:
+               columns: Callable[[int, int], Columns | None], snapshot: Snapshot | None = None,
+               prompt: int | None = None) -> None:
         """Record ``tokens[:end]``, which extend the lease's path: ``columns(a, b)``
         gives positions [a, b) for the part the tree lacks (None: not held any
-        more), ``snapshot`` the recurrent state at ``end``.  What does not fit
-        the budget, even after evicting everything unleased, is not recorded.
-        The lease moves to the deepest node recorded."""
+        more), ``snapshot`` the recurrent state at ``end``; the tokens after the
+        first ``prompt`` (by default none) are the request's output.  What does
+        not fit the budget, even after evicting everything unleased, is not
+        recorded.  The lease moves to the deepest node recorded."""
         if end <= lease.depth or (self.stateful and snapshot is None):
             return
         snapshot = snapshot if self.stateful else None
@@ -282,7 +301,8 @@ class PrefixTree:
                     break
                 # evaluated before the tree holds it: a failing forward leaves no node behind
                 child = Node(np.asarray(tokens[pos:end], dtype=np.int64), node, _owned(cols),
-                             _own_snapshot(snapshot), serial=self.store.tick())
+                             _own_snapshot(snapshot), serial=self.store.tick(),
+                             generated=0 if prompt is None else max(0, end - max(prompt, pos)))
                 node.children[int(tokens[pos])] = child
                 self.store.nodes += 1
                 self.store.account(child)
@@ -318,9 +338,11 @@ class PrefixTree:
         (the lower part keeps the snapshot, the children and the locks)."""
         lead = node.lead
         upper = Node(node.key[:n], node.parent, _owned([pair_slice(pair, 0, lead + n) for pair in node.columns]),
-                     locks=node.locks, used=node.used, serial=self.store.tick(), lead=lead)
+                     locks=node.locks, used=node.used, serial=self.store.tick(), lead=lead,
+                     generated=max(0, node.generated - (len(node.key) - n)))
         node.parent.children[int(node.key[0])] = upper
         node.key = node.key[n:]
+        node.generated = min(node.generated, len(node.key))
         node.columns = _owned([pair_slice(pair, lead + n) for pair in node.columns])
         node.lead = 0
         node.parent = upper
@@ -344,6 +366,33 @@ def _owned(columns: Columns) -> Columns:
     out = [(side_copy(k), side_copy(v)) for k, v in columns]
     mx.eval(out)
     return out
+
+
+def _superseded(node: Node) -> bool:
+    """Whether the nodes from ``node`` down hold only what no prompt will ask for again: no request
+    holds them, each leaf ends in tokens a request generated, and at most ``SUPERSEDED_PROMPT_TOKENS``
+    of their tokens came from a prompt. That is a conversation's last reply, which its next turn
+    resends as text that a chat template or the tokenizer renders with other tokens, with the few
+    prompt tokens before it that the next turn renders otherwise too. Kept, they would keep the
+    conversation's turns apart: one more piece per turn for its rows to read."""
+    prompted, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        if n.locks or (not n.children and not n.generated):
+            return False
+        prompted += len(n.key) - n.generated
+        stack.extend(n.children.values())
+    return prompted <= SUPERSEDED_PROMPT_TOKENS
+
+
+def _trailing_generated(chain: list[Node]) -> int:
+    """How many of a chain's last tokens, its edges joined, were generated (``Node.generated``)."""
+    total = 0
+    for node in reversed(chain):
+        total += node.generated
+        if node.generated < len(node.key):
+            break
+    return total
 
 
 def _own_snapshot(snapshot: Snapshot | None) -> Snapshot | None:
@@ -445,12 +494,16 @@ class PrefixStore:
         while heap and short():
             _, _, node = heapq.heappop(heap)
             parent = node.parent
-            del parent.children[int(node.key[0])]
-            self.bytes -= node.nbytes
-            self.nodes -= 1
-            self.evicted += 1
+            self.remove(node)
             if parent.parent is not None and not parent.children and not parent.locks:
                 heapq.heappush(heap, (parent.used, parent.serial, parent))
+
+    def remove(self, leaf: Node) -> None:
+        """Drop an unleased leaf and what it holds."""
+        del leaf.parent.children[int(leaf.key[0])]
+        self.bytes -= leaf.nbytes
+        self.nodes -= 1
+        self.evicted += 1
 
     def status(self) -> dict:
         """What ``describe model`` shows (counters only: read from any thread)."""
@@ -552,17 +605,19 @@ class RowPrefixes:
         columns, snapshot = self.tree.restore(tokens, starts, length)
         return RowPrefix(length, columns, snapshot, self.in_place(tokens, length))
 
-    def record(self, key: object, known: Sequence[int], held: int, cache: "BatchRowCache", b: int) -> None:
+    def record(self, key: object, known: Sequence[int], held: int, cache: "BatchRowCache", b: int, *,
+               prompt: int) -> None:
         """Row b of ``cache`` holds ``held`` positions, whose tokens begin
-        with ``known``: record what the tree lacks.  A row that ran past
-        what is known (a request that ended inside a round) has recurrent
-        state that no known prefix names, so it records columns only."""
+        with ``known`` (its request's prompt's first ``prompt``, then what it
+        generated): record what the tree lacks.  A row that ran past what is
+        known (a request that ended inside a round) has recurrent state that
+        no known prefix names, so it records columns only."""
         lease = self.leases.get(key)
         end = min(held, len(known))
         if lease is None or end <= lease.depth:
             return
         state = cache.row_snapshot(b) if self.tree.stateful and end == held else None
-        self.tree.extend(lease, known, end, lambda lo, hi: cache.row_columns(b, lo, hi), state)
+        self.tree.extend(lease, known, end, lambda lo, hi: cache.row_columns(b, lo, hi), state, prompt)
 
     def release(self, key: object) -> None:
         lease = self.leases.pop(key, None)

@@ -203,7 +203,8 @@ class Scheduler:
         Its cache holds every token but the last it produced; when the
         request ended inside a round, it holds more than the request kept,
         and its recurrent state is past what can be named."""
-        self.prefixes.record(seq, seq.prompt + seq.tokens, len(seq.prompt) + seq.produced - 1, self.batch.cache, b)
+        self.prefixes.record(seq, seq.prompt + seq.tokens, len(seq.prompt) + seq.produced - 1, self.batch.cache, b,
+                             prompt=len(seq.prompt))
 
     def _rows(self) -> list[tuple[int, int]]:
         """Per running row, then per row still prefilling: its tokens, and how many of them
@@ -351,7 +352,7 @@ class Scheduler:
         for b, (seq, context) in enumerate(zip(group.seqs, group.contexts)):
             held = end - (width - len(context))
             if held > 0:
-                self.prefixes.record(seq, context, held, group.cache, b)
+                self.prefixes.record(seq, context, held, group.cache, b, prompt=len(seq.prompt))
 
     def _emit(self, seqs: list[Sequence], logits: mx.array, emitted: list[list[int]]) -> None:
         """Hand each sequence its new tokens; ``logits[b, j]`` produced ``emitted[b][j]``."""

@@ -57,7 +57,8 @@ class DraftModelProposer:
         for seq in seqs:
             if seq in self.rows:
                 held = len(seq.prompt) + seq.produced - len(self.rows.state[seq].pending)
-                self.prefixes.record(seq, seq.prompt + seq.tokens, held, self.rows.cache, self.rows.seqs.index(seq))
+                self.prefixes.record(seq, seq.prompt + seq.tokens, held, self.rows.cache, self.rows.seqs.index(seq),
+                                     prompt=len(seq.prompt))
             self.prefixes.release(seq)
         self.rows.release(seqs)
 
@@ -80,7 +81,7 @@ class DraftModelProposer:
         if run:  # nothing to run: one-token prompts
             cache.forward(self.model, mx.array([([0] * run + c)[-run:] for c in context]))
         for b, (s, c) in enumerate(zip(seqs, context)):
-            self.prefixes.record(s, c, len(c), cache, b)
+            self.prefixes.record(s, c, len(c), cache, b, prompt=len(s.prompt))
         mx.eval(cache.state)
         self.rows.add([(s, DraftRow([t])) for s, t in zip(seqs, last_tokens)], cache)
 

@@ -102,7 +102,7 @@ class EagleProposer:
             for s in seqs:
                 if s in self.rows:
                     self.prefixes.record(s, pair_keys(s.prompt + s.tokens), self.rows.state[s], self.rows.cache,
-                                         self.rows.seqs.index(s))
+                                         self.rows.seqs.index(s), prompt=len(s.prompt) - 1)
         for s in seqs:
             self.prefixes.release(s)
             self.queued.pop(s, None)
@@ -163,7 +163,7 @@ class EagleProposer:
             cache.restore(origins)
         last = self._feed(pairs, cache, left=True)
         for b, (s, n, (f, _)) in enumerate(zip(new, starts, pairs)):
-            self.prefixes.record(s, pair_keys(s.prompt + s.tokens), n + f.shape[0], cache, b)
+            self.prefixes.record(s, pair_keys(s.prompt + s.tokens), n + f.shape[0], cache, b, prompt=len(s.prompt) - 1)
         self.rows.add([(s, n + f.shape[0]) for s, n, (f, _) in zip(new, starts, pairs)], cache)
         return {s: last[i] for i, s in enumerate(new)}
 
