@@ -9,6 +9,7 @@ are one-hot token ids: ``attend``'s output names the tokens each query sees.
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -263,12 +264,15 @@ def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, w
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 300), st.integers(1, 5), st.sampled_from([None, 7]), st.sampled_from([1, 2, 4]),
-       st.booleans(), st.sampled_from([None, KVQuantization(8, 64), KVQuantization(4, 32)]), st.data())
-def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, group, sinks, quantization, data):
-    """``_attend_columns`` over a row's columns in any number of pieces gives
-    what MLX's SDPA (or mlx-lm's quantized attention) gives over the same
-    columns in one buffer: grouped heads, causal masks, windows, sinks."""
+@given(st.integers(1, 300), st.integers(1, 9), st.sampled_from([None, 7]), st.sampled_from([1, 2, 4]),
+       st.booleans(), st.sampled_from([None, KVQuantization(8, 64), KVQuantization(4, 32)]),
+       st.sampled_from([kv.BLOCK_SCORES, 1, 1000, 4000]), st.data())
+def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, group, sinks, quantization,
+                                                              block_scores, data):
+    """``_attend_columns`` over a row's columns in any number of pieces, its
+    queries in blocks of any size, gives what MLX's SDPA (or mlx-lm's quantized
+    attention) gives over the same columns in one buffer: grouped heads, causal
+    masks, windows, sinks."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from specd.core.kv import _attend_columns, _causal_mask
@@ -282,7 +286,8 @@ def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, gr
     bounds = [0, *cuts, held]
     pieces = [(stored(keys[..., a:b, :], quantization), stored(values[..., a:b, :], quantization))
               for a, b in zip(bounds, bounds[1:])]
-    got = _attend_columns(queries * 0.125, pieces, held, window, quantization, sink)
+    with mock.patch.object(kv, "BLOCK_SCORES", block_scores):
+        got = _attend_columns(queries * 0.125, pieces, held, window, quantization, sink)
     mask = _causal_mask(n, held, held, window)
     if quantization is None:
         want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask, sinks=sink)

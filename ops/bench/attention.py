@@ -12,16 +12,22 @@ median time of, side by side:
   softmax), row by row with long rows dealt to one CPU stream per core
   (``kv._deal``: what a CPU of several cores runs), and gathered into one
   call per layer (``kv.gathers``: what a GPU runs), and through mlx-lm's
-  ``BatchKVCache``/``KVCache`` (its attention, as ``mlx_lm.server`` runs it).
+  ``BatchKVCache``/``KVCache`` (its attention, as ``mlx_lm.server`` runs it);
+* ``long_prefill`` (``--long``, or ``--only-long``): a prefill chunk of 350 tokens
+  (an agent's tool result) over 2,000 to 14,000 cached tokens, one row: specd
+  (its queries in blocks within ``kv.BLOCK_SCORES``), specd in one block, and
+  mlx-lm's ``KVCache``. The contexts are filled 2,048 tokens at a time.
 
-    python ops/bench/attention.py [--model models/demo/target] [--runs 6]
+    python ops/bench/attention.py [--model models/demo/target] [--runs 6] [--long | --only-long]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
@@ -30,6 +36,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from spec_decode import machine_info, step_cost, write_result
 from specd.core import kv
+from specd.core.cache import make_row_cache
 
 
 def median_ms(run: Callable[[], object], after: Callable[[], None] = lambda: None, repeat: int = 20) -> float:
@@ -71,15 +78,64 @@ def mlx_lm_forward(model, rows: int, context: int, width: int) -> float:
     return median_ms(lambda: model(inputs, cache=cache), undo)
 
 
+LONG_CONTEXTS = (2000, 6000, 14000)
+LONG_WIDTH = 350
+
+
+def _filled(model, cache: list, context: int) -> None:
+    for first in range(0, context, 2048):
+        mx.eval(model(mx.zeros((1, min(2048, context - first)), dtype=mx.int32) + 5, cache=cache))
+
+
+def long_prefill_ms(model, context: int, specd: bool, reps: int = 3) -> float:
+    """Milliseconds of one forward of ``LONG_WIDTH`` tokens over ``context`` cached ones, one row:
+    through specd's rows (``specd``), else mlx-lm's ``KVCache``."""
+    rows = make_row_cache(model, [0]) if specd else None
+    cache = rows.layers if specd else [KVCache() for _ in model.layers]
+    _filled(model, cache, context)
+    inputs = mx.zeros((1, LONG_WIDTH), dtype=mx.int32) + 7
+
+    def undo() -> None:
+        if specd:
+            rows.rollback([LONG_WIDTH])
+        else:
+            for c in cache:
+                c.trim(LONG_WIDTH)
+    return median_ms(lambda: model(inputs, cache=cache), undo, repeat=reps)
+
+
+def long_prefill(model, runs: int) -> list[dict]:
+    """specd (queries in blocks), specd in one block and mlx-lm, each first in turn, medians of runs."""
+    own = kv.BLOCK_SCORES
+    variants = {"specd": (True, own), "specd_one_block": (True, 1 << 62), "mlx_lm": (False, own)}
+    out = []
+    for context in LONG_CONTEXTS:
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for run in range(runs):
+            order = list(variants)[run % 3:] + list(variants)[:run % 3]
+            for variant in order:
+                specd, kv.BLOCK_SCORES = variants[variant]
+                times[variant].append(long_prefill_ms(model, context, specd))
+            kv.BLOCK_SCORES = own
+        out.append({"forward": f"prefill of {LONG_WIDTH} over {context:,}",
+                    **{v: statistics.median(t) for v, t in times.items()}, "runs": times})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/demo/target")
     ap.add_argument("--runs", type=int, default=6, help="runs of every forward, each variant first in turn; medians")
     ap.add_argument("--out", default="ops/bench/results/attention.json")
+    ap.add_argument("--long", action="store_true", help="also a prefill chunk over long contexts")
+    ap.add_argument("--only-long", action="store_true", help="only that")
     args = ap.parse_args()
 
     mx.random.seed(0)
     model, _ = load(args.model)
+    if args.only_long:
+        report_long(args, long_prefill(model, args.runs))
+        return
     kv_heads = model.args.num_key_value_heads
     group = model.args.num_attention_heads // kv_heads
     shapes = {"decode, 1,700 columns": (1, kv_heads, group, 1700),
@@ -129,9 +185,29 @@ def main() -> None:
     for r in forward:
         print(f"{r['forward']:28} {r['specd_row_by_row']:9.2f}ms {r['specd_dealt']:7.2f}ms {r['specd_gathered']:7.2f}ms "
               f"{r['specd_row_by_row_mx_softmax']:15.2f}ms {r['mlx_lm']:7.2f}ms {r['specd'] / r['mlx_lm']:12.2f}x")
-    write_result(args.out, {"machine": machine_info(args), "device": str(mx.default_device()),
-                            "cpu_streams": kv.CPU_STREAMS,
-                            "specd_attention": default, "softmax": softmax, "forward": forward})
+    result = {"machine": machine_info(args), "device": str(mx.default_device()), "cpu_streams": kv.CPU_STREAMS,
+              "specd_attention": default, "softmax": softmax, "forward": forward}
+    if args.long:
+        result["long_prefill"] = long_prefill(model, args.runs)
+        print_long(result["long_prefill"])
+    write_result(args.out, result)
+
+
+def print_long(rows: list[dict]) -> None:
+    print(f"\n{'long prefill (medians of runs)':32} {'specd':>9} {'one block':>10} {'mlx_lm':>9} {'specd/mlx_lm':>13}")
+    for r in rows:
+        print(f"{r['forward']:32} {r['specd']:7.1f}ms {r['specd_one_block']:8.1f}ms {r['mlx_lm']:7.1f}ms "
+              f"{r['specd'] / r['mlx_lm']:12.2f}x")
+
+
+def report_long(args: argparse.Namespace, rows: list[dict]) -> None:
+    """``--only-long``: print it, and write it into the results file beside what is there."""
+    print_long(rows)
+    path = Path(args.out)
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result["long_prefill"] = rows
+    result["long_prefill_machine"] = machine_info(args)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

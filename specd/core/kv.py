@@ -536,8 +536,12 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
     and several pieces are one softmax over their scores side by side (only the scores are
     concatenated, never the keys or values). Quantized pieces are read as mlx-lm's
     ``quantized_scaled_dot_product_attention`` reads them; ``sinks`` (heads,) are one more logit
-    per head in the softmax, with no value (gpt-oss)."""
+    per head in the softmax, with no value (gpt-oss). Many queries over many columns attend in
+    blocks of queries whose scores stay within ``BLOCK_SCORES`` (``_in_blocks``)."""
     _, heads, n, dims = queries.shape
+    if (seen is None and n > 1 and heads * n * _seen_columns(held, n, window) > BLOCK_SCORES
+            and mx.default_device() == mx.cpu):
+        return _in_blocks(queries, pieces, held, window, quantization, sinks)
     kv_heads = parts(pieces[0][0])[0].shape[1]
     start = held - _seen_columns(held, n, window)
     seen_pieces = _pieces_between(pieces, start)
@@ -563,6 +567,28 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
         out = sum(_product(w, v, False, quantization)
                   for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
     return out.reshape(1, heads, n, out.shape[-1])
+
+
+# The most scores (heads x queries x columns) a row's queries attend over in one pass on the CPU. A
+# prefill chunk over a long context is cut into blocks of queries within it: each block's scores,
+# written and read by each op of the softmax in turn, then stay in the CPU's caches rather than go
+# out to memory (``ops/bench/attention.py``: a prefill over 14,000 columns).
+BLOCK_SCORES = 1 << 21
+
+
+def _in_blocks(queries: mx.array, pieces: list[tuple[Side, Side]], held: int, window: int | None,
+               quantization: KVQuantization | None, sinks: mx.array | None) -> mx.array:
+    """``_attend_columns`` for queries (1, heads, n, D) in blocks of consecutive queries, each
+    over the columns up to its last query's (a query sees no later column), within ``BLOCK_SCORES``."""
+    _, heads, n, _ = queries.shape
+    block = max(1, BLOCK_SCORES // (heads * _seen_columns(held, n, window)))
+    out = []
+    for first in range(0, n, block):
+        last = min(n, first + block)
+        end = held - (n - last)
+        out.append(_attend_columns(queries[:, :, first:last], _pieces_between(pieces, 0, end), end, window,
+                                   quantization, sinks))
+    return mx.concatenate(out, axis=2)
 
 
 LOG2E = 1.4426950408889634  # e**x == 2**(x * LOG2E)
