@@ -258,8 +258,10 @@ def conversation_prompts(tokenizer):
 
 
 async def converse(engine, system, questions, opening, spec, params, delay, max_tokens=12):
-    """Turns of one conversation, each resending the history; per turn
-    (tokens, cached tokens, log-probabilities of the tokens)."""
+    """Turns of one conversation, each resending the history with the reply
+    but its last two tokens (as a chat template renders a resent reply with
+    other tokens: the reply as generated is superseded); per turn (tokens,
+    cached tokens, log-probabilities of the tokens)."""
     await asyncio.sleep(delay)
     history, turns = list(system) + opening, []
     for t, question in enumerate(questions):
@@ -274,7 +276,7 @@ async def converse(engine, system, questions, opening, spec, params, delay, max_
             logprobs += [lp.logprob for lp in out.logprobs or []]
             cached = out.cached_tokens
         turns.append((tokens, cached, logprobs))
-        history = prompt + tokens
+        history = prompt + tokens[:max(1, len(tokens) - 2)]
     return turns
 
 

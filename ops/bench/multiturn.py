@@ -11,14 +11,22 @@ streamed greedy ``/v1/chat/completions`` requests on the same model:
 * **agent**: a system prompt with a long fixed tool list (about 1,100 tokens
   of JSON schemas), then six steps, each sending the reply back with a tool
   result of about 80 tokens, so the history grows by about 120 tokens a step
-  (the demo model's context window is 2,048 tokens; the last step is near it).
+  (the demo model's context window is 2,048 tokens; the last step is near it);
+* **session** (only when asked: ``--workloads session``, on a model with a long
+  window such as the forge's ``models/demo/agent``): one long agent session,
+  the tool list, then 40 steps each with a tool result of about 350 tokens of
+  Python source, so the history passes 14,000 tokens. Its figure of note is the
+  time per output token of the last 10 steps, which a server whose decoding
+  slows with the number of turns in the history shows. Its requests turn the
+  model's thinking off (``chat_template_kwargs``, which both servers take), so
+  replies are content that the next step resends, as a Qwen3 agent's are.
 
 Each run plays ``c`` conversations at once (c = 1 and 4); every run asks new
 questions (only the system prompt repeats across runs, as in production).
 Per run we record each turn's time to first content and each conversation's
 wall time.  The servers run side by side and take each run in turn, so each
 run has the other servers' runs beside it.  Figures are medians over runs;
-TTFT is that of turns 2 to 6; ``paired`` is the median of each run's ratio to
+TTFT is that of every turn but the first; ``paired`` is the median of each run's ratio to
 mlx_lm's run of the same round, which the wall-time goal is judged on.
 ``mlx_lm.server`` runs at its defaults: batching on (``--decode-concurrency
 32 --prompt-concurrency 8``, passed explicitly) and its LRU prompt cache on.
@@ -29,6 +37,8 @@ its hit rate and cache bytes come from its own ``/metrics``.
 Usage (from the repository root)::
 
     python ops/bench/multiturn.py --model models/demo/target --runs 5
+    python ops/bench/multiturn.py --model models/demo/agent --workloads session --concurrency 1 \
+        --runs 2 --out ops/bench/results/multiturn_session.json
 """
 
 from __future__ import annotations
@@ -53,6 +63,8 @@ from spec_decode import write_result
 
 DEFAULT_OUT = anchor.REPO_ROOT / "ops" / "bench" / "results" / "multiturn.json"
 TURNS = 6
+SESSION_TURNS = 40
+EXTRA = {"session": {"chat_template_kwargs": {"enable_thinking": False}}}  # request fields by workload
 FUNCTIONS = ("parse", "format", "load", "dump", "split", "join", "update", "read", "write", "close",
              "open", "flush", "encode", "decode", "match", "search")
 
@@ -98,6 +110,26 @@ def agent_turns(run: int, conv: int) -> list[str]:
     return out
 
 
+def session_turns(run: int, conv: int) -> list[str]:
+    """The task, then a tool result of about 350 tokens of Python source per step."""
+    import argparse as argparse_module
+    import ast
+    import inspect
+    import json.decoder
+    import json.encoder
+    source = "".join(inspect.getsource(m) for m in (json.decoder, json.encoder, argparse_module, ast)) * 3
+    first = (run * 7 + conv) * 1100
+    return [f"Task {run}.{conv}: read the parser and fix the bug."] + [
+        f"Tool result (step {t}):\n{source[first + t * 1100:first + (t + 1) * 1100]}" for t in range(1, SESSION_TURNS)]
+
+
+def tpot(turn: dict[str, Any]) -> float | None:
+    """A turn's seconds per output token after its first."""
+    if turn["ttft_s"] is None or not turn["completion_tokens"] or turn["completion_tokens"] < 2:
+        return None
+    return (turn["latency_s"] - turn["ttft_s"]) / (turn["completion_tokens"] - 1)
+
+
 async def turn(session: aiohttp.ClientSession, base: str, model_id: str, messages: list[dict],
                max_tokens: int, extra: dict | None = None) -> dict[str, Any]:
     """One streamed greedy chat completion (``extra``: more body fields): its TTFT, text, usage and finish."""
@@ -126,13 +158,13 @@ async def turn(session: aiohttp.ClientSession, base: str, model_id: str, message
 
 
 async def conversation(session, base: str, model_id: str, system: str, users: list[str],
-                       max_tokens: int) -> dict[str, Any]:
+                       max_tokens: int, extra: dict | None = None) -> dict[str, Any]:
     messages = [{"role": "system", "content": system}]
     started = time.perf_counter()
     turns = []
     for user in users:
         messages.append({"role": "user", "content": user})
-        result = await turn(session, base, model_id, messages, max_tokens)
+        result = await turn(session, base, model_id, messages, max_tokens, extra)
         messages.append({"role": "assistant", "content": result["text"]})
         turns.append(result)
     return {"wall_s": time.perf_counter() - started, "turns": turns}
@@ -166,7 +198,8 @@ async def measure(specs: dict[str, tuple[anchor.ServerSpec, int]], env: dict[str
                             spec = specs[server][0]
                             started = time.perf_counter()
                             convs = await asyncio.gather(*(conversation(session, bases[server], spec.model_id,
-                                                                        system, users(run_id, i), max_tokens)
+                                                                        system, users(run_id, i), max_tokens,
+                                                                        EXTRA.get(name))
                                                            for i in range(c)))
                             result = {"wall_s": time.perf_counter() - started, "round": run_id, "conversations": convs}
                             out[server]["workloads"].setdefault(name, {}).setdefault(str(c), []).append(result)
@@ -213,12 +246,15 @@ def summarize(results: dict[str, Any], concurrencies: list[int], servers: list[s
                         statistics.median(t["ttft_s"] for cv in run["conversations"] for t in cv["turns"][1:]
                                           if t["ttft_s"] is not None) for run in runs) * 1000,
                     "conversation_wall_s": statistics.median(conversation_wall(run) for run in runs),
-                    "run_wall_s": statistics.median(run["wall_s"] for run in runs)}
+                    "run_wall_s": statistics.median(run["wall_s"] for run in runs),
+                    "last_turns_tpot_ms": statistics.median(
+                        statistics.median(x for cv in run["conversations"] for t in cv["turns"][-10:]
+                                          if (x := tpot(t)) is not None) for run in runs) * 1000}
             ratios = {}
             anchor_runs = results["mlx_lm"]["workloads"][name][str(c)]
             for server in servers[:-1]:
                 ratio = {k: row[server][k] / row["mlx_lm"][k]
-                         for k in ("later_ttft_ms", "conversation_wall_s", "run_wall_s")}
+                         for k in ("later_ttft_ms", "conversation_wall_s", "run_wall_s", "last_turns_tpot_ms")}
                 # each run over mlx_lm's run of the same round (the runs beside it), then their median
                 ratio["paired_conversation_wall"] = statistics.median(
                     conversation_wall(run) / conversation_wall(base)
@@ -234,10 +270,11 @@ def print_table(summary: dict[str, Any], servers: list[str], metrics: dict[str, 
     print(f"\n{'workload':<12} {'':<19}" + "".join(f"{s:>12}" for s in servers)
           + "".join(f"{s + '/mlx_lm':>20}" for s in ours))
     for key, row in summary.items():
-        for label, field, unit in (("TTFT turns 2-6 ms", "later_ttft_ms", "ms"),
+        for label, field, unit in (("TTFT later turns ms", "later_ttft_ms", "ms"),
                                    ("conversation wall s", "conversation_wall_s", "s"),
-                                   ("run wall s", "run_wall_s", "s")):
-            fmt = "{:>12.0f}" if unit == "ms" else "{:>12.2f}"
+                                   ("run wall s", "run_wall_s", "s"),
+                                   ("TPOT last 10 ms", "last_turns_tpot_ms", "ms")):
+            fmt = "{:>12.1f}" if unit == "ms" else "{:>12.2f}"
             print(f"{key:<12} {label:<19}" + "".join(fmt.format(row[s][field]) for s in servers)
                   + "".join(f"{row['over_mlx_lm'][s][field]:>19.2f}x" for s in ours))
         print(f"{key:<12} {'conv. wall, paired':<19}" + " " * 12 * len(servers)
@@ -258,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--system-tokens", type=int, default=1500)
     p.add_argument("--tool-tokens", type=int, default=1100)
-    p.add_argument("--workloads", nargs="+", default=["chat", "agent"], choices=["chat", "agent"])
+    p.add_argument("--workloads", nargs="+", default=["chat", "agent"], choices=["chat", "agent", "session"])
     p.add_argument("--mlx-lm-backlog", type=int, default=64, help="see serve_vs_mlx_lm.py (0: the stock server)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     return p.parse_args(argv)
@@ -269,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     from specd.core.loader import load_tokenizer
     tokenizer = load_tokenizer(str(args.model))
     workloads = {"chat": (system_prompt(tokenizer, args.system_tokens), chat_turns),
-                 "agent": (tool_list(tokenizer, args.tool_tokens), agent_turns)}
+                 "agent": (tool_list(tokenizer, args.tool_tokens), agent_turns),
+                 "session": (tool_list(tokenizer, args.tool_tokens), session_turns)}
     workloads = {k: v for k, v in workloads.items() if k in args.workloads}
     env, preload = anchor.child_env()
     results: dict[str, Any] = {
         "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                    "system_prompt_tokens": {k: len(tokenizer.encode(s)) for k, (s, _) in workloads.items()},
-                   "turns": TURNS, "mlx_lm": "defaults (batching, prompt cache on)", "specd": "defaults (prefix cache on)"},
+                   "turns": {k: len(users(0, 0)) for k, (_, users) in workloads.items()}, "mlx_lm": "defaults (batching, prompt cache on)", "specd": "defaults (prefix cache on)"},
         "host": anchor.host_info(), "openblas_preload": preload,
         "versions": {p: anchor.package_version(p) for p in ("mlx", "mlx-lm", "specd")}}
     with tempfile.TemporaryDirectory(prefix="multiturn-") as tmp:
