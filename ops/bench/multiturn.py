@@ -112,12 +112,11 @@ def agent_turns(run: int, conv: int) -> list[str]:
 
 def session_turns(run: int, conv: int) -> list[str]:
     """The task, then a tool result of about 350 tokens of Python source per step."""
-    import argparse as argparse_module
     import ast
     import inspect
     import json.decoder
     import json.encoder
-    source = "".join(inspect.getsource(m) for m in (json.decoder, json.encoder, argparse_module, ast)) * 3
+    source = "".join(inspect.getsource(m) for m in (json.decoder, json.encoder, argparse, ast)) * 3
     first = (run * 7 + conv) * 1100
     return [f"Task {run}.{conv}: read the parser and fix the bug."] + [
         f"Tool result (step {t}):\n{source[first + t * 1100:first + (t + 1) * 1100]}" for t in range(1, SESSION_TURNS)]
