@@ -539,20 +539,20 @@ def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: in
     per head in the softmax, with no value (gpt-oss). Many queries over many columns attend in
     blocks of queries whose scores stay within ``BLOCK_SCORES`` (``_in_blocks``)."""
     _, heads, n, dims = queries.shape
-    if (seen is None and n > 1 and heads * n * _seen_columns(held, n, window) > BLOCK_SCORES
-            and mx.default_device() == mx.cpu):
+    columns = _seen_columns(held, n, window)
+    if seen is None and n > 1 and heads * n * columns > BLOCK_SCORES and mx.default_device() == mx.cpu:
         return _in_blocks(queries, pieces, held, window, quantization, sinks)
     kv_heads = parts(pieces[0][0])[0].shape[1]
-    start = held - _seen_columns(held, n, window)
+    start = held - columns
     seen_pieces = _pieces_between(pieces, start)
     grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
     scores = [_product(grouped, k, True, quantization) for k, _ in seen_pieces]
     scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
     if n > 1 or seen is not None:
         # every query's window begins at or after ``start``: no query sees a column before it
-        seen = _causal_mask(n, held - start, held - start, window) if seen is None else seen[:, start:]
-        scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, held - start), -mx.inf)
-        scores = scores.reshape(1, kv_heads, heads // kv_heads * n, held - start)
+        seen = _causal_mask(n, columns, columns, window) if seen is None else seen[:, start:]
+        scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, columns), -mx.inf)
+        scores = scores.reshape(1, kv_heads, heads // kv_heads * n, columns)
     if sinks is None:
         weights = _softmax(scores)
     else:

@@ -381,8 +381,10 @@ def _superseded(node: Node) -> bool:
         if n.locks or (not n.children and not n.generated):
             return False
         prompted += len(n.key) - n.generated
+        if prompted > SUPERSEDED_PROMPT_TOKENS:  # another conversation: no need to walk the rest of it
+            return False
         stack.extend(n.children.values())
-    return prompted <= SUPERSEDED_PROMPT_TOKENS
+    return True
 
 
 def _trailing_generated(chain: list[Node]) -> int:
