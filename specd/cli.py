@@ -97,10 +97,12 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from . import serve
     from .api.manifest import parse_documents
     from .control.watcher import ManifestDirectory, sync_owned
+    from .core.memory import reuse_freed_memory
     from .metrics import Metrics
     from .server.app import create_app
     from .server.response_store import ResponseStore
 
+    reuse_freed_memory()
     manifests = None
     args.state_dir.mkdir(parents=True, exist_ok=True)
     store = Store(args.state_dir / "specd.db")

@@ -1,7 +1,8 @@
-"""The host's memory, as MLX can use it."""
+"""The host's memory, as MLX can use it, and the C heap under MLX's CPU backend."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import mlx.core as mx
@@ -21,3 +22,41 @@ def host_memory_bytes() -> int:
 def gib(n: int) -> str:
     """Bytes as people read them: GiB, or MiB below a quarter of one."""
     return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+_LIBC = ctypes.CDLL(None)
+_MALLOPT = getattr(_LIBC, "mallopt", None)  # glibc only
+_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+# Blocks below this come from the heap, where a freed one serves the next array alike (glibc's own
+# ceiling for the threshold it raises as it goes)
+HEAP_MMAP_THRESHOLD = 32 << 20
+# The free space at a heap's top that stays for the next arrays (what a step frees, the next asks for
+# again): as much as one block the heap serves, as more stays in RSS for little (``ops/bench/kv_memory.py``);
+# the daemon hands free pages back on its own clock (``return_freed_memory``)
+HEAP_TRIM_THRESHOLD = 32 << 20
+
+
+def reuse_freed_memory() -> None:
+    """Have freed arrays' memory serve the next arrays, rather than go back to the OS at each free.
+
+    MLX's CPU backend allocates every array with ``malloc``, and glibc serves blocks above its mmap
+    threshold (128 KiB at first, raised as larger blocks are freed) from fresh mappings, which the
+    kernel zeroes page by page as they are written and unmaps, across every core, when they are
+    freed. A prefill's attention scores, a little larger each turn of a conversation, keep landing
+    above it, and a CPU engine's prefills wait on page faults (``ops/bench/multiturn.py``). No effect where there is no glibc (macOS) or arrays are not on
+    the C heap (Metal, CUDA)."""
+    if _MALLOPT is not None:
+        _MALLOPT(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+        _MALLOPT(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
+
+
+def return_freed_memory() -> None:
+    """Give what MLX keeps for reuse, and the C heap's free pages, back to the OS.
+
+    The heap keeps what was freed for reuse (``reuse_freed_memory``), so what a retired
+    engine freed would stay in the daemon's RSS for good. macOS's allocator returns memory
+    by itself (and Metal buffers are not on the heap)."""
+    mx.clear_cache()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

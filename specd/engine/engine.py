@@ -8,13 +8,11 @@ which takes what arrived and runs one scheduler step at a time.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import threading
 import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-import mlx.core as mx
 import mlx.nn as nn
 import structlog
 
@@ -36,21 +34,6 @@ def load_drafter(method: Method, source: str, pairing: str, target: nn.Module, t
     if method == Method.EAGLE:
         return load_head(source, target)
     return load_draft_model(source, target, tokenizer, pairing)
-
-
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
-
-
-def return_freed_memory() -> None:
-    """Give what MLX keeps for reuse, and the C heap's free pages, back to the OS.
-
-    glibc raises its mmap threshold as large blocks are freed, so later
-    arrays below 32 MiB come from the heap, and what a retired engine freed
-    would stay in the daemon's RSS for good.  macOS's allocator returns
-    memory by itself (and Metal buffers are not on the heap)."""
-    mx.clear_cache()
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class EngineOverloaded(Exception):

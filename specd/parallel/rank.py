@@ -35,6 +35,7 @@ import structlog
 from prometheus_client import generate_latest
 
 from ..core.loader import load_model, weight_bytes
+from ..core.memory import reuse_freed_memory
 from ..core.sequence import Sequence
 from ..engine.engine import Engine
 from ..engine.scheduler import EngineConfig, StepInputs
@@ -189,6 +190,7 @@ def _leave_with_the_daemon() -> None:
 
 def run(plan: GroupPlan) -> int:
     _leave_with_the_daemon()
+    reuse_freed_memory()
     group = _join_group(plan)
     rank = group.rank()
     structlog.contextvars.bind_contextvars(model=plan.model, rank=rank)

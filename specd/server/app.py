@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..control.plane import ControlPlane
 from ..control.watcher import ManifestDirectory
 from ..parallel.group import with_engine_metrics
-from ..engine.engine import return_freed_memory
+from ..core.memory import return_freed_memory
 from ..control.agent import NodeAgent
 from . import admin, anthropic, cluster_api, embeddings, openai, replica_api, responses
 from .access import api_access, cors_headers

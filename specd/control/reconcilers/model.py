@@ -21,7 +21,7 @@ import structlog
 from ...api.manifest import SPEC_PARSERS, ModelSpec, TopologySpec
 from ...core.loader import load_tokenizer
 from ...core.request import Method, NO_SPECULATION
-from ...engine.engine import return_freed_memory
+from ...core.memory import return_freed_memory
 from ...engine.interface import ServingEngine, SwappableDrafter
 from ...engine.remote import engine_report
 from ...parallel.group import GroupClient
