@@ -126,6 +126,34 @@ def check_the_tree(rows, budget, stateful):
                 assert snapshot is not None and snapshot[0][0].item() == column(probe, n - 1)
 
 
+def test_rows_starting_together_each_restore_their_prefix():
+    """Short prompts served again together (a benchmark's, a client's retries): until a row
+    holds it, a short prompt's cached prefix with its reply below looks like a superseded
+    reply (no lease, at most ``SUPERSEDED_PROMPT_TOKENS`` prompt tokens, generated tokens at
+    its end), and tidying another row's prefix beside it would drop it before its own row
+    restores it (a draft model's rows start in one group, each from its own prefix)."""
+    store = PrefixStore(1 << 30, pressure=None)
+    tree = store.tree("t", False)
+    prompts = [[10 + i for i in range(12)], [50 + i for i in range(12)], [10, 11, 12] + [90 + i for i in range(9)]]
+    for prompt in prompts:  # each served once: its prompt, then its reply
+        tokens = prompt + [900 + i for i in range(20)]
+        lease = tree.lease(tokens, 0)
+        tree.extend(lease, tokens, len(tokens) - 1, lambda lo, hi: columns_of(tokens, lo, hi), prompt=len(prompt))
+        lease.release()
+    rows = RowPrefixes(tree, [None])
+    lengths = [rows.match(prompt) for prompt in prompts]
+    assert lengths == [11, 11, 11]
+    starts = rows.start([(i, prompt, n) for i, (prompt, n) in enumerate(zip(prompts, lengths))])
+    for prompt, n, prefix in zip(prompts, lengths, starts):
+        keys = mx.concatenate([k for k, _ in prefix.columns[0]], axis=2)
+        assert prefix.length == n and np.array(keys).ravel().tolist() == [column(prompt, p) for p in range(n)]
+    for i in range(len(prompts)):
+        rows.release(i)
+    nodes = tree.nodes()
+    assert store.bytes == sum(node.nbytes for node in nodes) and store.nodes == len(nodes)
+    assert not any(node.locks for node in nodes)
+
+
 def test_a_row_reads_long_nodes_in_place_and_copies_short_ones():
     """A row reads a cached prefix's leading nodes in place as far as each piece
     saves more than ``PIECE_TOKENS`` tokens of copying (and the budget counts
@@ -148,9 +176,9 @@ def test_a_row_reads_long_nodes_in_place_and_copies_short_ones():
     system = list(range(1, 400))
     long, short = prefix_module.PIECE_TOKENS, prefix_module.PIECE_TOKENS - 1
     rows, _ = cached(system)
-    assert rows.start("a", system, long).in_place == long and rows.shared(system, long) == 7  # the window's last 7
+    assert rows.start([("a", system, long)])[0].in_place == long and rows.shared(system, long) == 7  # the window's last 7
     rows, _ = cached(system)
-    assert rows.start("b", system, short).in_place == 0 and rows.shared(system, short) == 0
+    assert rows.start([("b", system, short)])[0].in_place == 0 and rows.shared(system, short) == 0
     history, replies = list(system), [system]
     for turn in range(4):
         history = history + [1000 + 100 * turn + i for i in range(30)]
@@ -158,14 +186,14 @@ def test_a_row_reads_long_nodes_in_place_and_copies_short_ones():
     rows, full = cached(*replies)
     rows.tree.prepare(history, len(history))
     assert rows.tree.ends(history, len(history)) == [399, 429, 459, 489, 519]
-    prefix = full.start("c", history, len(history))
+    prefix = full.start([("c", history, len(history))])[0]
     assert prefix.in_place == 399 and full.shared(history, len(history)) == 399
     assert rows.shared(history, len(history)) == 0  # the window's layer sees only copied positions
     assert [sum(k.shape[2] for k, _ in pieces) for pieces in prefix.columns] == [519]
     # prompts that part after their first three tokens: the long node holds those three as well
     other = system[:3] + [9000 + i for i in range(300)]
     rows, _ = cached(system, other)
-    prefix = rows.start("d", other, len(other))
+    prefix = rows.start([("d", other, len(other))])[0]
     assert rows.tree.ends(other, len(other)) == [303] and prefix.in_place == 303
     assert [len(pieces) for pieces in prefix.columns] == [1, 1]
     for pieces, first in zip(prefix.columns, (0, 303 - 7)):

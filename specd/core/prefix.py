@@ -189,20 +189,30 @@ class PrefixTree:
         return out
 
     def prepare(self, tokens: Sequence[int], length: int) -> None:
-        """Make the cached prefix ``tokens[:length]`` end at a node, in as few
-        nodes as the tree has branches above it: a prefix that ends inside an
-        edge splits it (a row restoring it then reads a node that a later split
-        would not replace with copies), and a chain of nodes that nothing else
-        branches from or holds (the chunks of one prefill, a conversation's
-        turns) becomes one node, so a row reads a long prefix in a few pieces;
-        then a long node below a few positions holds them too (``_lead``)."""
+        """Make the cached prefix ``tokens[:length]`` end at a node (``cut``), in as few nodes as
+        the tree has branches above it (``tidy``)."""
+        self.cut(tokens, length)
+        self.tidy(tokens, length)
+
+    def cut(self, tokens: Sequence[int], length: int) -> None:
+        """Make the cached prefix ``tokens[:length]`` end at a node: a prefix that ends inside an
+        edge splits it (a row restoring it then reads a node that a later split would not replace
+        with copies, and a lease holds exactly the prefix)."""
+        path = self._path(tokens, length)
+        if path and path[-1][1] < len(path[-1][0].key):
+            self._split(*path[-1])
+
+    def tidy(self, tokens: Sequence[int], length: int) -> None:
+        """Make the chain of nodes that nothing else branches from or holds, which the cached
+        prefix ``tokens[:length]`` (cut to end at a node) ends with, one node (the chunks of one
+        prefill, a conversation's turns), so a row reads a long prefix in a few pieces; then a
+        long node below a few positions holds them too (``_lead``). What is superseded beside the
+        chain goes (``_merge_chain``): a prefix that another row starts from goes too unless that
+        row holds it already."""
         path = self._path(tokens, length)
         if not path:
             return
-        end, n = path[-1]
-        if n < len(end.key):
-            end = self._split(end, n)
-        self._merge_chain(end)
+        self._merge_chain(path[-1][0])
         self._lead(tokens, length)
 
     def _lead(self, tokens: Sequence[int], length: int) -> None:
@@ -595,12 +605,22 @@ class RowPrefixes:
         in_place = self.in_place(tokens, length)
         return min(in_place if w is None else max(0, in_place - max(0, length - (w - 1))) for w in self.windows)
 
-    def start(self, key: object, tokens: Sequence[int], length: int) -> RowPrefix | None:
-        """The prefix a row starts from (None: from nothing); the row holds a lease from now on."""
+    def start(self, rows: list[tuple[object, Sequence[int], int]]) -> list[RowPrefix | None]:
+        """The prefixes rows starting together start from: for each (key, tokens, length), the
+        cached ``tokens[:length]`` (None: from nothing); each row holds a lease from now on. Every
+        row's prefix is cut to end at a node and leased before any is tidied, as tidying drops
+        superseded branches, which a short prompt's cached prefix looks like until a row holds it."""
         if self.tree is None:
-            return None
-        self.tree.prepare(tokens, length)
-        self.leases[key] = self.tree.lease(tokens, length)
+            return [None] * len(rows)
+        for _, tokens, length in rows:
+            self.tree.cut(tokens, length)
+        for key, tokens, length in rows:
+            self.leases[key] = self.tree.lease(tokens, length)
+        for _, tokens, length in rows:
+            self.tree.tidy(tokens, length)
+        return [self._restore(tokens, length) for _, tokens, length in rows]
+
+    def _restore(self, tokens: Sequence[int], length: int) -> RowPrefix | None:
         if not length:
             return None
         starts = [0 if w is None else max(0, length - (w - 1)) for w in self.windows]

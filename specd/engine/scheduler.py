@@ -303,7 +303,7 @@ class Scheduler:
                 self.metrics.queue_time.labels(self.name).observe(now - s.arrival)
         run, cached = self.prefixes.plan(contexts, limits)
         width = max(len(c) for c in contexts)
-        starts = [self.prefixes.start(s, c, n) for s, c, n in zip(seqs, contexts, cached)]
+        starts = self.prefixes.start(list(zip(seqs, contexts, cached)))
         for seq, n in zip(seqs, cached):
             seq.restored_tokens = n
             if not seq.tokens:

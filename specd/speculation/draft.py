@@ -76,7 +76,7 @@ class DraftModelProposer:
         from the longest prefix the draft's cache tree holds."""
         context = [s.prefill_tokens for s in seqs]
         run, cached = self.prefixes.plan(context)
-        starts = [self.prefixes.start(s, c, n) for s, c, n in zip(seqs, context, cached)]
+        starts = self.prefixes.start(list(zip(seqs, context, cached)))
         cache = make_row_cache(self.model, [max(0, run - len(c)) for c in context], starts)
         if run:  # nothing to run: one-token prompts
             cache.forward(self.model, mx.array([([0] * run + c)[-run:] for c in context]))

@@ -72,10 +72,10 @@ class EagleProposer:
         """Keep the features of EAGLE sequences from their first prefill chunk
         on (only those the head saw whole can draft)."""
         if started:
-            for s, spec in zip(seqs, specs):
-                if spec.method != self.method:
-                    continue
-                self.origin[s] = self.prefixes.start(s, pair_keys(s.prefill_tokens), s.restored_tokens)
+            mine = [s for s, spec in zip(seqs, specs) if spec.method == self.method]
+            starts = self.prefixes.start([(s, pair_keys(s.prefill_tokens), s.restored_tokens) for s in mine])
+            for s, origin in zip(mine, starts):
+                self.origin[s] = origin
                 self.queued.setdefault(s, [])
         self._observe(seqs, columns)
 
