@@ -17,9 +17,12 @@ class MallInfo2(ctypes.Structure):
                                                        "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+if hasattr(LIBC, "mallinfo2"):
+    LIBC.mallinfo2.restype = MallInfo2
+
+
 def mapped_blocks() -> int:
     """Blocks glibc's malloc holds in mappings of their own, in the whole process."""
-    LIBC.mallinfo2.restype = MallInfo2
     return LIBC.mallinfo2().hblks
 
 

@@ -57,6 +57,12 @@ def columns_of(tokens: list[int], lo: int, hi: int) -> list[tuple[mx.array, mx.a
     return [(values, -values)]
 
 
+def prepare(tree, tokens: list[int], length: int) -> None:
+    """What ``RowPrefixes.start`` does to the tree for one row, without its lease."""
+    tree.cut(tokens, length)
+    tree.tidy(tokens, length)
+
+
 def depth(node) -> int:
     return len(node.key) + depth(node.parent) if node.parent is not None else 0
 
@@ -109,7 +115,7 @@ def check_the_tree(rows, budget, stateful):
             n = tree.match(probe, len(probe))
             if n == 0:
                 continue
-            tree.prepare(probe, n)  # cuts and merges nodes: the same columns, counts and leases after it
+            prepare(tree, probe, n)  # cuts and merges nodes: the same columns, counts and leases after it
             nodes = tree.nodes()
             assert store.bytes == sum(node.nbytes for node in nodes) and store.nodes == len(nodes)
             for held, prefix in leases:
@@ -184,7 +190,7 @@ def test_a_row_reads_long_nodes_in_place_and_copies_short_ones():
         history = history + [1000 + 100 * turn + i for i in range(30)]
         replies.append(history + [5000 + turn])  # the reply as generated: the next turn diverges before its end
     rows, full = cached(*replies)
-    rows.tree.prepare(history, len(history))
+    prepare(rows.tree, history, len(history))
     assert rows.tree.ends(history, len(history)) == [399, 429, 459, 489, 519]
     prefix = full.start([("c", history, len(history))])[0]
     assert prefix.in_place == 399 and full.shared(history, len(history)) == 399
@@ -215,7 +221,7 @@ def test_a_conversations_superseded_replies_make_way_for_its_turns_to_merge():
         """A request as the scheduler records it: its prompt but the last token as it
         prefills, then all it held as it leaves; returns its lease."""
         n = tree.match(prompt, len(prompt) - 1)
-        tree.prepare(prompt, n)
+        prepare(tree, prompt, n)
         lease = tree.lease(prompt, n)
         tokens = prompt + reply
         for end in (len(prompt) - 1, len(tokens) - 1):
@@ -237,14 +243,14 @@ def test_a_conversations_superseded_replies_make_way_for_its_turns_to_merge():
         history = prompt[:-1] + [3] + reply[:10] + [4]  # the next turn renders it otherwise from its last token on
     cached = tree.match(history, len(history))
     assert cached == len(history) - 12  # all but the last reply, as resent
-    tree.prepare(history, cached)
+    prepare(tree, history, cached)
     assert tree.match(other, len(other)) == len(other)
     lease, reply = held
     assert attached(lease.node) and depth(lease.node) == len(reply)
     pieces = tree.ends(history, cached)
     assert pieces[0] == len(system) and len(pieces) == 3  # turns 1-4, then 5 and 6: the held reply parts them
     lease.release()
-    tree.prepare(history, cached)
+    prepare(tree, history, cached)
     assert tree.ends(history, cached) == [len(system), cached]
     nodes = tree.nodes()
     # the system prompt, the other conversation and its reply, this one and its last reply

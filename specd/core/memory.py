@@ -44,8 +44,8 @@ def reuse_freed_memory() -> None:
     threshold (128 KiB at first, raised as larger blocks are freed) from fresh mappings, which the
     kernel zeroes page by page as they are written and unmaps, across every core, when they are
     freed. A prefill's attention scores, a little larger each turn of a conversation, keep landing
-    above it, and a CPU engine's prefills wait on page faults (``ops/bench/multiturn.py``). No effect where there is no glibc (macOS) or arrays are not on
-    the C heap (Metal, CUDA)."""
+    above it, and a CPU engine's prefills wait on page faults (``ops/bench/multiturn.py``). No
+    effect where there is no glibc (macOS) or arrays are not on the C heap (Metal, CUDA)."""
     if _MALLOPT is not None:
         _MALLOPT(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
         _MALLOPT(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)

@@ -19,14 +19,14 @@ immutable copies, never written: a request's batch row reads its prefix's
 columns in place from the nodes (``core.kv.RowKV.shared``) and writes only
 what follows into buffers of its own, so many requests on one system prompt
 hold it once, and speculation's rollback in a row never touches the tree.
-A request holds a ``Lease`` on the node its prefix ends at (``prepare``
-first cuts a node there, and merges the chain of unbranched nodes above it,
-so the row reads few pieces, of nodes that stay), then on the deepest node
+A request holds a ``Lease`` on the node its prefix ends at (``cut`` first
+makes a node end there, and ``tidy`` then merges the chain of unbranched
+nodes above it, so the row reads few pieces, of nodes that stay), then on the deepest node
 it extended, which keeps that node and its ancestors from eviction;
 everything else is evicted least recently used first when the budget is
 exceeded or memory runs short.  A conversation's last reply as generated goes
 sooner, once its next turn (which resends the reply as text, rendered with
-other tokens) is prepared: it would keep the turns from merging.
+other tokens) is tidied: it would keep the turns from merging.
 """
 
 from __future__ import annotations
@@ -187,12 +187,6 @@ class PrefixTree:
             pos += n
             out = [pos] if node.lead else out + [pos]
         return out
-
-    def prepare(self, tokens: Sequence[int], length: int) -> None:
-        """Make the cached prefix ``tokens[:length]`` end at a node (``cut``), in as few nodes as
-        the tree has branches above it (``tidy``)."""
-        self.cut(tokens, length)
-        self.tidy(tokens, length)
 
     def cut(self, tokens: Sequence[int], length: int) -> None:
         """Make the cached prefix ``tokens[:length]`` end at a node: a prefix that ends inside an
