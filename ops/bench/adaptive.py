@@ -33,6 +33,7 @@ from typing import Any
 
 from mlx_lm import load
 
+from specd.core.memory import reuse_freed_memory
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig
 from specd.core.request import Method, SpeculationConfig
@@ -150,6 +151,7 @@ def print_cell(workload: str, conc: int, cell: dict, labels: list[str]) -> None:
 
 
 def main() -> int:
+    reuse_freed_memory()  # the C heap as the daemon sets it (specd/cli.py)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="models/demo")
     parser.add_argument("--target-dir", default="target")

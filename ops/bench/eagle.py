@@ -27,6 +27,7 @@ from typing import Any
 
 from mlx_lm import load
 
+from specd.core.memory import reuse_freed_memory
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig
 from specd.core.request import Method, SpeculationConfig
@@ -116,6 +117,7 @@ def print_cell(conc: int, cell: dict) -> None:
 
 
 def main() -> int:
+    reuse_freed_memory()  # the C heap as the daemon sets it (specd/cli.py)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="models/demo")
     parser.add_argument("--head", default="models/demo/eagle")

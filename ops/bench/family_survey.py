@@ -41,6 +41,7 @@ REPO_ROOT = anchor.REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT))
 
 from specd.core.loader import load_model  # noqa: E402
+from specd.core.memory import reuse_freed_memory
 from specd.core.request import GenerationRequest, SpeculationConfig  # noqa: E402
 from specd.core.sampling import SamplingParams  # noqa: E402
 from specd.engine.engine import Engine  # noqa: E402
@@ -207,6 +208,7 @@ async def survey(families: list[str], root: Path) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    reuse_freed_memory()  # the C heap as the daemon sets it (specd/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="these families only")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

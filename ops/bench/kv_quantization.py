@@ -34,6 +34,7 @@ from mlx_lm import load
 from spec_decode import machine_info, write_result
 from specd.core.cache import kv_bytes
 from specd.core.kv import KVQuantization
+from specd.core.memory import reuse_freed_memory
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.engine.engine import Engine
@@ -82,6 +83,7 @@ def compare(full, quantized) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    reuse_freed_memory()  # the C heap as the daemon sets it (specd/cli.py)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", nargs="+", default=["llama", "gemma3_text", "qwen3_next"])
     p.add_argument("--tokenizer", type=Path, default=REPO_ROOT / "models" / "demo" / "target",

@@ -43,6 +43,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from specd.core.cache import make_row_cache
+from specd.core.memory import reuse_freed_memory
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig
 from specd.core.sampling import SamplingParams
@@ -334,6 +335,7 @@ async def single_streams(engine: Engine, code: list[list[int]], rewrite: list[li
 
 
 def main() -> int:
+    reuse_freed_memory()  # the C heap as the daemon sets it (specd/cli.py)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="models/demo")
     parser.add_argument("--target-dir", default="target", help="target model directory inside --pair")

@@ -137,10 +137,12 @@ def mask_overhead(model_path: str, concurrency: list[int], runs: int, max_tokens
     """tok/s with an allow-anything grammar against none, same prompts, in one engine."""
     from specd.core.grammar import lark_grammar
     from specd.core.loader import load_model
+    from specd.core.memory import reuse_freed_memory
     from specd.core.request import NO_SPECULATION, SpeculationConfig
     from specd.engine.engine import Engine
     from specd.engine.scheduler import EngineConfig
 
+    reuse_freed_memory()  # the C heap as the daemon sets it (specd/cli.py)
     model, tokenizer = load_model(model_path)
     anything = lark_grammar("start: /(.|\\n)*/")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Write Python to {t}."}],
