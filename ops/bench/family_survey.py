@@ -41,7 +41,7 @@ REPO_ROOT = anchor.REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT))
 
 from specd.core.loader import load_model  # noqa: E402
-from specd.core.memory import reuse_freed_memory
+from specd.core.memory import reuse_freed_memory  # noqa: E402
 from specd.core.request import GenerationRequest, SpeculationConfig  # noqa: E402
 from specd.core.sampling import SamplingParams  # noqa: E402
 from specd.engine.engine import Engine  # noqa: E402
