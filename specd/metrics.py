@@ -154,6 +154,16 @@ class Metrics:
         self.routed_requests = Counter(
             "specd_routed_requests_total", "Requests a cluster head sent to each replica of a Model, by Node.",
             m + ["node"], registry=r)
+        self.replica_requests_running = Gauge(
+            "specd_replica_requests_running", "Requests a cluster head has sent to a Model's replica on a Node "
+            "and not yet seen end.", m + ["node"], registry=r)
+        self.replica_failed_requests = Counter(
+            "specd_replica_failed_requests_total", "Requests a Model's replica on a Node ended with an error "
+            "(its Node lost included), as the cluster head saw them.", m + ["node"], registry=r)
+        self.replica_tokens = Counter(
+            "specd_replica_tokens_total", "Tokens of the requests a cluster head routed, by the Model's replica "
+            "that served them: prompt, cached (prompt tokens its prefix cache held) and generation.",
+            m + ["node", "kind"], registry=r)
         self.node_memory_bytes = Gauge(
             "specd_node_memory_bytes", "The node's memory: capacity, allocatable, requested (by loaded and loading "
             "Models), in use (their weights, KV and prefix caches).", ["node", "kind"], registry=r)

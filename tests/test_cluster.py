@@ -59,10 +59,15 @@ def node_ready(daemon, name: str) -> bool:
     return node is not None and node["status"]["conditions"][0]["status"] == "True"
 
 
-def routed(daemon) -> dict[str, float]:
+def by_node(daemon, sample: str, **labels: str) -> dict[str, float]:
+    """A series of the head's ``/metrics`` by Node, of the samples with these labels."""
     text = daemon.get("/metrics")[1].decode()
-    return {s.labels["node"]: s.value for f in text_string_to_metric_families(text)
-            if f.name == "specd_routed_requests" for s in f.samples if s.name.endswith("_total")}
+    return {s.labels["node"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == sample and labels.items() <= s.labels.items()}
+
+
+def routed(daemon) -> dict[str, float]:
+    return by_node(daemon, "specd_routed_requests_total")
 
 
 def node_events(daemon, name: str) -> list[dict]:
@@ -148,11 +153,17 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
     text = code_sample("speculation")
     prompts = [[{"role": "user", "content": text[i * 300:i * 300 + 200]}] for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
-        through_head = list(pool.map(lambda p: chat(h.url, p).choices[0].message.content, prompts))
+        answers = list(pool.map(lambda p: chat(h.url, p), prompts))
     alone = [chat(workers["w1"].url, p).choices[0].message.content for p in prompts]
-    assert through_head == alone
+    assert [a.choices[0].message.content for a in answers] == alone
     spread = routed(h)
     assert spread.get("w1", 0) >= 1 and spread.get("w2", 0) >= 1, spread
+    # the head's /metrics has each replica's tokens, as the clients' usage counts them
+    for kind, field in (("generation", "completion_tokens"), ("prompt", "prompt_tokens")):
+        per_node = by_node(h, "specd_replica_tokens_total", kind=kind)
+        assert sum(per_node.values()) == sum(getattr(a.usage, field) for a in answers), (kind, per_node)
+        assert per_node["w1"] > 0 and per_node["w2"] > 0, (kind, per_node)
+    assert set(by_node(h, "specd_replica_requests_running").values()) == {0}
 
     # a conversation stays with the replica that holds its prefix
     conversation = [{"role": "system", "content": text[:1500]}, {"role": "user", "content": "def f():"}]
@@ -167,6 +178,7 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
         after = routed(h)
         assert after[home] == before[home] + 1, (home, before, after)
         assert first.usage.prompt_tokens_details.cached_tokens > 0
+    assert by_node(h, "specd_replica_tokens_total", kind="cached")[home] > 0
 
     # the Node of that replica hangs mid-stream (its connections stay open): once it is NotReady the
     # stream ends with an error, and traffic moves
@@ -178,6 +190,7 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
     with pytest.raises(openai.APIError, match="NotReady"):
         for _ in stream:
             pass
+    assert by_node(h, "specd_replica_failed_requests_total")[home] == 1
     other = "w2" if home == "w1" else "w1"
     assert not node_ready(h, home)
     workers[home].stop(signal.SIGKILL)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Callable
+from contextlib import contextmanager, suppress
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import aiohttp
 import numpy as np
@@ -157,6 +158,22 @@ class ReplicaSet:
         self.metrics.routed_requests.labels(self.name, node).inc()
         return node, ready[node]
 
+    @contextmanager
+    def _serving(self, node: str) -> Iterator[None]:
+        """A request on the replica at ``node``: in flight (for the router and ``/metrics``) until it
+        ends, and failed if it raises (a client going away is neither)."""
+        self.router.started(self.name, node)
+        running = self.metrics.replica_requests_running.labels(self.name, node)
+        running.inc()
+        try:
+            yield
+        except Exception:
+            self.metrics.replica_failed_requests.labels(self.name, node).inc()
+            raise
+        finally:
+            running.dec()
+            self.router.finished(self.name, node)
+
     # -- what every engine has ---------------------------------------------
 
     @property
@@ -185,6 +202,9 @@ class ReplicaSet:
     async def shutdown(self, grace: float = 30.0) -> None:
         """Let requests to the remote replicas finish; the head's own engine is the reconciler's to stop."""
         await asyncio.gather(*(engine.shutdown(grace) for _, engine in self._remote.values()))
+        for node in self.nodes:
+            with suppress(KeyError):  # never served a request
+                self.metrics.replica_requests_running.remove(self.name, node)
 
     def group_status(self) -> dict | None:
         return None
@@ -209,12 +229,16 @@ class ReplicaSet:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
         node, replica = self._pick(request.prompt_tokens)
-        self.router.started(self.name, node)
-        try:
+        tokens = self.metrics.replica_tokens
+        with self._serving(node):
             async for out in replica.generate(request):
+                tokens.labels(self.name, node, "generation").inc(len(out.tokens))
+                if out.error is not None:
+                    self.metrics.replica_failed_requests.labels(self.name, node).inc()
+                elif out.finish_reason is not None:
+                    tokens.labels(self.name, node, "prompt").inc(out.prompt_tokens)
+                    tokens.labels(self.name, node, "cached").inc(out.cached_tokens)
                 yield out
-        finally:
-            self.router.finished(self.name, node)
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """Each replica's daemon applies policies to its own engine."""
@@ -243,8 +267,7 @@ class ReplicaSet:
 
     async def embed(self, rows: list[list[int]]) -> np.ndarray:
         node, replica = self._pick(rows[0] if rows else [])
-        self.router.started(self.name, node)
-        try:
-            return await replica.embed(rows)
-        finally:
-            self.router.finished(self.name, node)
+        with self._serving(node):
+            vectors = await replica.embed(rows)
+        self.metrics.replica_tokens.labels(self.name, node, "prompt").inc(sum(map(len, rows)))
+        return vectors
