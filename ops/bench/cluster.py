@@ -8,7 +8,9 @@ The Model is the demo target, in one run:
 
 1. **Throughput** at 8 concurrent greedy completions: 2 replicas on 2 Nodes
    against 1 replica on 1 Node, both through the head; tokens/s, median of
-   ``--runs``. Two workloads on the demo target: 128-token completions of short
+   ``--runs``, the two clusters running at once and taking turns run by run
+   (after a warm-up run), and the ratio the median of the runs' ratios. Two
+   workloads on the demo target: 128-token completions of short
    code prompts (completion tokens/s: decoding is the work), and agent-like
    requests, about 1,500 tokens of code each and 32-token replies (prompt and
    completion tokens/s: prefill is the work). With ``--big`` also decoding on a
@@ -27,8 +29,8 @@ The Model is the demo target, in one run:
    to first token.
 3. **Two replicas sharing one host** (``shared``): the demo workload of 1, with 2 Nodes
    against 1 but no daemon pinned, so the two Nodes share every core as two replicas on one
-   Mac would share its GPU. It measures what a setting allowing two replicas on one Node
-   could gain at best (``docs/cluster.md``: specd has none).
+   Mac would share its GPU. It measures what two replicas on one Mac gain, run as an operator
+   allows them (``docs/cluster.md``): two Nodes there.
 
 4. **Tensor against pipeline parallelism over a link** (``--links``, root:
    network namespaces and ``tc``): the demo target on a 2-rank ring Topology,
@@ -54,7 +56,7 @@ The Model is the demo target, in one run:
    pay here, so ``auto`` has a real choice to make.
 
     specd forge models/test --preset test   # the tokenizer of the --big model
-    python ops/bench/cluster.py [--runs 3] [--big] [--links] [--only throughput|multiturn|shared|links|latency]
+    python ops/bench/cluster.py [--runs 5] [--big] [--links] [--only throughput|multiturn|shared|links|latency]
 """
 
 from __future__ import annotations
@@ -174,24 +176,31 @@ def agent_prompts(run: int) -> list[str]:
     return [f"# session {run}-{i}\n" + contexts(tokenizer, 1500, i) for i in range(8)]
 
 
-async def throughput(workdir: Path, replicas: int, runs: int, env: dict, model: Path, max_tokens: int,
-                     prompts=decode_prompts, counted: str = "completion",
-                     concurrency: tuple[int, ...] = (8,), pinned: bool = True) -> dict[int, list[float]]:
-    """Tokens per second of ``concurrency`` concurrent completions (the first prompts of a batch of
-    its own), one rate per run: the completion tokens, or (``counted="all"``) prompt and completion
-    tokens together."""
-    rates: dict[int, list[float]] = {c: [] for c in concurrency}
-    with cluster(workdir, replicas, "prefix", env, pinned) as head:
+async def rates_taken_in_turn(workdir: Path, runs: int, env: dict, model: Path, max_tokens: int,
+                              prompts=decode_prompts, counted: str = "completion", pinned: bool = True,
+                              bound: bool = True) -> dict[str, list[float]]:
+    """Tokens per second of 8 concurrent completions through 1 replica on 1 Node (``one``), of 4 of
+    them there (``one_c4``, with ``bound``) and of 8 through 2 replicas on 2 Nodes (``two``), one
+    rate of each per run: the completion tokens, or (``counted="all"``) prompt and completion tokens
+    together. Both clusters run at once and take turns, run by run, after a first run of each that
+    warms them up and is not counted, so this machine's slow and fast spells fall on both alike.
+    Every batch's prompts are its own: no prefix cache holds them from another batch."""
+    turns = [("one", 8), *([("one_c4", 4)] if bound else []), ("two", 8)]
+    rates: dict[str, list[float]] = {key: [] for key, _ in turns}
+    with (cluster(workdir / "one", 1, "prefix", env, pinned) as one,
+          cluster(workdir / "two", 2, "prefix", env, pinned) as two):
+        heads = {"one": one, "one_c4": one, "two": two}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-            await serving(session, head, replicas, model)
-            await completion(session, head, "def warm_up():", 4)
-            for run in range(runs):
-                for i, c in enumerate(concurrency):
-                    batch = prompts(run + i * runs)[:c]  # none a prefix cache holds from another batch
+            await serving(session, one, 1, model)
+            await serving(session, two, 2, model)
+            for run in range(runs + 1):
+                for i, (key, c) in enumerate(turns):
+                    batch = prompts(run * len(turns) + i)[:c]
                     started = time.perf_counter()
-                    usage = await asyncio.gather(*(completion(session, head, p, max_tokens) for p in batch))
-                    tokens = sum(n + (p if counted == "all" else 0) for p, n in usage)
-                    rates[c].append(tokens / (time.perf_counter() - started))
+                    usage = await asyncio.gather(*(completion(session, heads[key], p, max_tokens) for p in batch))
+                    if run:
+                        tokens = sum(n + (p if counted == "all" else 0) for p, n in usage)
+                        rates[key].append(tokens / (time.perf_counter() - started))
     return rates
 
 
@@ -199,22 +208,14 @@ async def replicas_compared(workdir: Path, runs: int, env: dict, model: Path, ma
     """2 replicas on 2 Nodes against 1 at 8 concurrent requests, and what 2 could gain at most here:
     twice what one Node does with 4 of them (each replica's share) over what it does with 8
     (``bound``). For decoding that is below 2x: a step at batch 8 costs little more than one at 4."""
-    one = await throughput(workdir / "one", 1, runs, env, model, max_tokens, concurrency=(8, 4), **kw)
-    two = await throughput(workdir / "two", 2, runs, env, model, max_tokens, **kw)
-    out = compared(one[8], two[8])
-    out["one_node_c4_tok_s"] = statistics.median(one[4])
-    out["bound"] = 2 * out["one_node_c4_tok_s"] / out["one_node_tok_s"]
-    out["raw"]["one_c4"] = one[4]
-    return out
+    return compared(await rates_taken_in_turn(workdir, runs, env, model, max_tokens, **kw))
 
 
 async def sharing_a_host(workdir: Path, runs: int, env: dict) -> dict:
     """Two replicas on one host: 2 Nodes against 1, every daemon free to run on every core (as two
-    Nodes on one Mac would share its GPU), 8 concurrent 128-token completions: what a setting
-    allowing two replicas on one Node could gain at best (its two engines would share one process)."""
-    one = await throughput(workdir / "one", 1, runs, env, DEMO, 128, pinned=False)
-    two = await throughput(workdir / "two", 2, runs, env, DEMO, 128, pinned=False)
-    return compared(one[8], two[8])
+    Nodes on one Mac would share its GPU), 8 concurrent 128-token completions: what two replicas on
+    one Mac gain, run as two Nodes there."""
+    return compared(await rates_taken_in_turn(workdir, runs, env, DEMO, 128, pinned=False, bound=False))
 
 
 # What each end of the veth does to what it sends (a tc qdisc): bandwidth only. Latency is added by
@@ -375,9 +376,17 @@ async def splits_over_latency(workdir: Path, runs: int, env: dict, source: Path 
     return out
 
 
-def compared(one: list[float], two: list[float]) -> dict:
-    return {"one_node_tok_s": statistics.median(one), "two_nodes_tok_s": statistics.median(two),
-            "ratio": statistics.median(two) / statistics.median(one), "raw": {"one": one, "two": two}}
+def compared(rates: dict[str, list[float]]) -> dict:
+    """Medians of each configuration's rates; ``ratio`` and ``bound``: medians over runs of what each
+    run measured (2 replicas over 1, twice 1 at c=4 over 1 at c=8)."""
+    one, two = rates["one"], rates["two"]
+    out = {"one_node_tok_s": statistics.median(one), "two_nodes_tok_s": statistics.median(two),
+           "ratio": statistics.median(b / a for a, b in zip(one, two)),
+           "ratio_of_medians": statistics.median(two) / statistics.median(one), "raw": rates}
+    if "one_c4" in rates:
+        out["one_node_c4_tok_s"] = statistics.median(rates["one_c4"])
+        out["bound"] = statistics.median(2 * c / a for a, c in zip(one, rates["one_c4"]))
+    return out
 
 
 def contexts(tokenizer, tokens: int, index: int) -> str:
@@ -447,7 +456,7 @@ def one_gb(workdir: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--big", action="store_true",
                         help="also a random 1 GB model: its throughput, and (with latency) its splits")
     parser.add_argument("--links", action="store_true",
@@ -460,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         results = asyncio.run(bench(args, Path(tmp)))
     for model, t in results.get("throughput_c8", {}).items():
         print(f"{model}, c=8 tok/s: 1 replica on 1 Node {t['one_node_tok_s']:.1f}, 2 replicas on 2 Nodes "
-              f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x (at most {t['bound']:.2f}x: 1 Node at c=4 "
-              f"{t['one_node_c4_tok_s']:.1f}, twice)")
+              f"{t['two_nodes_tok_s']:.1f}: {t['ratio']:.2f}x, runs paired (at most {t['bound']:.2f}x: 1 Node "
+              f"at c=4 {t['one_node_c4_tok_s']:.1f}, twice)")
     if "one_host_c8" in results:
         t = results["one_host_c8"]
         print(f"demo, c=8 tok/s on one host's cores: 1 Node {t['one_node_tok_s']:.1f}, 2 Nodes "
