@@ -230,9 +230,10 @@ class ReplicaSet:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
         node, replica = self._pick(request.prompt_tokens)
         tokens = self.metrics.replica_tokens
+        generated = tokens.labels(self.name, node, "generation")  # looked up once, not at every step
         with self._serving(node):
             async for out in replica.generate(request):
-                tokens.labels(self.name, node, "generation").inc(len(out.tokens))
+                generated.inc(len(out.tokens))
                 if out.error is not None:
                     self.metrics.replica_failed_requests.labels(self.name, node).inc()
                 elif out.finish_reason is not None:
