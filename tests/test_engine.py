@@ -14,7 +14,7 @@ import pytest
 from mlx_lm import load
 
 from conftest import code_sample, run_engine
-from specd.core import kv
+from specd.core import attention
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.engine.engine import Engine, EngineOverloaded
@@ -229,7 +229,7 @@ def test_engines_that_stop_leave_no_threads_behind(target):
                 break
         return count
 
-    with mock.patch.object(kv, "CPU_STREAMS", 3):
+    with mock.patch.object(attention, "CPU_STREAMS", 3):
         counts = []
         for _ in range(4):
             with_engine(target, two_rows)

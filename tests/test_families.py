@@ -22,7 +22,7 @@ from mlx_lm.generate import generate_step
 
 from conftest import code_sample, free_port, model_manifest, run_engine
 from specd.core.cache import make_row_cache, padding_leaks, runs_row_by_row
-from specd.core import kv
+from specd.core import attention, layout
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
@@ -111,17 +111,21 @@ def test_family_matches_mlx_lm_batched_and_speculating(family, family_models):
     check_family(family_models(family))
 
 
-@pytest.mark.parametrize("path", ["gathered", "dealt to streams"])
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3", "qwen3_moe", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("path", ["row by row", "block", "gathered", "dealt to streams"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "phi3", "qwen3_moe", "qwen3_next", "lfm2", "gpt_oss"])
 def test_other_attention_paths_match_mlx_lm(family, path, family_models, monkeypatch):
-    """The attention a GPU runs (``kv.gathers``: a layer's rows in one pass), and rows dealt to
-    CPU streams (``kv._deal``: what a CPU of several cores runs for long rows, here every row), are
-    as exact as row by row: plain, sliding-window, mixture-of-experts and hybrid recurrent families."""
+    """Each way a step may attend is as exact as mlx-lm: every row by row (the reference), the
+    rows' columns as one block wherever that layout may be taken (``layout.LAYOUT``, what the
+    measured costs pick for short rows), the attention a GPU runs for rows read in pieces
+    (``attention.gathers``: a layer's rows in one pass), and rows dealt to CPU streams
+    (``attention.deal``: what a CPU of several cores runs for long rows, here every row): plain,
+    sliding-window, mixture-of-experts, hybrid recurrent and attention-sink families."""
+    monkeypatch.setattr(layout, "LAYOUT", "block" if path == "block" else "rows")
     if path == "gathered":
-        monkeypatch.setattr(kv, "gathers", lambda: True)
-    else:
-        monkeypatch.setattr(kv, "DEAL_MIN_SCORES", 0)
-        monkeypatch.setattr(kv, "CPU_STREAMS", 3)
+        monkeypatch.setattr(attention, "gathers", lambda: True)
+    elif path == "dealt to streams":
+        monkeypatch.setattr(attention, "DEAL_MIN_SCORES", 0)
+        monkeypatch.setattr(attention, "CPU_STREAMS", 3)
     check_family(family_models(family))
 
 

@@ -16,25 +16,30 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from specd.core import kv
+from specd.core import attention, layout
+from specd.core.attention import SOFTMAX_MIN_SCORES, RowColumns, attend_block, attend_rows, softmax
 from specd.core.cache import BatchRowCache
-from specd.core.kv import (SOFTMAX_MIN_SCORES, STEP, KVQuantization, RowKV, _softmax, parts, side_concat,
-                           side_slice, stored)
+from specd.core.columns import STEP, KVQuantization, parts, side_concat, side_slice, stored
+from specd.core.kv import RowKV
 
 D = 1024  # token ids are below this
 
 
-@pytest.fixture(autouse=True, scope="module", params=["row by row", "gathered", "dealt to streams"])
+@pytest.fixture(autouse=True, scope="module", params=["row by row", "gathered", "dealt to streams", "block"])
 def attention_path(request):
     """Every test here runs over each of ``RowKV.attend``'s paths, whatever device runs the tests:
-    row by row, all rows in one pass (``gathers()`` on a GPU), and row by row with every row
-    dealt to one of three CPU streams (``_deal``, on a CPU of several cores)."""
-    chosen, threshold, streams = kv.gathers, kv.DEAL_MIN_SCORES, kv.CPU_STREAMS
-    kv.gathers = lambda: request.param == "gathered"
+    row by row, all rows in one pass (``gathers()`` on a GPU), row by row with every row
+    dealt to one of three CPU streams (``deal``, on a CPU of several cores), and the rows' own
+    columns laid out as one block wherever that layout may be taken (``layout.LAYOUT``)."""
+    chosen, threshold, streams, laid_out = attention.gathers, attention.DEAL_MIN_SCORES, attention.CPU_STREAMS, \
+        layout.LAYOUT
+    attention.gathers = lambda: request.param == "gathered"
     if request.param == "dealt to streams":
-        kv.DEAL_MIN_SCORES, kv.CPU_STREAMS = 0, 3
+        attention.DEAL_MIN_SCORES, attention.CPU_STREAMS = 0, 3
+    layout.LAYOUT = "block" if request.param == "block" else "rows"
     yield request.param
-    kv.gathers, kv.DEAL_MIN_SCORES, kv.CPU_STREAMS = chosen, threshold, streams
+    attention.gathers, attention.DEAL_MIN_SCORES, attention.CPU_STREAMS, layout.LAYOUT = chosen, threshold, streams, \
+        laid_out
 
 
 def onehot(tokens: list[list[int]]) -> tuple[mx.array, mx.array]:
@@ -91,7 +96,10 @@ def test_rollbacks_trees_joins_and_leaves_leave_each_row_exactly_its_kept_tokens
             write(fresh, [prompt])
             cache.extend(fresh)
             kept.append(prompt)
-    assert all(cache.keys[b].shape[2] == -(-cache.held[b] // STEP) * STEP for b in range(len(kept)))
+    if cache.block is None:
+        assert all(cache.keys[b].shape[2] == -(-cache.held[b] // STEP) * STEP for b in range(len(kept)))
+    else:  # a block holds no more than the KV budget charges the rows: each a round's growth
+        assert cache.block[0].shape[2] * len(kept) <= sum(-(-(h + STEP) // STEP) * STEP for h in cache.held)
 
 
 def test_draft_trees_see_the_context_and_their_ancestors_within_the_window():
@@ -260,22 +268,24 @@ def test_rows_reading_a_shared_prefix_in_place_see_it_and_never_write_it(data, w
         assert all(np.array_equal(np.array(a), o) for a, o in zip(parts(v), old))
     own = sum(a.nbytes for b in range(len(kept)) if cache.keys[b] is not None
               for a in parts(cache.keys[b]) + parts(cache.values[b]))
+    if cache.block is not None:
+        own = sum(a.nbytes for side in cache.block for a in parts(side))
     assert cache.nbytes == own
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 300), st.integers(1, 9), st.sampled_from([None, 7]), st.sampled_from([1, 2, 4]),
        st.booleans(), st.sampled_from([None, KVQuantization(8, 64), KVQuantization(4, 32)]),
-       st.sampled_from([kv.BLOCK_SCORES, 1, 1000, 4000]), st.data())
+       st.sampled_from([attention.BLOCK_SCORES, 1, 1000, 4000]), st.data())
 def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, group, sinks, quantization,
                                                               block_scores, data):
-    """``_attend_columns`` over a row's columns in any number of pieces, its
+    """``attend_columns`` over a row's columns in any number of pieces, its
     queries in blocks of any size, gives what MLX's SDPA (or mlx-lm's quantized
     attention) gives over the same columns in one buffer: grouped heads, causal
     masks, windows, sinks."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
-    from specd.core.kv import _attend_columns, _causal_mask
+    from specd.core.attention import attend_columns, causal_mask
     held = max(held, n)
     kv_heads, dims = 2, 64
     mx.random.seed(data.draw(st.integers(0, 1000)))
@@ -286,9 +296,9 @@ def test_in_place_attention_over_pieces_equals_mlx_attention(held, n, window, gr
     bounds = [0, *cuts, held]
     pieces = [(stored(keys[..., a:b, :], quantization), stored(values[..., a:b, :], quantization))
               for a, b in zip(bounds, bounds[1:])]
-    with mock.patch.object(kv, "BLOCK_SCORES", block_scores):
-        got = _attend_columns(queries * 0.125, pieces, held, window, quantization, sink)
-    mask = _causal_mask(n, held, held, window)
+    with mock.patch.object(attention, "BLOCK_SCORES", block_scores):
+        got = attend_columns(queries * 0.125, pieces, held, window, quantization, sink)
+    mask = causal_mask(n, held, held, window)
     if quantization is None:
         want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask, sinks=sink)
     else:
@@ -320,7 +330,7 @@ def test_attention_softmax_over_large_scores_equals_mlx_softmax():
     spread = scores * 40  # differences past 2**-126's reach: weights that round to nothing
     for s, atol in ((scores, 1e-6), (masked, 1e-6), (spread, 1e-6), (masked.astype(mx.float16), 1e-3)):
         assert s.size >= SOFTMAX_MIN_SCORES
-        got, want = _softmax(s), mx.softmax(s, axis=-1, precise=True)
+        got, want = softmax(s), mx.softmax(s, axis=-1, precise=True)
         assert got.dtype == s.dtype
         np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=atol)
 
@@ -349,11 +359,35 @@ def test_gathered_attention_equals_row_by_row_attention(lengths, n, window, grou
     cache.update_and_fetch(mx.random.normal((len(lengths), kv_heads, n, dims)),
                            mx.random.normal((len(lengths), kv_heads, n, dims)))
     queries = mx.random.normal((len(lengths), kv_heads * group, n, dims))
-    gathered = cache._attend_gathered(queries * 0.25)
-    kv.gathers, chosen = (lambda: False), kv.gathers
-    try:
-        want = cache.attend(queries, scale=0.25)
-    finally:
-        kv.gathers = chosen
+    rows = [RowColumns(0, n, cache._pieces(b), cache.held[b]) for b in range(len(lengths))]
+    gathered = attention.attend_gathered(queries * 0.25, rows, window)
+    want = attend_rows(queries * 0.25, rows, window)
     assert gathered is not None
     np.testing.assert_allclose(np.array(gathered), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 150), min_size=1, max_size=6), st.integers(1, 5), st.sampled_from([None, 9]),
+       st.sampled_from([1, 2, 4]), st.booleans(), st.sampled_from([None, KVQuantization(8, 64), KVQuantization(4, 32)]),
+       st.data())
+def test_block_attention_equals_row_by_row_attention(lengths, n, window, group, sinks, quantization, data):
+    """Rows' own columns side by side in one block (each padded to the block's width), attended
+    by one batched call under a mask, give each query what attending its own row gives: rows of
+    any length, several new tokens, windows, grouped heads, sinks, quantized columns."""
+    kv_heads, dims = 2, 64
+    lengths = [max(length, n) for length in lengths]
+    capacity = max(lengths) + data.draw(st.integers(0, 70))
+    mx.random.seed(data.draw(st.integers(0, 1000)))
+    keys = [mx.random.normal((1, kv_heads, length, dims)) for length in lengths]
+    values = [mx.random.normal((1, kv_heads, length, dims)) for length in lengths]
+
+    def block(sides):
+        return stored(mx.concatenate([mx.pad(s, [(0, 0), (0, 0), (0, capacity - s.shape[2]), (0, 0)])
+                                      for s in sides]), quantization)
+    queries = mx.random.normal((len(lengths), kv_heads * group, n, dims)) * 0.125
+    sink = mx.random.normal((kv_heads * group,)) if sinks and quantization is None else None
+    rows = [RowColumns(0, n, [(stored(k, quantization), stored(v, quantization))], length)
+            for k, v, length in zip(keys, values, lengths)]
+    got = attend_block(queries, block(keys), block(values), lengths, window, quantization, sink)
+    want = attend_rows(queries, rows, window, quantization, sink)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)

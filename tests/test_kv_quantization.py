@@ -14,7 +14,7 @@ from mlx_lm import load
 from conftest import code_sample, head_for, run_engine
 from specd.api.manifest import ManifestError, parse_documents
 from specd.core.cache import kv_bytes
-from specd.core.kv import KVQuantization
+from specd.core.columns import KVQuantization
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
 from specd.forge.families import family_config, make_model

@@ -1,21 +1,23 @@
 #!/usr/bin/env python3
-"""Attention over a batch's per-row KV (``core/kv.py``), against mlx-lm's own caches.
+"""Attention over a batch's per-row KV (``core/kv.py``, ``core/attention.py``), against mlx-lm's own caches.
 
 In one run, on the model given (the demo target by default), it reports the
 median time of, side by side:
 
 * ``softmax``: attention's softmax over scores of a decode step, a verify
   forward and a prefill chunk: MLX's ``mx.softmax`` against specd's
-  ``_softmax`` (on the CPU backend, e**x from ``_exp2_parts``, one fused polynomial);
+  ``softmax`` (on the CPU backend, e**x from ``_exp2_parts``, one fused polynomial);
 * ``forward``: a decode step of B rows and a prefill chunk over a long
   context, through specd's rows attended row by row on one stream (with each
   softmax), row by row with long rows dealt to one CPU stream per core
-  (``kv._deal``: what a CPU of several cores runs), and gathered into one
-  call per layer (``kv.gathers``: what a GPU runs), and through mlx-lm's
+  (``attention.deal``: what a CPU of several cores runs), gathered into one
+  call per layer (``attention.gathers``: what a GPU runs for rows read in
+  pieces), laid out as one block (``layout.LAYOUT = "block"``), as the measured
+  costs choose (``auto``, what specd runs), and through mlx-lm's
   ``BatchKVCache``/``KVCache`` (its attention, as ``mlx_lm.server`` runs it);
 * ``long_prefill`` (``--long``, or ``--only-long``): a prefill chunk of 350 tokens
   (an agent's tool result) over 2,000 to 14,000 cached tokens, one row: specd
-  (its queries in blocks within ``kv.BLOCK_SCORES``), specd in one block, and
+  (its queries in blocks within ``attention.BLOCK_SCORES``), specd in one block, and
   mlx-lm's ``KVCache``. The contexts are filled 2,048 tokens at a time.
 
     python ops/bench/attention.py [--model models/demo/target] [--runs 6] [--long | --only-long]
@@ -35,7 +37,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from spec_decode import machine_info, step_cost, write_result
-from specd.core import kv
+from specd.core import attention, layout
 from specd.core.cache import make_row_cache
 
 
@@ -56,7 +58,7 @@ def softmax_rows(shapes: dict[str, tuple[int, ...]]) -> list[dict]:
         scores = mx.random.normal(shape)
         mx.eval(scores)
         mlx_ms = median_ms(lambda: mx.softmax(scores, axis=-1, precise=True), repeat=200)
-        specd_ms = median_ms(lambda: kv._softmax(scores), repeat=200)
+        specd_ms = median_ms(lambda: attention.softmax(scores), repeat=200)
         out.append({"scores": name, "shape": list(shape), "mx_softmax_ms": mlx_ms, "specd_softmax_ms": specd_ms})
     return out
 
@@ -106,7 +108,7 @@ def long_prefill_ms(model, context: int, specd: bool, reps: int = 3) -> float:
 
 def long_prefill(model, runs: int) -> list[dict]:
     """specd (queries in blocks), specd in one block and mlx-lm, each first in turn, medians of runs."""
-    own = kv.BLOCK_SCORES
+    own = attention.BLOCK_SCORES
     variants = {"specd": (True, own), "specd_one_block": (True, 1 << 62), "mlx_lm": (False, own)}
     out = []
     for context in LONG_CONTEXTS:
@@ -114,9 +116,9 @@ def long_prefill(model, runs: int) -> list[dict]:
         for run in range(runs):
             order = list(variants)[run % 3:] + list(variants)[:run % 3]
             for variant in order:
-                specd, kv.BLOCK_SCORES = variants[variant]
+                specd, attention.BLOCK_SCORES = variants[variant]
                 times[variant].append(long_prefill_ms(model, context, specd))
-            kv.BLOCK_SCORES = own
+            attention.BLOCK_SCORES = own
         out.append({"forward": f"prefill of {LONG_WIDTH} over {context:,}",
                     **{v: statistics.median(t) for v, t in times.items()}, "runs": times})
     return out
@@ -145,7 +147,7 @@ def main() -> None:
 
     cases = [("decode, 4 rows x 1,700", 4, 1700, 1), ("decode, 8 rows x 300", 8, 300, 1),
              ("verify of 4, 8 rows x 300", 8, 300, 4), ("prefill of 55 over 1,600", 1, 1600, 55)]
-    own_softmax, own_path, own_deal = kv._softmax, kv.gathers, kv.DEAL_MIN_SCORES
+    own_softmax, own_path, own_deal = attention.softmax, attention.gathers, attention.DEAL_MIN_SCORES
     one_stream = 1 << 62  # no row has this many scores: every row stays on the default stream
 
     def specd_ms(rows: int, context: int, width: int) -> float:
@@ -155,24 +157,26 @@ def main() -> None:
         return mlx_lm_forward(model, rows, context, width)
     mx_softmax = lambda scores: mx.softmax(scores, axis=-1, precise=True)  # noqa: E731
     # (the softmax specd's attention uses, whether a layer's rows are gathered, the scores from which a
-    # row is dealt to a stream of its own, the forward timed)
-    variants = {"specd_row_by_row": (own_softmax, False, one_stream, specd_ms),
-                "specd_dealt": (own_softmax, False, own_deal, specd_ms),
-                "specd_gathered": (own_softmax, True, own_deal, specd_ms),
-                "specd_row_by_row_mx_softmax": (mx_softmax, False, one_stream, specd_ms),
-                "mlx_lm": (own_softmax, False, own_deal, mlx_lm_ms)}
+    # row is dealt to a stream of its own, the layout, the forward timed)
+    variants = {"specd_row_by_row": (own_softmax, False, one_stream, "rows", specd_ms),
+                "specd_dealt": (own_softmax, False, own_deal, "rows", specd_ms),
+                "specd_gathered": (own_softmax, True, own_deal, "rows", specd_ms),
+                "specd_block": (own_softmax, False, own_deal, "block", specd_ms),
+                "specd_auto": (own_softmax, own_path(), own_deal, "auto", specd_ms),
+                "specd_row_by_row_mx_softmax": (mx_softmax, False, one_stream, "rows", specd_ms),
+                "mlx_lm": (own_softmax, False, own_deal, "rows", mlx_lm_ms)}
     runs: dict[str, dict[str, list[float]]] = {name: {v: [] for v in variants} for name, *_ in cases}
     for run in range(args.runs):
         first = run % len(variants)
         order = list(variants)[first:] + list(variants)[:first]  # each goes first in turn
         for name, rows, context, width in cases:
             for variant in order:
-                kv._softmax, gathered, kv.DEAL_MIN_SCORES, forward = variants[variant]
-                kv.gathers = lambda gathered=gathered: gathered
+                attention.softmax, gathered, attention.DEAL_MIN_SCORES, layout.LAYOUT, forward = variants[variant]
+                attention.gathers = lambda gathered=gathered: gathered
                 runs[name][variant].append(forward(rows, context, width))
-            kv._softmax, kv.gathers, kv.DEAL_MIN_SCORES = own_softmax, own_path, own_deal
-    default = ("specd_gathered" if own_path() else "specd_dealt" if mx.default_device() == mx.cpu and kv.CPU_STREAMS > 1
-               else "specd_row_by_row")
+            attention.softmax, attention.gathers, attention.DEAL_MIN_SCORES = own_softmax, own_path, own_deal
+            layout.LAYOUT = "auto"
+    default = "specd_auto"
     forward = [{"forward": name, **{k: statistics.median(v) for k, v in by.items()}, "specd": statistics.median(by[default]),
                 "runs": by} for name, by in runs.items()]
 
@@ -180,12 +184,13 @@ def main() -> None:
     for r in softmax:
         print(f"{r['scores']:32} {r['mx_softmax_ms']:9.3f}ms {r['specd_softmax_ms']:7.3f}ms "
               f"{r['specd_softmax_ms'] / r['mx_softmax_ms']:6.2f}x")
-    print(f"\n{'forward (medians of runs)':28} {'row by row':>11} {'dealt':>9} {'gathered':>9} {'rows, mx.softmax':>17} "
-          f"{'mlx_lm':>9} {'specd/mlx_lm':>13}   (specd: {default})")
+    print(f"\n{'forward (medians of runs)':28} {'row by row':>11} {'dealt':>9} {'gathered':>9} {'block':>9} "
+          f"{'auto':>9} {'rows, mx.softmax':>17} {'mlx_lm':>9} {'specd/mlx_lm':>13}   (specd: {default})")
     for r in forward:
         print(f"{r['forward']:28} {r['specd_row_by_row']:9.2f}ms {r['specd_dealt']:7.2f}ms {r['specd_gathered']:7.2f}ms "
-              f"{r['specd_row_by_row_mx_softmax']:15.2f}ms {r['mlx_lm']:7.2f}ms {r['specd'] / r['mlx_lm']:12.2f}x")
-    result = {"machine": machine_info(args), "device": str(mx.default_device()), "cpu_streams": kv.CPU_STREAMS,
+              f"{r['specd_block']:7.2f}ms {r['specd_auto']:7.2f}ms {r['specd_row_by_row_mx_softmax']:15.2f}ms "
+              f"{r['mlx_lm']:7.2f}ms {r['specd'] / r['mlx_lm']:12.2f}x")
+    result = {"machine": machine_info(args), "device": str(mx.default_device()), "cpu_streams": attention.CPU_STREAMS,
               "specd_attention": default, "softmax": softmax, "forward": forward}
     if args.long:
         result["long_prefill"] = long_prefill(model, args.runs)

@@ -33,7 +33,7 @@ from mlx_lm import load
 
 from spec_decode import machine_info, write_result
 from specd.core.cache import kv_bytes
-from specd.core.kv import KVQuantization
+from specd.core.columns import KVQuantization
 from specd.core.memory import reuse_freed_memory
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams

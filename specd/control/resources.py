@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..api.manifest import ModelSpec
 from ..core.cache import side_token_bytes
-from ..core.kv import KVQuantization
+from ..core.columns import KVQuantization
 from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, resolve_source, with_text_config
 from ..engine.kv_manager import KVManager, default_max_bytes as default_kv_bytes
 from .download import DRAFTER_FILES, MODEL_FILES, DownloadProgress, download

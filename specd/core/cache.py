@@ -42,7 +42,8 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.deepseek_v41 import LayerCache as CompressedLayerCache
 
-from .kv import KVQuantization, RowKV, route_attention
+from .columns import KVQuantization
+from .kv import RowKV, route_attention
 from .prefix import Columns, PrefixStore, RowPrefix, RowPrefixes, Snapshot
 
 
@@ -405,7 +406,7 @@ def make_row_cache(model: nn.Module, left_padding: list[int], prefixes: list[Row
 def runs_row_by_row(model: nn.Module) -> bool:
     """Whether ``model``'s rows must run one at a time: its caches are of a kind whose
     forward reads one position for the whole batch, its attention does not come
-    through ``core.kv.attention`` (OLMo calls MLX's kernel itself), or two rows of
+    through ``core.kv.row_attention`` (OLMo calls MLX's kernel itself), or two rows of
     different lengths decoded together do not give the logits each gives alone
     (Gemma 2, AFM 7 and StarCoder's ``gpt_bigcode`` read positions from the batch's
     width, not each row's). Decided once, at the model's first cache, and

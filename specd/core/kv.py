@@ -1,30 +1,34 @@
-"""Attention keys and values held per row: no padding, no whole-batch copies.
+"""Attention keys and values held per row: no padding kept beyond what a row is charged for.
 
 Each row of a batch keeps its own keys and values for every attention layer,
-in a buffer that grows ``STEP`` columns at a time, so a row holds memory for
-its own tokens only, never for the longest row's.  A row that joins or
-leaves the batch touches only its own buffers, and rolling back a row's
-rejected tokens is a change of its length (a draft tree's discarded
-branches: a gather within the row's newest columns).
+laid out one of two ways, chosen for every forward (``RowKV._arrange``):
 
-A row that starts from a cached prefix reads the prefix cache's columns in
-place (``shared``: the tree's immutable pieces, held alive by the row's
-lease) and writes only what follows into its own buffer, so many rows on one
-system prompt hold it once.  A window's eviction, or a rollback reaching
-into the pieces, first copies the row's columns into one buffer (``_own``).
+- **rows**: each row's columns in a buffer of its own that grows ``STEP``
+  columns at a time, so a row holds memory for its own tokens only, never for
+  the longest row's. A row that joins or leaves touches only its own buffers.
+  A row that starts from a cached prefix reads the prefix cache's columns in
+  place (``shared``: the tree's immutable pieces, held alive by the row's
+  lease) and writes only what follows into its own buffer, so many rows on one
+  system prompt hold it once. Rows attend one by one
+  (``attention.attend_rows``);
+- **block**: every row's columns side by side in one array per side (rows,
+  kv heads, capacity, D), written for all rows by one scatter and attended by
+  one batched call under a mask (``attention.attend_block``): a few ops per
+  layer, where rows cost a few per row. Taken when no row reads a prefix in
+  place, no prefill padding is still to come, the block holds no more than the
+  KV budget charges the rows for (a round's growth each), and ``core.layout``
+  measured it cheaper for these rows on this device.
+
+Either way, rolling back a row's rejected tokens is a change of its length (a
+draft tree's discarded branches: a gather within the row's newest columns). A
+window's eviction, or a rollback reaching into the shared pieces, first copies
+the row's columns into one buffer of its own (``_own``).
 
 mlx-lm's attention modules write through ``cache.update_and_fetch`` and then
 call ``scaled_dot_product_attention`` from ``mlx_lm.models.base`` with the
-same cache.  ``route_attention`` points a model's modules at ``attention``
-here instead, which hands a ``RowKV`` layer's queries to ``RowKV.attend``:
-each row's queries over its own keys, exactly, row by row (no gather into
-a padded batch, which would need the longest row's memory for every row
-again, in every layer); on a CPU of several cores, long rows attend in
-parallel, each dealt to one of a few CPU streams (``_deal``).  On a GPU, where
-each of a row's kernels costs a launch, the rows' columns are put side by side
-(nothing padded) and attended in one pass under a mask that keeps each query to
-its own row (``gathers``).
-Every other cache goes to mlx-lm's own function unchanged.  A model whose
+same cache. ``route_attention`` points a model's modules at ``row_attention``
+here instead, which hands a ``RowKV`` layer's queries to ``RowKV.attend``.
+Every other cache goes to mlx-lm's own function unchanged. A model whose
 attention does not come through here, or that reads the keys it fetched for
 anything else, is found at load (``attends`` stays 0, or its logits are
 wrong) and runs row by row.
@@ -32,103 +36,31 @@ wrong) and runs row by row.
 
 from __future__ import annotations
 
-import itertools
-import os
 import sys
-import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from functools import partial
-from typing import Union
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import base
 
-STEP = 64  # columns a row's buffer grows by: a short row wastes little, a long one regrows rarely
-
-# One side (keys or values) of some columns, (1, kv heads, n, D): an array, or the
-# parts ``mx.quantize`` makes of it (packed weights, scales, biases) when the KV is quantized.
-Side = Union[mx.array, tuple[mx.array, ...]]
-
-
-@dataclass(frozen=True)
-class KVQuantization:
-    """Keys and values stored quantized, as mlx-lm's ``QuantizedKVCache`` stores them."""
-
-    bits: int = 8
-    group_size: int = 64
-
-
-def parts(side: Side) -> tuple[mx.array, ...]:
-    return side if isinstance(side, tuple) else (side,)
-
-
-def _like(side: Side, arrays: list[mx.array]) -> Side:
-    return tuple(arrays) if isinstance(side, tuple) else arrays[0]
-
-
-def side_slice(side: Side, start: int, end: int) -> Side:
-    """Columns [start, end)."""
-    return _like(side, [a[..., start:end, :] for a in parts(side)])
-
-
-def pair_slice(pair: tuple[Side, Side], start: int, end: int | None = None) -> tuple[Side, Side]:
-    """Columns [start, end) (by default to the last) of a layer's keys and values."""
-    keys, values = pair
-    end = side_columns(keys) if end is None else end
-    return side_slice(keys, start, end), side_slice(values, start, end)
-
-
-def side_concat(sides: list[Side]) -> Side:
-    """Columns of several pieces, in order (one piece as it is: no copy)."""
-    if len(sides) == 1:
-        return sides[0]
-    return _like(sides[0], [mx.concatenate(group, axis=2) for group in zip(*map(parts, sides))])
-
-
-def pair_concat(pairs: list[tuple[Side, Side]]) -> tuple[Side, Side]:
-    """A layer's keys and values of several consecutive pieces, as one (one piece as it is: no copy)."""
-    return side_concat([k for k, _ in pairs]), side_concat([v for _, v in pairs])
-
-
-def side_columns(side: Side) -> int:
-    return parts(side)[0].shape[2]
-
-
-def side_bytes(side: Side) -> int:
-    return sum(a.nbytes for a in parts(side))
-
-
-def stored(side: mx.array, quantization: KVQuantization | None) -> Side:
-    """Columns as a cache stores them: as they are, or what ``mx.quantize`` makes of them."""
-    q = quantization
-    return side if q is None else tuple(mx.quantize(side, group_size=q.group_size, bits=q.bits))
-
-
-def _product(x: mx.array, side: Side, transpose: bool, quantization: KVQuantization | None) -> mx.array:
-    """``x @ side`` (``side`` transposed if asked), dequantizing quantized columns as mlx-lm does."""
-    if quantization is None:
-        return x @ (side.swapaxes(-1, -2) if transpose else side)
-    return mx.quantized_matmul(x, *side, transpose=transpose, group_size=quantization.group_size,
-                               bits=quantization.bits)
-
-
-def side_copy(side: Side) -> Side:
-    """A copy that shares no buffer with ``side``."""
-    return _like(side, [mx.contiguous(a) for a in parts(side)])
+from . import attention, layout
+from .columns import STEP, KVQuantization, Pieces, Side, like, pair_concat, parts, pieces_between, regrown, \
+    side_columns, side_concat, side_slice, stored
+from .layout import AttentionShape, LayoutCosts
 
 
 class RowKV:
-    """One attention layer's cache for a batch, one buffer per row.
+    """One attention layer's cache for a batch, one row per sequence.
 
     Per row b: its ``held[b]`` newest columns, the positions
     ``positions[b] - held[b]`` up to ``positions[b]``, are first the pieces
     ``shared[b]`` (read-only columns of the prefix cache, ``shared_columns[b]``
-    in all), then the row's own ``keys[b]``/``values[b]`` (1, kv heads,
-    capacity, D); ``pending[b]`` columns of left padding are still to come in
-    the inputs of a prefill group, and are never stored.
+    in all), then the row's own columns: in ``keys[b]``/``values[b]`` (1, kv
+    heads, capacity, D), or, in the block layout, in row b of ``block``
+    (rows, kv heads, capacity, D) from column 0; ``pending[b]`` columns of
+    left padding are still to come in the inputs of a prefill group, and are
+    never stored.
 
     ``window`` (sliding-window attention, mlx-lm's ``RotatingKVCache``): a
     token sees the ``window`` most recent positions of its row, itself
@@ -144,8 +76,9 @@ class RowKV:
     def __init__(self, padding: list[int], window: int | None = None, quantization: KVQuantization | None = None):
         self.keys: list[Side | None] = [None] * len(padding)
         self.values: list[Side | None] = [None] * len(padding)
+        self.block: tuple[Side, Side] | None = None  # every row's own columns, when laid out as one block
         self.quantization = quantization
-        self.shared: list[list[tuple[Side, Side]]] = [[] for _ in padding]
+        self.shared: list[Pieces] = [[] for _ in padding]
         self.shared_columns = [0] * len(padding)
         self.held = [0] * len(padding)
         self.positions = [0] * len(padding)
@@ -155,6 +88,8 @@ class RowKV:
         self.attends = 0  # calls of ``attend``: 0 after a forward means the model's attention bypasses it
         self._written: list[tuple[int, int]] = []  # per row, the last update's (padding skipped, columns written)
         self._offset: mx.array | None = None
+        self._shape: AttentionShape | None = None  # what the layouts' costs depend on, seen at the first ``attend``
+        self._costs: LayoutCosts | None = None
 
     @property
     def offset(self) -> mx.array:
@@ -173,107 +108,153 @@ class RowKV:
         share another layer's keys, a sparse-attention indexer, a direct call of
         MLX's kernel) gets nothing to attend to, fails the load probe and runs row by row."""
         width, rows = keys.shape[2], len(self.held)
-        self._written = []
-        row_keys = mx.split(keys, rows) if rows > 1 else [keys]
-        row_values = mx.split(values, rows) if rows > 1 else [values]
-        for b, (k, v) in enumerate(zip(row_keys, row_values)):
-            skip = min(self.pending[b], width)
-            self.pending[b] -= skip
-            if skip < width:
-                if skip:
-                    k, v = k[:, :, skip:, :], v[:, :, skip:, :]
-                self._append(b, stored(k, self.quantization), stored(v, self.quantization))
-            self._written.append((skip, width - skip))
+        new_keys, new_values = stored(keys, self.quantization), stored(values, self.quantization)
+        self._arrange(width, new_keys, new_values)
+        if self.block is not None:
+            self._write_block(new_keys, new_values, width)
+            self._written = [(0, width)] * rows
+        else:
+            self._written = []
+            row_keys = _split_rows(new_keys, rows)
+            row_values = _split_rows(new_values, rows)
+            for b, (k, v) in enumerate(zip(row_keys, row_values)):
+                skip = min(self.pending[b], width)
+                self.pending[b] -= skip
+                if skip < width:
+                    self._append(b, side_slice(k, skip, width) if skip else k,
+                                 side_slice(v, skip, width) if skip else v)
+                self._written.append((skip, width - skip))
         self._offset = None
         return keys[..., :0, :], values[..., :0, :]
+
+    # -- the layout -------------------------------------------------------------
+
+    def _arrange(self, width: int, new_keys: Side, new_values: Side) -> None:
+        """Lay the rows out for a forward of ``width`` columns: as a block or row by row."""
+        block = self._block_pays(width)
+        if block and self.block is None:
+            self.block = (_stacked(self.keys, self.held, new_keys, width), _stacked(self.values, self.held, new_values,
+                                                                                      width))
+            self.keys, self.values = [None] * len(self.held), [None] * len(self.held)
+        elif not block and self.block is not None:
+            self._unblock()
+
+    def _block_pays(self, width: int) -> bool:
+        """Whether this forward's rows take the block layout (see the module's docstring)."""
+        if self.tree is not None:  # a draft tree's step keeps the layout: its rows attend one by one
+            return self.block is not None
+        if len(self.held) < 2 or any(self.pending) or any(self.shared_columns):
+            return False
+        held = [h + width for h in self.held]
+        capacity = _rounded(max(held))
+        if capacity * len(held) > sum(_rounded(h + STEP) for h in self.held):  # more than the budget charges
+            return False
+        if layout.LAYOUT != "auto":
+            return layout.LAYOUT == "block"
+        if self._costs is None:
+            if self._shape is None:  # no forward attended yet: nothing to weigh
+                return self.block is not None
+            self._costs = layout.costs(self._shape)
+        return self._costs.prefers_block(held, width, self.window, self.block is not None)
+
+    def _unblock(self) -> None:
+        """From the block layout to a buffer per row (copies of each row's columns)."""
+        keys, values = self.block
+        self.block = None
+        for b, held in enumerate(self.held):
+            if held:
+                self.keys[b] = regrown(side_slice(_row(keys, b), 0, held), keys, held)
+                self.values[b] = regrown(side_slice(_row(values, b), 0, held), values, held)
+
+    def _write_block(self, keys: Side, values: Side, width: int) -> None:
+        """Every row's new columns into the block, after the columns it holds (one scatter)."""
+        block_keys, block_values = self.block
+        need = max(self.held) + width
+        if need > side_columns(block_keys):
+            rows = len(self.held)
+            block_keys = regrown(block_keys, block_keys, need, rows)
+            block_values = regrown(block_values, block_values, need, rows)
+        index = _write_index(tuple(self.held), width)
+        self.block = (_scatter(block_keys, index, keys), _scatter(block_values, index, values))
+        self.held = [h + width for h in self.held]
+        self.positions = [p + width for p in self.positions]
+
+    # -- rows ---------------------------------------------------------------------
 
     def _append(self, b: int, keys: Side, values: Side) -> None:
         own, n = self.held[b] - self.shared_columns[b], side_columns(keys)
         if self.keys[b] is None or own + n > side_columns(self.keys[b]):
-            self.keys[b] = _regrown(None if self.keys[b] is None else side_slice(self.keys[b], 0, own), keys,
-                                    own + n)
-            self.values[b] = _regrown(None if self.values[b] is None else side_slice(self.values[b], 0, own),
-                                      values, own + n)
+            self.keys[b] = regrown(None if self.keys[b] is None else side_slice(self.keys[b], 0, own), keys, own + n)
+            self.values[b] = regrown(None if self.values[b] is None else side_slice(self.values[b], 0, own),
+                                     values, own + n)
         for buffer, new in ((self.keys[b], keys), (self.values[b], values)):
             for a, x in zip(parts(buffer), parts(new)):
                 a[..., own:own + n, :] = x
         self.held[b] += n
         self.positions[b] += n
 
-    def _pieces(self, b: int) -> list[tuple[Side, Side]]:
+    def _pieces(self, b: int) -> Pieces:
         """Row b's held columns, in order: the shared pieces, then its own."""
         own = self.held[b] - self.shared_columns[b]
-        mine = [(side_slice(self.keys[b], 0, own), side_slice(self.values[b], 0, own))] if own else []
-        return self.shared[b] + mine
+        if not own:
+            return self.shared[b]
+        if self.block is not None:
+            keys, values = self.block
+            return [(side_slice(_row(keys, b), 0, own), side_slice(_row(values, b), 0, own))]
+        return self.shared[b] + [(side_slice(self.keys[b], 0, own), side_slice(self.values[b], 0, own))]
 
     def _row_columns(self, b: int, start: int, end: int) -> tuple[Side, Side]:
         """Row b's held columns [start, end), as a view where they lie in one piece."""
-        return pair_concat(_pieces_between(self._pieces(b), start, end))
+        return pair_concat(pieces_between(self._pieces(b), start, end))
 
     def _own(self, b: int, keep: int | None = None, in_place: int = 0) -> None:
         """Copy row b's newest ``keep`` (by default all) held columns into a buffer of its own, but
         for the first ``in_place`` of them, which it goes on reading in its shared pieces; older
-        columns are dropped (a window's eviction, a rollback into shared pieces)."""
+        columns are dropped (a window's eviction, a rollback into shared pieces). Rows layout only."""
         held = self.held[b]
         keep = held if keep is None else keep
         if not self.shared[b] and keep == held:
             return
         first = held - keep
         keys, values = self._row_columns(b, first + in_place, held)
-        self.shared[b] = _pieces_between(self.shared[b], first, first + in_place)
-        self.keys[b], self.values[b] = _regrown(keys, keys, keep - in_place), _regrown(values, values, keep - in_place)
+        self.shared[b] = pieces_between(self.shared[b], first, first + in_place)
+        self.keys[b], self.values[b] = regrown(keys, keys, keep - in_place), regrown(values, values, keep - in_place)
         self.shared_columns[b], self.held[b] = in_place, keep
+
+    # -- attention ----------------------------------------------------------------
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
         """The last update's queries (B, heads, N, D), each row over its own keys."""
         self.attends += 1
         if sinks is not None and self.quantization is not None:
             raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
-        out: list[mx.array | None] = []
+        if self._shape is None:
+            self._shape = self._attention_shape(queries, sinks is not None)
         queries = queries * scale  # once for every row
+        if self.block is not None and self.tree is None:
+            keys, values = self.block
+            return attention.attend_block(queries, keys, values, self.held, self.window, self.quantization, sinks)
+        rows = [attention.RowColumns(skip, n, self._pieces(b), self.held[b],
+                                     None if self.tree is None or not n else self._tree_mask(b, n, self.held[b]))
+                for b, (skip, n) in enumerate(self._written)]
         # one row attends as it is (gathering it would only copy its pieces together)
-        if (len(self._written) > 1 and self.tree is None and sinks is None and self.quantization is None
-                and gathers() and all(n and not skip for skip, n in self._written)):
-            gathered = self._attend_gathered(queries)
+        if (len(rows) > 1 and self.tree is None and sinks is None and self.quantization is None
+                and attention.gathers() and all(row.n and not row.skip for row in rows)):
+            gathered = attention.attend_gathered(queries, rows, self.window)
             if gathered is not None:
                 return gathered
-        row_queries = mx.split(queries, len(self._written)) if len(self._written) > 1 else [queries]
-        streams = _deal([n * _seen_columns(self.held[b], n, self.window) for b, (_, n) in enumerate(self._written)])
-        for b, ((skip, n), q, stream) in enumerate(zip(self._written, row_queries, streams)):
-            if not n:  # a prompt that starts in a later chunk: its padding's output is never read
-                out.append(None)
-                continue
-            q = q[:, :, skip:, :] if skip else q
-            seen = None if self.tree is None else self._tree_mask(b, n, self.held[b])
-            with mx.stream(stream):
-                row = _attend_columns(q, self._pieces(b), self.held[b], self.window, self.quantization, sinks, seen)
-            out.append(mx.pad(row, [(0, 0), (0, 0), (skip, 0), (0, 0)]) if skip else row)
-        if len(out) == 1:
-            return out[0]
-        shape = next(row for row in out if row is not None).shape  # values may be narrower than queries
-        return mx.concatenate([mx.zeros(shape, queries.dtype) if row is None else row for row in out])
+        return attention.attend_rows(queries, rows, self.window, self.quantization, sinks)
 
-    def _attend_gathered(self, queries: mx.array) -> mx.array | None:
-        """Every row's new queries (B, heads, n, D), scaled, attended in one pass: the columns
-        each row sees, of all rows side by side (one copy), and a mask that gives each query its
-        own row's columns, causally and within the window. It computes scores for every row's
-        columns, so it is taken only up to ``GATHER_MAX_SCORES`` (None above: row by row)."""
-        rows, heads, n, dims = queries.shape
-        seen = [_seen_columns(held, n, self.window) for held in self.held]
-        starts = [held - columns for held, columns in zip(self.held, seen)]
-        if rows * heads * n * sum(seen) > GATHER_MAX_SCORES:
+    def _attention_shape(self, queries: mx.array, sinks: bool) -> AttentionShape | None:
+        """What this layer's attention costs depend on (None before any row holds a column)."""
+        b = next((b for b, held in enumerate(self.held) if held - self.shared_columns[b]), None)
+        sample = self._pieces(b)[-1] if b is not None else None
+        if sample is None:
             return None
-        pieces = [p for b, start in enumerate(starts) for p in _pieces_between(self._pieces(b), start)]
-        keys, values = pair_concat(pieces)
-        kv_heads = keys.shape[1]
-        group = heads // kv_heads
-        stacked = queries.reshape(rows, kv_heads, group, n, dims).transpose(1, 0, 2, 3, 4)
-        scores = stacked.reshape(1, kv_heads, rows * group * n, dims) @ keys.swapaxes(-1, -2)
-        # not MLX's fused attention: on CUDA it builds a cuDNN plan per column count, a new one every step
-        scores = mx.where(_gather_mask(tuple(seen), n, group, self.window), scores, -mx.inf)
-        out = _softmax(scores) @ values
-        width = out.shape[-1]  # values may be narrower than queries
-        return out.reshape(kv_heads, rows, group, n, width).transpose(1, 0, 2, 3, 4).reshape(rows, heads, n, width)
+        keys, values = (parts(side)[0] for side in sample)
+        value_dims = values.shape[-1] if self.quantization is None else values.shape[-1] * 32 // self.quantization.bits
+        return AttentionShape(keys.shape[1], queries.shape[1], queries.shape[-1], value_dims, queries.dtype,
+                              self.quantization, sinks)
 
     def attend_with(self, queries: mx.array, scale: float, keys: mx.array, values: mx.array,
                     ancestry: mx.array) -> mx.array:
@@ -306,6 +287,8 @@ class RowKV:
             new = tree & ((depth[:, None] - depth[None, :]) < self.window)
         return mx.concatenate([old, new], axis=1)
 
+    # -- rolling back, joining, leaving ---------------------------------------------
+
     def trim(self, n: int) -> None:
         """Drop every row's last ``n`` columns."""
         for b in range(len(self.held)):
@@ -326,8 +309,12 @@ class RowKV:
             start = self.held[b] - self.shared_columns[b] - width
             if len(kept) and kept[-1] >= len(kept):  # a kept column after a dropped one: close the gap
                 index = mx.array(kept + start)
-                for a in parts(self.keys[b]) + parts(self.values[b]):
-                    a[..., start:start + len(kept), :] = a[..., index, :]
+                if self.block is not None:
+                    for a in parts(self.block[0]) + parts(self.block[1]):
+                        a[b:b + 1, :, start:start + len(kept), :] = a[b:b + 1, :, index, :]
+                else:
+                    for a in parts(self.keys[b]) + parts(self.values[b]):
+                        a[..., start:start + len(kept), :] = a[..., index, :]
             gone = width - len(kept)
             self.held[b] -= gone
             self.positions[b] -= gone
@@ -340,23 +327,45 @@ class RowKV:
 
     def evict(self) -> None:
         """Drop every column no future token can see: each row keeps its ``window - 1`` newest."""
+        if self.block is not None:
+            self._unblock()
         keep = self.window - 1
         for b, held in enumerate(self.held):
             if held > keep:
                 self._own(b, keep)
 
     def select(self, rows: list[int]) -> None:
-        """Keep and reorder rows: nothing is copied."""
+        """Keep and reorder rows: nothing is copied but, in the block layout, the block."""
+        if self.block is not None:
+            index = mx.array(rows)
+            self.block = tuple(like(side, [a[index] for a in parts(side)]) for side in self.block)
         for name in self._ROW_FIELDS:
             old = getattr(self, name)
             setattr(self, name, [old[i] for i in rows])
         self._offset = None
 
     def extend(self, other: "RowKV") -> None:
-        """Append another cache's rows: nothing is copied."""
+        """Append another cache's rows: nothing is copied but, in the block layout, the rows
+        that join it (a row that reads a prefix in place, or a prefill's padding to come, sends
+        the rows back to buffers of their own)."""
+        if other.block is not None:
+            other._unblock()
+        if self.block is not None and (any(other.shared_columns) or any(other.pending)):
+            self._unblock()
+        if self.block is not None:
+            keys, values = self.block
+            capacity = max(side_columns(keys), _rounded(max(other.held, default=0)))
+            if capacity > side_columns(keys):
+                rows = len(self.held)
+                keys, values = regrown(keys, keys, capacity, rows), regrown(values, values, capacity, rows)
+            self.block = (side_concat([keys, _stacked(other.keys, other.held, keys, 0, capacity)], axis=0),
+                          side_concat([values, _stacked(other.values, other.held, values, 0, capacity)], axis=0))
+            other.keys, other.values = [None] * len(other.held), [None] * len(other.held)
         for name in self._ROW_FIELDS:
             getattr(self, name).extend(getattr(other, name))
         self._offset = None
+
+    # -- the prefix cache ---------------------------------------------------------
 
     def columns(self, b: int, start: int, end: int) -> tuple[Side, Side] | None:
         """Row b's keys and values of positions [start, end); None if a
@@ -366,11 +375,13 @@ class RowKV:
             return None
         return self._row_columns(b, start - first, end - first)
 
-    def restore(self, b: int, pieces: list[tuple[Side, Side]], length: int, in_place: int | None = None) -> None:
+    def restore(self, b: int, pieces: Pieces, length: int, in_place: int | None = None) -> None:
         """Start the (fresh) row b from a cached prefix of ``length`` positions
         whose newest columns are ``pieces`` (the prefix cache's, never written):
         the row reads those of positions before ``in_place`` (by default all) in
         place, and copies the others into its own buffer."""
+        if self.block is not None:
+            self._unblock()
         held = sum(side_columns(k) for k, _ in pieces)
         self.shared[b], self.shared_columns[b] = list(pieces), held
         self.held[b], self.positions[b] = held, length
@@ -380,272 +391,73 @@ class RowKV:
 
     @property
     def arrays(self) -> list[mx.array]:
-        """The rows' own buffers (the shared pieces are the prefix cache's)."""
-        return [a for side in self.keys + self.values if side is not None for a in parts(side)]
+        """The rows' own columns (the shared pieces are the prefix cache's)."""
+        sides = list(self.block) if self.block is not None else self.keys + self.values
+        return [a for side in sides if side is not None for a in parts(side)]
 
     @property
     def nbytes(self) -> int:
-        """Bytes the rows' own buffers take (their capacity, not only the columns held)."""
+        """Bytes the rows' own columns take (their capacity, not only the columns held)."""
         return sum(a.nbytes for a in self.arrays)
 
 
-# Evaluated, shared by every layer and row of every engine thread, least recently used dropped past
-# MASK_CACHE_CELLS (a prefill chunk's mask over a long context is megabytes)
-_CAUSAL_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()
-_MASKS_LOCK = threading.Lock()
-MASK_CACHE_CELLS = 1 << 26
-_cached_cells = 0
+def _rounded(columns: int) -> int:
+    """Columns rounded up to a buffer's growth (``STEP``)."""
+    return -(-columns // STEP) * STEP
 
 
-def _cached_mask(masks: OrderedDict[tuple, mx.array], key: tuple) -> mx.array | None:
-    """A mask already made, now the most recently used of ``masks`` (None if not made)."""
-    with _MASKS_LOCK:
-        mask = masks.get(key)
-        if mask is not None:
-            masks.move_to_end(key)
-        return mask
+def _row(side: Side, b: int) -> Side:
+    """Row b of a block's side (a view)."""
+    return like(side, [a[b:b + 1] for a in parts(side)])
 
 
-def _causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.array:
-    """(n, capacity): the last ``n`` of ``held`` columns see themselves and what is
-    before them (within ``window``), and nothing past ``held``."""
-    key = (n, held, capacity, window)
-    mask = _cached_mask(_CAUSAL_MASKS, key)
-    if mask is not None:
-        return mask
-    columns = mx.arange(capacity)[None, :]
-    rows = mx.arange(held - n, held)[:, None]
-    mask = (columns <= rows) if window is None else (columns <= rows) & (columns > rows - window)
-    mx.eval(mask)
-    global _cached_cells
-    with _MASKS_LOCK:
-        if key not in _CAUSAL_MASKS:
-            _CAUSAL_MASKS[key] = mask
-            _cached_cells += mask.size
-        while _cached_cells > MASK_CACHE_CELLS and len(_CAUSAL_MASKS) > 1:
-            _cached_cells -= _CAUSAL_MASKS.popitem(last=False)[1].size
-    return mask
+def _split_rows(side: Side, rows: int) -> list[Side]:
+    """A forward's new columns of every row, (B, ...), as one side per row (views)."""
+    if rows == 1:
+        return [side]
+    return [like(side, list(group)) for group in zip(*(mx.split(a, rows) for a in parts(side)))]
 
 
-def _seen_columns(held: int, n: int, window: int | None) -> int:
-    """Of a row's ``held`` columns, how many its ``n`` newest queries attend to (all, or the window's)."""
-    return held if window is None else min(held, n + window - 1)
+def _stacked(buffers: list[Side | None], held: list[int], shape_of: Side, width: int,
+             capacity: int | None = None) -> Side:
+    """Rows' own columns as one block side (rows, kv heads, capacity, D), by default room for
+    ``width`` more columns past the longest row (a row that holds nothing gets zeros)."""
+    capacity = capacity or _rounded(max(held) + width)
+    rows = []
+    for buffer, columns in zip(buffers, held):
+        if buffer is None:
+            rows.append(regrown(None, shape_of, capacity))
+        elif side_columns(buffer) >= capacity:
+            rows.append(side_slice(buffer, 0, capacity))
+        else:
+            rows.append(regrown(side_slice(buffer, 0, columns), shape_of, capacity))
+    return side_concat(rows, axis=0)
 
 
-def _pieces_between(pieces: list[tuple[Side, Side]], start: int, end: int | None = None) -> list[tuple[Side, Side]]:
-    """Columns [start, end) (by default to the last) of a row's consecutive pieces, in pieces
-    (views, never copies)."""
-    out, at = [], 0
-    for k, v in pieces:
-        n = side_columns(k)
-        lo, hi = max(start - at, 0), n if end is None else min(end - at, n)
-        at += n
-        if hi > lo:
-            out.append((k, v) if (lo, hi) == (0, n) else pair_slice((k, v), lo, hi))
-    return out
+_WRITE_INDICES: OrderedDict[tuple, mx.array] = OrderedDict()  # a step's, shared by its layers
 
 
-def _cores() -> int:
-    """Cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def _write_index(held: tuple[int, ...], width: int) -> mx.array:
+    """(B, 1, width, 1): the block columns each row's new columns go to."""
+    index = _WRITE_INDICES.get((held, width))
+    if index is None:
+        index = mx.array(np.array(held, dtype=np.int32)[:, None, None, None] + np.arange(width, dtype=np.int32)[
+            None, None, :, None])
+        _WRITE_INDICES[(held, width)] = index
+        while len(_WRITE_INDICES) > 8:
+            _WRITE_INDICES.popitem(last=False)
+    return index
 
 
-# Streams a layer's rows are dealt to on the CPU, the default one among them: one per core, at most
-# 4, as MLX keeps a thread for each stream an engine thread makes until the process ends (engine
-# threads are reused, ``engine/threads.py``, and their streams with them).
-CPU_STREAMS = min(_cores(), 4)
-# A row attends on a stream of its own only with at least this many scores (queries x columns): each
-# stream it is handed to costs a synchronisation, which a short row's attention does not pay for.
-DEAL_MIN_SCORES = 512
-_streams = threading.local()  # MLX's streams belong to the thread that made them
+def _scatter(block: Side, index: mx.array, new: Side) -> Side:
+    """``new`` (B, kv heads, width, D) written into ``block`` at each row's ``index`` columns."""
+    return like(block, [mx.put_along_axis(a, mx.broadcast_to(index, x.shape), x, axis=2)
+                        for a, x in zip(parts(block), parts(new))])
 
 
-def _deal(scores: list[int]) -> list[mx.Stream]:
-    """The stream each row of a layer attends on. MLX's CPU backend runs one stream's ops in
-    order on one thread, so a layer's rows, which do not depend on each other, attend in parallel
-    on ``CPU_STREAMS`` streams: the longest rows first, each to the stream with the least work so
-    far (rows below ``DEAL_MIN_SCORES`` stay on the default stream). On a GPU, or with one core,
-    every row stays on the default stream."""
-    default = mx.default_stream(mx.default_device())
-    if (mx.default_device() != mx.cpu or CPU_STREAMS < 2
-            or sum(1 for s in scores if s >= DEAL_MIN_SCORES) < 2):
-        return [default] * len(scores)
-    streams = [default, *_further_cpu_streams(CPU_STREAMS - 1)]
-    load = [sum(s for s in scores if s < DEAL_MIN_SCORES)] + [0] * (len(streams) - 1)
-    dealt = [default] * len(scores)
-    for b in sorted(range(len(scores)), key=lambda b: -scores[b]):
-        if scores[b] >= DEAL_MIN_SCORES:
-            least = min(range(len(streams)), key=load.__getitem__)
-            load[least] += scores[b]
-            dealt[b] = streams[least]
-    return dealt
-
-
-def _further_cpu_streams(n: int) -> list[mx.Stream]:
-    """``n`` CPU streams of this thread's own besides its default one."""
-    further = _streams.__dict__.setdefault("cpu", [])
-    further.extend(mx.new_stream(mx.cpu) for _ in range(n - len(further)))
-    return further[:n]
-
-
-def gathers() -> bool:
-    """Whether a layer's rows attend in one pass (``RowKV._attend_gathered``) rather than row by
-    row. On a GPU every row's few kernels cost a launch each, more than copying the batch's
-    columns together (``ops/bench/results/gpu_h200.json``); on MLX's CPU backend, row by row is
-    faster (``ops/bench/results/attention.json``)."""
-    return mx.default_device() != mx.cpu
-
-
-# Scores a gathered attention call may compute (each query scores every row's columns); above, the
-# wasted work outgrows the launches it saves and rows attend one by one
-GATHER_MAX_SCORES = 1 << 24
-_GATHER_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()  # the last few steps' (every layer shares them)
-GATHER_MASKS_KEPT = 8
-
-
-def _gather_mask(seen: tuple[int, ...], n: int, group: int, window: int | None) -> mx.array:
-    """(rows * group * n, sum(seen)): query j of row b (of each of its ``group`` heads) sees the
-    columns of row b's ``seen[b]`` that are at or before its own position, within ``window``."""
-    key = (seen, n, group, window)
-    mask = _cached_mask(_GATHER_MASKS, key)
-    if mask is not None:
-        return mask
-    lengths = np.array(seen)
-    column_row = np.repeat(np.arange(len(seen)), lengths)
-    column = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    query_row = np.repeat(np.arange(len(seen)), group * n)
-    position = np.repeat(lengths - n, group * n) + np.tile(np.arange(n), len(seen) * group)
-    visible = (column_row[None, :] == query_row[:, None]) & (column[None, :] <= position[:, None])
-    if window is not None:
-        visible &= column[None, :] > position[:, None] - window
-    mask = mx.array(visible)
-    with _MASKS_LOCK:
-        _GATHER_MASKS[key] = mask
-        while len(_GATHER_MASKS) > GATHER_MASKS_KEPT:
-            _GATHER_MASKS.popitem(last=False)
-    return mask
-
-
-def _attend_columns(queries: mx.array, pieces: list[tuple[Side, Side]], held: int, window: int | None,
-                    quantization: KVQuantization | None = None, sinks: mx.array | None = None,
-                    seen: mx.array | None = None) -> mx.array:
-    """A row's ``n`` newest queries (1, heads, n, D), scaled, over the columns of its ``held`` that they
-    see (causally, within ``window``, or as ``seen`` (n, held) says: a draft tree's nodes), read in
-    place from the row's ``pieces`` (keys, values) in order: a query's group of heads shares its
-    key-value head through a reshape rather than a broadcast copy, a single query needs no mask,
-    and several pieces are one softmax over their scores side by side (only the scores are
-    concatenated, never the keys or values). Quantized pieces are read as mlx-lm's
-    ``quantized_scaled_dot_product_attention`` reads them; ``sinks`` (heads,) are one more logit
-    per head in the softmax, with no value (gpt-oss). Many queries over many columns attend in
-    blocks of queries whose scores stay within ``BLOCK_SCORES`` (``_in_blocks``)."""
-    _, heads, n, dims = queries.shape
-    columns = _seen_columns(held, n, window)
-    if seen is None and n > 1 and heads * n * columns > BLOCK_SCORES and mx.default_device() == mx.cpu:
-        return _in_blocks(queries, pieces, held, window, quantization, sinks)
-    kv_heads = parts(pieces[0][0])[0].shape[1]
-    start = held - columns
-    seen_pieces = _pieces_between(pieces, start)
-    grouped = queries.reshape(1, kv_heads, heads // kv_heads * n, dims)
-    scores = [_product(grouped, k, True, quantization) for k, _ in seen_pieces]
-    scores = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-    if n > 1 or seen is not None:
-        # every query's window begins at or after ``start``: no query sees a column before it
-        seen = _causal_mask(n, columns, columns, window) if seen is None else seen[:, start:]
-        scores = mx.where(seen, scores.reshape(1, kv_heads, heads // kv_heads, n, columns), -mx.inf)
-        scores = scores.reshape(1, kv_heads, heads // kv_heads * n, columns)
-    if sinks is None:
-        weights = _softmax(scores)
-    else:
-        group = heads // kv_heads
-        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, kv_heads, group, 1, 1),
-                               (1, kv_heads, group, n, 1)).reshape(1, kv_heads, group * n, 1)
-        weights = _softmax(mx.concatenate([sink, scores], axis=-1))[..., 1:]
-    if len(seen_pieces) == 1:
-        out = _product(weights, seen_pieces[0][1], False, quantization)
-    else:
-        bounds = list(itertools.accumulate(side_columns(v) for _, v in seen_pieces))[:-1]
-        out = sum(_product(w, v, False, quantization)
-                  for w, (_, v) in zip(mx.split(weights, bounds, axis=-1), seen_pieces))
-    return out.reshape(1, heads, n, out.shape[-1])
-
-
-# The most scores (heads x queries x columns) a row's queries attend over in one pass on the CPU. A
-# prefill chunk over a long context is cut into blocks of queries within it: each block's scores,
-# written and read by each op of the softmax in turn, then stay in the CPU's caches rather than go
-# out to memory (``ops/bench/attention.py``: a prefill over 14,000 columns).
-BLOCK_SCORES = 1 << 21
-
-
-def _in_blocks(queries: mx.array, pieces: list[tuple[Side, Side]], held: int, window: int | None,
-               quantization: KVQuantization | None, sinks: mx.array | None) -> mx.array:
-    """``_attend_columns`` for queries (1, heads, n, D) in blocks of consecutive queries, each
-    over the columns up to its last query's (a query sees no later column), within ``BLOCK_SCORES``."""
-    _, heads, n, _ = queries.shape
-    block = max(1, BLOCK_SCORES // (heads * _seen_columns(held, n, window)))
-    out = []
-    for first in range(0, n, block):
-        last = min(n, first + block)
-        end = held - (n - last)
-        out.append(_attend_columns(queries[:, :, first:last], _pieces_between(pieces, 0, end), end, window,
-                                   quantization, sinks))
-    return mx.concatenate(out, axis=2)
-
-
-LOG2E = 1.4426950408889634  # e**x == 2**(x * LOG2E)
-ROUND = 12582912.0  # 1.5 * 2**23: adding it to a float32 below 2**22 in magnitude rounds it to an integer
-# 2**f == e**(f ln 2): the Taylor terms up to f**7 (highest first), which for |f| <= 1/2 leave an error
-# below float32's rounding
-EXP2_TAYLOR = (1.525273380405984e-05, 1.5403530393381608e-04, 1.3333558146428443e-03, 9.618129107628477e-03,
-               5.550410866482158e-02, 2.402265069591007e-01, 6.931471805599453e-01, 1.0)
-# Below this, MLX's one fused softmax beats the few ops of ``_softmax`` (a decode or verify step's rows,
-# more so when they are dealt to several streams); a prefill chunk's scores are far above it
-SOFTMAX_MIN_SCORES = 1 << 14
-
-
-@partial(mx.compile, shapeless=True)
-def _exp2_parts(x: mx.array, peak: mx.array) -> tuple[mx.array, mx.array]:
-    """e**(x - peak) for ``x <= peak``, as 2**f (a polynomial) and the bits of the float 2**n, where
-    n + f == (x - peak) log2 e, n an integer and |f| <= 1/2 (floored at 2**-126: nothing a softmax
-    weighs). Elementwise arithmetic only, so MLX's CPU backend fuses it into one pass (where a C++
-    compiler is at hand; unfused otherwise); the bits become a float outside, as compiled functions
-    cannot reinterpret an array."""
-    y = mx.maximum((x - peak) * LOG2E, -126.0)
-    n = (y + ROUND) - ROUND
-    f = y - n
-    power = EXP2_TAYLOR[0]
-    for term in EXP2_TAYLOR[1:]:
-        power = power * f + term
-    return power, mx.left_shift(n.astype(mx.int32) + 127, 23)
-
-
-def _softmax(scores: mx.array) -> mx.array:
-    """Attention's softmax over the last axis, in float32 (``precise``, as mlx-lm's attention).
-    On MLX's CPU backend ``mx.exp`` costs many times its arithmetic ops, and a prefill chunk's
-    softmax most of its attention (``ops/bench/attention.py``): there, scores past ``SOFTMAX_MIN_SCORES``
-    take e**x from ``_exp2_parts``, within a few float32 roundings of MLX's own softmax. Elsewhere,
-    and for fewer scores, MLX's own softmax."""
-    if mx.default_device() != mx.cpu or scores.size < SOFTMAX_MIN_SCORES:
-        return mx.softmax(scores, axis=-1, precise=True)
-    x = scores.astype(mx.float32)
-    power, exponent = _exp2_parts(x, x.max(axis=-1, keepdims=True))
-    e = power * exponent.view(mx.float32)
-    total = e @ mx.ones((e.shape[-1], 1), dtype=mx.float32)  # a product: that backend's sum is several times slower
-    return (e / total).astype(scores.dtype)
-
-
-def _regrown(kept: Side | None, like: Side, need: int) -> Side:
-    """A buffer for ``need`` columns shaped like ``like``, starting with the columns ``kept``."""
-    capacity = -(-need // STEP) * STEP
-    fresh = [mx.zeros((1, a.shape[1], capacity, a.shape[3]), dtype=a.dtype) for a in parts(like)]
-    if kept is not None and side_columns(kept):
-        for a, k in zip(fresh, parts(kept)):
-            a[..., :k.shape[2], :] = k
-    return _like(like, fresh)
-
-
-def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask,
-              sinks: mx.array | None = None) -> mx.array:
-    """mlx-lm's ``scaled_dot_product_attention``, with ``RowKV`` layers attended row by row."""
+def row_attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale: float, mask,
+                  sinks: mx.array | None = None) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention``, with ``RowKV`` layers attended by ``RowKV.attend``."""
     if isinstance(cache, RowKV):
         return cache.attend(queries, scale, sinks)
     return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
@@ -653,9 +465,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache, scale:
 
 
 def route_attention(model: nn.Module) -> None:
-    """Point every module of ``model`` that calls mlx-lm's attention function at ``attention``
+    """Point every module of ``model`` that calls mlx-lm's attention function at ``row_attention``
     (the modules of its family; other caches than ``RowKV`` see no difference)."""
     for name in {type(module).__module__ for _, module in model.named_modules()}:
         namespace = sys.modules.get(name)
         if getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
-            namespace.scaled_dot_product_attention = attention
+            namespace.scaled_dot_product_attention = row_attention

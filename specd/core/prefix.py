@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .kv import Side, pair_concat, pair_slice, side_bytes, side_copy
+from .columns import Side, pair_concat, pair_slice, side_bytes, side_copy
 from .memory import host_memory_bytes
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..core.kv import STEP
+from ..core.columns import STEP
 
 ROUND_GROWTH = STEP  # columns a row may write in one decode round
 UNBOUNDED = 1 << 62  # tokens: a model that keeps no per-token state

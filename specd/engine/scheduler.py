@@ -25,7 +25,7 @@ import structlog
 
 from ..core.batch import RunningBatch
 from ..core.cache import RowCache, kv_bytes, make_row_cache, model_prefixes, padding_leaks
-from ..core.kv import KVQuantization
+from ..core.columns import KVQuantization
 from ..core.loader import context_window, vocab_size, weight_bytes
 from ..core.memory import host_memory_bytes
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
