@@ -235,3 +235,79 @@ def test_engines_that_stop_leave_no_threads_behind(target):
             with_engine(target, two_rows)
             counts.append(threads())
     assert counts[1:] == [counts[0]] * 3, counts
+
+
+def test_a_request_becomes_a_sequence_on_the_engine_thread_never_on_the_event_loop(target):
+    """Submitting costs the event loop no MLX work: a request's RNG key (``mx.random.key``) and
+    its grammar's matcher are made on the engine's thread when it takes the request, and a
+    grammar that cannot start ends its request with the reason instead of failing the engine."""
+    import threading
+
+    from specd.core import sequence
+    from specd.core.grammar import json_schema_grammar
+    from specd.engine import scheduler
+    made: list[tuple[str, threading.Thread]] = []
+
+    def recorded(name, make):
+        def wrapper(*args, **kwargs):
+            made.append((name, threading.current_thread()))
+            return make(*args, **kwargs)
+        return wrapper
+    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    async def go(engine):
+        loop_thread = threading.current_thread()
+        tokens, _, _ = await run(engine, prompts(target[1], 1, 12)[0], 8, SamplingParams(temperature=0.7, seed=3))
+        request = GenerationRequest(f"r{next(_ids)}", prompts(target[1], 1, 12)[0], GREEDY, 8, grammar=grammar)
+        constrained = [out async for out in engine.generate(request)]
+        broken = GenerationRequest(f"r{next(_ids)}", prompts(target[1], 1, 12)[0], GREEDY, 8, grammar="%%% not a grammar")
+        failed = [out async for out in engine.generate(broken)]
+        after, _, finish = await run(engine, prompts(target[1], 1, 12)[0], 4)
+        return loop_thread, tokens, constrained, failed, finish
+    with mock.patch.object(sequence, "make_key", recorded("key", sequence.make_key)), \
+            mock.patch.object(scheduler, "Constraint", recorded("grammar", scheduler.Constraint)):
+        loop_thread, tokens, constrained, failed, finish = with_engine(target, go)
+    assert len(tokens) == 8 and constrained[-1].error is None and constrained[-1].finish_reason
+    assert {name for name, _ in made} == {"key", "grammar"}
+    assert all(thread is not loop_thread and thread.name.startswith("engine-") for _, thread in made), made
+    assert len(failed) == 1 and failed[0].error.startswith("GrammarError"), failed
+    assert finish == "length"  # the engine serves on
+
+
+def test_running_ahead_changes_no_token(target):
+    """Plain steps that start the next before reading their tokens (``decode_ahead``) give every
+    request exactly what stepping whole gives: greedy and seeded sampled rows, a row with a
+    ``logit_bias``, rows that leave at different lengths, and rows that join mid-flight, among
+    them one that speculates, so that steps run ahead are both taken and dropped (each row then
+    forgets its column and gets its RNG key back)."""
+    from specd.core.request import SpeculationConfig
+    from specd.engine import runner as runner_module
+    ps = prompts(target[1], 6, 30)
+    sampled = SamplingParams(temperature=0.9, seed=21)
+    biased = SamplingParams(temperature=0, logit_bias=((ps[0][3], 6.0),))
+    cases = [(ps[0], GREEDY, 40, None, 0.0), (ps[1], sampled, 33, None, 0.0), (ps[2], biased, 25, None, 0.02),
+             (ps[3], sampled, 45, None, 0.05), (ps[4], GREEDY, 30, SpeculationConfig("ngram", 3), 0.08),
+             (ps[5], GREEDY, 12, None, 0.1)]
+    taken = dropped = 0
+    original = runner_module.ModelRunner._ahead_for
+
+    def counted(self, step):
+        nonlocal taken, dropped
+        had = self.ahead is not None
+        launched = original(self, step)
+        taken += launched is not None
+        dropped += had and launched is None
+        return launched
+
+    async def go(engine):
+        async def one(prompt, params, max_tokens, speculation, delay):
+            await asyncio.sleep(delay)
+            request = GenerationRequest(f"r{next(_ids)}", prompt, params, max_tokens, speculation=speculation)
+            return [t async for out in engine.generate(request) for t in out.tokens]
+        return await asyncio.gather(*(one(*case) for case in cases))
+    whole = with_engine(target, go, decode_ahead=False)
+    with mock.patch.object(runner_module.ModelRunner, "_ahead_for", counted):
+        ahead = with_engine(target, go, decode_ahead=True)
+    assert ahead == whole
+    assert [len(tokens) for tokens in whole] == [case[2] for case in cases]
+    assert taken > 20 and dropped >= 1, (taken, dropped)

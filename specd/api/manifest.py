@@ -41,7 +41,7 @@ class ModelSpec:
     source: str
     revision: str | None = None
     topology_ref: str | None = None
-    max_batch_size: int = 16
+    max_batch_size: int = 32  # as many rows as mlx_lm.server decodes together by default
     max_waiting: int = 64
     max_context: int | None = None
     prefill_step_tokens: int = 512

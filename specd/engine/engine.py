@@ -1,8 +1,10 @@
 """A local engine: one model served by its own thread.
 
 ``generate`` and the other public methods are called from the event loop;
-they only touch the ``Inbox``.  All MLX work happens on the engine's thread,
-which takes what arrived and runs one scheduler step at a time.
+they only touch the ``Inbox``: a request arrives there as it came, and the
+engine's thread makes it a ``Sequence`` (its RNG key, its grammar's matcher)
+when it takes it. All MLX work happens on the engine's thread, which takes
+what arrived and runs one scheduler step at a time.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ class EngineUnavailable(Exception):
 
 class Inbox:
     """What the event loop hands the engine thread: arrivals, cancellations,
-    updates to run between steps, and stop."""
+    updates to run between steps, and stop. An arrival becomes a ``Sequence``
+    (``admit``) on the thread that takes it, never on the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, admit: Callable[[GenerationRequest, Callable[[StepOutput], None]], Sequence]) -> None:
+        self._admit = admit
         self._cv = threading.Condition()
-        self._arrivals: deque[Sequence] = deque()
+        self._arrivals: deque[tuple[GenerationRequest, Callable[[StepOutput], None]]] = deque()
         self._cancelled: set[str] = set()
         self._updates: list[Callable[[], None]] = []
         self.accepting = True
@@ -59,13 +63,14 @@ class Inbox:
     def __len__(self) -> int:
         return len(self._arrivals)
 
-    def submit(self, seq: Sequence, room: Callable[[int], None]) -> None:
-        """Queue ``seq``; ``room(queued)`` raises when no more may wait."""
+    def submit(self, request: GenerationRequest, emit: Callable[[StepOutput], None],
+               room: Callable[[int], None]) -> None:
+        """Queue ``request``; ``room(queued)`` raises when no more may wait."""
         with self._cv:
             if not self.accepting:
                 raise EngineUnavailable("shutting down")
             room(len(self._arrivals))
-            self._arrivals.append(seq)
+            self._arrivals.append((request, emit))
             self._cv.notify()
 
     def cancel(self, request_id: str) -> None:
@@ -96,16 +101,30 @@ class Inbox:
                 self._cv.wait()
             if self.stopped:
                 return None
-            inputs = StepInputs(list(self._arrivals), self._cancelled, self._updates)
+            arrivals = list(self._arrivals)
+            cancelled, updates = self._cancelled, self._updates
             self._arrivals.clear()
             self._cancelled, self._updates = set(), []
-        return inputs
+        return StepInputs(self._sequences(arrivals), cancelled, updates)
 
     def drain(self) -> list[Sequence]:
         """Arrivals that will never be stepped (the engine stopped)."""
         with self._cv:
-            seqs = list(self._arrivals)
+            arrivals = list(self._arrivals)
             self._arrivals.clear()
+        return self._sequences(arrivals)
+
+    def _sequences(self, arrivals: list[tuple[GenerationRequest, Callable[[StepOutput], None]]]) -> list[Sequence]:
+        """The arrivals as sequences; one that cannot be made (its grammar does not compile) ends
+        with the reason."""
+        seqs = []
+        for request, emit in arrivals:
+            try:
+                seqs.append(self._admit(request, emit))
+            except Exception as exc:
+                log.warning("request could not start", request_id=request.request_id, error=str(exc))
+                emit(StepOutput(text="", tokens=[], logprobs=None, error=f"{type(exc).__name__}: {exc}",
+                                prompt_tokens=len(request.prompt_tokens), completion_tokens=0))
         return seqs
 
 
@@ -126,7 +145,7 @@ class Engine:
         self.config = config
         self.metrics = metrics or Metrics()
         self.scheduler = Scheduler(name, model, tokenizer, config, self.metrics, speculation, drafter)
-        self.inbox = Inbox()
+        self.inbox = Inbox(self.scheduler.sequence)
         self._stepped: threading.Event | None = None  # set once its loop has returned (``threads.run``)
 
     # -- ServingEngine ---------------------------------------------------
@@ -196,7 +215,7 @@ class Engine:
         """Queue a request; ``emit(StepOutput)`` is called from the engine thread."""
         self.check_prompt(request)
         try:
-            self.inbox.submit(self.scheduler.sequence(request, emit), self._room)
+            self.inbox.submit(request, emit, self._room)
         except EngineUnavailable:
             raise EngineUnavailable(f"model {self.name!r} is shutting down") from None
 

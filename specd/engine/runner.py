@@ -1,56 +1,99 @@
-"""The model runner: the one place a step's forward runs, then the logits
-processors, then the sampler or the verifier.
+"""The model runner: executes what the scheduler planned, every forward of the target.
 
-Every forward of the target goes through it, over a batch's ``RowCache``:
-
-- a prefill chunk (``prefill``): the forward over every token of a row's
-  context but the last, for its keys and values only (no logits);
-- a decode step (``decode``): the speculator proposes (nothing, when no row
-  speculates), the runner forwards ``[last, proposals...]`` per row (or every
-  row's draft tree, with ancestor-only attention), ``last`` being its
-  context's last token (so a row that just joined samples its first token
-  here, with the batch's), processes the logits, and then samples one token
-  per row or, when some row proposed, hands them to the speculator's
-  verifier, which keeps a prefix of each row's proposals and rolls the
-  caches back to exactly that.
+- a prefill chunk (``prefill``): the forward over the planned columns of a
+  group's contexts (every token of a row's context but the last), for keys
+  and values only (no logits); the speculator's drafters see it;
+- a decode step (``decode``): the round's proposals (``Speculator.propose``:
+  nothing, when no row may speculate), one forward over ``[last,
+  proposals...]`` per row (or every row's draft tree, with ancestor-only
+  attention), ``last`` being its context's last token (so a row that just
+  joined samples its first token here, with the batch's), the logits
+  processors, and then one sampled token per row or, when some row proposed,
+  the verdict (``speculation.verifier``), after which every drafter commits
+  and the target's cache forgets each row's rejected columns.
 
 The logits processors, in this order: each row's ``logit_bias`` and
 presence, frequency and repetition penalties (``adjust_logits``, every
 position with its own context), then its grammar's mask (``mask_logits``),
 so a speculating row and a plain one are decided by the same distribution.
+
+**Running ahead.** A plain step (no row may speculate, none has a grammar
+or a penalty that reads its latest token, no drafter reads the target's
+features) needs nothing from the host between its sampled tokens and the
+next step's inputs. Where ``decode_ahead`` is on, the runner builds and
+starts the next step's forward over the tokens this one is still sampling
+before it waits for them (mlx-lm's generators do the same with
+``mx.async_eval``), so the host's work for step n+1 (building its graph,
+handing out step n's tokens) overlaps the device's work. The scheduler's next
+plan then takes that step as it is (rows that finished meanwhile drop out of
+it); a plan it does not fit (a row joined, a row speculates) drops it: each
+row forgets the column it wrote and gets its RNG key back, as if it had never
+run.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.batch import RunningBatch
-from ..core.cache import RowCache
 from ..core.grammar import mask_logits
-from ..core.sampling import adjust_logits
+from ..core.sampling import adjust_logits, sample_rows
 from ..core.sequence import Sequence, sample_tokens
+from ..metrics import Metrics
+from ..speculation.proposer import Drafts, Outcome, Proposal
 from ..speculation.speculator import Speculator
+from ..speculation.verifier import verify_round
+from .plan import DecodeStep, PrefillChunk
 
 # Hands a step's tokens to the requests: deliver(seqs, logits, emitted), logits[b, j] produced emitted[b][j].
 Deliver = Callable[[list[Sequence], mx.array, list[list[int]]], None]
 
 
-class ModelRunner:
-    """Runs the target's steps for one engine; the speculator decides what is proposed and what is kept."""
+@dataclass
+class Launched:
+    """A plain decode step on its way: its forward built and started, one token per row sampled lazily."""
 
-    def __init__(self, model: nn.Module, speculator: Speculator):
+    seqs: list[Sequence]
+    tokens: mx.array  # (B,)
+    logits: mx.array  # (B, 1, V): what produced each token
+    keys: list[mx.array]  # each row's RNG key before the step (given back if it is dropped)
+
+    def rows(self, index: list[int]) -> "Launched":
+        if index == list(range(len(self.seqs))):
+            return self
+        take = mx.array(index)
+        return Launched([self.seqs[i] for i in index], self.tokens[take], self.logits[take],
+                        [self.keys[i] for i in index])
+
+
+class ModelRunner:
+    """Runs the target's forwards for one engine, as the scheduler planned them."""
+
+    def __init__(self, name: str, model: nn.Module, speculator: Speculator, metrics: Metrics,
+                 max_context: Callable[[], int], decode_ahead: bool):
+        self.name = name
         self.model = model
         self.speculator = speculator
+        self.metrics = metrics
+        self.max_context = max_context
+        self.decode_ahead = decode_ahead
+        self.ahead: Launched | None = None  # the next plain step, started before this one's tokens were read
 
-    def prefill(self, cache: RowCache, inputs: mx.array) -> None:
+    def prefill(self, chunk: PrefillChunk) -> None:
         """One prefill chunk of a group's rows: their keys and values only. Its logits are
         never evaluated (lazy, they cost nothing): a context's last token is fed by the
-        decode step, as mlx-lm's generators feed it apart from the prompt."""
-        cache.forward(self.model, inputs)
+        decode step, as mlx-lm's generators feed it apart from the prompt. A chunk before
+        the group's last is evaluated here; the last one's with the decode step after it."""
+        group = chunk.group
+        group.cache.forward(self.model, group.tokens[:, chunk.start:chunk.end])
+        self.speculator.prefilled(group.seqs, chunk.start, chunk.end, group.padding(), first=chunk.first)
+        if not chunk.last:
+            mx.eval(group.cache.state)
 
     def process(self, logits: mx.array, seqs: list[Sequence], inputs: mx.array | None = None,
                 ancestry: mx.array | None = None, drafts: list[list[int]] | None = None,
@@ -63,31 +106,112 @@ class ModelRunner:
                                inputs, ancestry)
         return mask_logits(logits, [s.constraint for s in seqs], drafts or [[] for _ in seqs], columns)
 
-    def decode(self, batch: RunningBatch, deliver: Deliver) -> None:
+    def decode(self, step: DecodeStep, deliver: Deliver) -> None:
         """One decode step for the running batch; ``deliver`` hands each row its tokens."""
         step_started = time.perf_counter()
-        seqs, speculator = batch.seqs, self.speculator
-        proposal = speculator.propose(seqs, batch.last_tokens)
-        width = proposal.width
-        if proposal.tree is not None:
-            inputs = mx.array(proposal.tree.inputs)
-        else:
-            inputs = mx.array([[t] + d + [0] * (width - len(d)) for t, d in zip(batch.last_tokens, proposal.drafts)])
+        batch, speculator = step.batch, self.speculator
+        seqs = batch.seqs
+        launched = self._ahead_for(step)
+        if launched is not None:
+            proposal = Proposal(step.round, [[] for _ in seqs], Drafts())
+            self._finish(step, launched, proposal, deliver, step_started, step_started)
+            return
+        proposal = speculator.propose(step.round)
+        inputs = mx.array(proposal.inputs)
         started = time.perf_counter()
+        if proposal.width == 0 and self._plain(batch):
+            self._finish(step, self._launch(batch, inputs), proposal, deliver, step_started, started)
+            return
         with speculator.verify_context(batch.cache, proposal):
-            logits = batch.cache.forward(self.model, inputs, provisional=width > 0)
+            logits = batch.cache.forward(self.model, inputs, provisional=proposal.width > 0)
         if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
             mx.async_eval(logits)
         tree = proposal.tree
         logits = self.process(logits, seqs, inputs, None if tree is None else mx.array(tree.ancestry),
                               proposal.drafts, None if tree is None else [[0] + c for c in tree.columns])
-        if width == 0:
+        if proposal.width == 0:
             emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
-            speculator.after_plain_step(seqs, proposal, emitted)
+            outcome = Outcome([0] * len(seqs), emitted, [[0]] * len(seqs))
+            speculator.commit(proposal, outcome)
         else:
-            emitted, logits = speculator.verify(batch, logits, proposal)
+            outcome, logits = self._verify(batch, logits, proposal)
         forward_seconds = time.perf_counter() - started  # verification and rollback included
-        deliver(seqs, logits, emitted)
-        speculator.observe_round(len(batch), width, forward_seconds, time.perf_counter() - step_started,
-                                 proposal.caught_up)
+        deliver(seqs, logits, outcome.emitted)
+        speculator.observe(seqs, proposal, outcome, forward_seconds, time.perf_counter() - step_started)
+        batch.last_tokens = [e[-1] for e in outcome.emitted]
+
+    def _verify(self, batch: RunningBatch, logits: mx.array, proposal: Proposal) -> tuple[Outcome, mx.array]:
+        """Keep each row's accepted proposals plus one target token; roll the target's and the
+        drafters' caches back to exactly that, all evaluated in this step. Returns the outcome and,
+        per row, the logits that produced each emitted token."""
+        started = time.perf_counter()
+        verification = verify_round(batch.seqs, logits, proposal, self.speculator.vocab)
+        self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
+        started = time.perf_counter()
+        self.speculator.commit(proposal, verification.outcome)  # first: a recurrent target's rollback runs it again
+        batch.cache.forget(verification.drop)
+        # evaluated now, so that the step that rolled back pays for it: the controller compares whole steps
+        batch.cache.settle()
+        self.speculator.settle()
+        self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
+        return verification.outcome, verification.logits
+
+    # -- running ahead ------------------------------------------------------------
+
+    def _plain(self, batch: RunningBatch) -> bool:
+        """Whether this step and the next one, for these rows, may run without the host between
+        them (see the module's docstring): where ``decode_ahead`` is on, a cache whose rollback is
+        a change of length (no recurrent state), no drafter, and no row that may speculate, has a
+        grammar or a penalty, or would pass its context window in the next step."""
+        if not self.decode_ahead or batch.cache.chains_only or self.speculator.drafter is not None:
+            return False
+        window = self.max_context()
+        return not any(s.constraint is not None or s.params.penalized or self.speculator.spec_for(s).enabled
+                       or s.context_length + 2 > window for s in batch.seqs)
+
+    def _launch(self, batch: RunningBatch, inputs: mx.array) -> Launched:
+        """Build a plain step's forward and sampling, and start it on the device."""
+        seqs = list(batch.seqs)  # the rows as they are now: the batch's own list changes as rows join
+        keys = [s.key for s in seqs]
+        logits = self.process(batch.cache.forward(self.model, inputs), seqs)
+        tokens, sampled_keys, _ = sample_rows(logits[:, -1, :], [s.params for s in seqs], keys)
+        for seq, key in zip(seqs, sampled_keys):
+            seq.key = key
+        mx.async_eval(tokens, sampled_keys)
+        return Launched(seqs, tokens, logits, keys)
+
+    def _ahead_for(self, step: DecodeStep) -> Launched | None:
+        """The step started ahead for this plan's rows, if the plan is what it ran: the same rows
+        (or fewer: rows that finished drop out), each decoding plainly. Otherwise it is dropped."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        batch = step.batch
+        position = {s: i for i, s in enumerate(ahead.seqs)}
+        index = [position.get(s) for s in batch.seqs]
+        if None not in index and not any(step.round.ks) and self._plain(batch):
+            return ahead.rows(index)
+        batch.cache.rollback([0 if i is None else 1 for i in index])
+        for seq, i in zip(batch.seqs, index):
+            if i is not None:
+                seq.key = ahead.keys[i]
+        return None
+
+    def _finish(self, step: DecodeStep, launched: Launched, proposal: Proposal, deliver: Deliver,
+                step_started: float, started: float) -> None:
+        """Start the next plain step over this one's tokens (when it may run ahead), then read
+        this one's tokens and hand them out."""
+        batch = step.batch
+        if self._plain(batch):
+            self.ahead = self._launch(batch, launched.tokens[:, None])
+        emitted = [[t] for t in launched.tokens.tolist()]
+        outcome = Outcome([0] * len(emitted), emitted, [[0]] * len(emitted))
+        self.speculator.commit(proposal, outcome)
+        forward_seconds = time.perf_counter() - started
+        deliver(batch.seqs, launched.logits, emitted)
+        self.speculator.observe(batch.seqs, proposal, outcome, forward_seconds, time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in emitted]
+
+    def drop_ahead(self) -> None:
+        """Forget a step started ahead whose rows are gone (the batch emptied, or failed)."""
+        self.ahead = None

@@ -1,11 +1,13 @@
 """The continuous-batching scheduler: one model, many requests, one step at a time.
 
-Every step admits waiting requests, runs one bounded chunk of prompt prefill
-for newcomers, then one decode round for the running batch, and hands each
-request its new tokens.  Requests join and leave the batch only between
-steps.  The decode step runs in the model runner (``ModelRunner.decode``),
-whose speculator proposes and verifies: the scheduler decides who is in the
-batch, the speculator how many tokens each row gets.
+Every step the scheduler admits waiting requests, plans one bounded chunk of
+prompt prefill for newcomers (``PrefillChunk``), then one decode step for the
+running batch (``DecodeStep``: its rows, and how many tokens each proposes,
+the speculation controller's k), and the model runner (``runner.py``)
+executes each plan: forwards, samples or verifies, rolls back. The scheduler
+then hands each request its new tokens. Requests join and leave the batch
+only between steps; who they are is the scheduler's decision, what a row
+runs is the runner's.
 
 The scheduler is driven by a thread that owns it: a local ``Engine``, or a
 rank of a tensor-parallel group, which feeds every rank the same inputs.
@@ -14,6 +16,7 @@ rank of a tensor-parallel group, which feeds every rank the same inputs.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ import mlx.nn as nn
 import structlog
 
 from ..core.batch import RunningBatch
-from ..core.cache import RowCache, kv_bytes, make_row_cache, model_prefixes, padding_leaks
+from ..core.cache import kv_bytes, make_row_cache, model_prefixes, padding_leaks
 from ..core.columns import KVQuantization
 from ..core.loader import context_window, vocab_size, weight_bytes
 from ..core.memory import host_memory_bytes
@@ -37,6 +40,7 @@ from ..metrics import Metrics
 from ..core.request import Method, SpeculationConfig
 from ..speculation.speculator import Speculator
 from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
+from .plan import DecodeStep, PrefillChunk, PrefillGroup
 from .runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -44,7 +48,7 @@ log = structlog.get_logger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_size: int = 16
+    max_batch_size: int = 32  # as many rows as mlx_lm.server decodes together by default
     max_waiting: int = 64
     prefill_step_tokens: int = 512
     max_context: int | None = None
@@ -54,6 +58,7 @@ class EngineConfig:
     kv_group_size: int = 64
     host_memory: int | None = None  # what the default KV budget is a share of (None: this host's)
     evict_under_pressure: bool = True  # off where ranks must evict alike (tensor parallelism)
+    decode_ahead: bool | None = None  # plain steps start the next before reading their tokens (None: the default)
 
 
 @dataclass
@@ -63,18 +68,6 @@ class StepInputs:
     arrivals: list[Sequence] = field(default_factory=list)
     cancelled: set[str] = field(default_factory=set)
     updates: list[Callable[[], None]] = field(default_factory=list)
-
-
-@dataclass
-class _PrefillGroup:
-    """Newcomers whose prompts are being prefilled together, chunk by chunk."""
-
-    seqs: list[Sequence]
-    contexts: list[list[int]]  # what each row prefills: its context but the last token (Sequence.prefill_tokens)
-    tokens: mx.array  # (B, L) left-padded contexts
-    cache: RowCache
-    start: int = 0  # the first column run (cached prefixes end here)
-    done: int = 0  # columns already in the cache
 
 
 class Scheduler:
@@ -104,7 +97,8 @@ class Scheduler:
         self.prefixes = model_prefixes(model, self.prefix_store, "target")
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
-        self.runner = ModelRunner(model, self.speculator)
+        ahead = config.decode_ahead if config.decode_ahead is not None else decodes_ahead_by_default()
+        self.runner = ModelRunner(name, model, self.speculator, metrics, lambda: self.max_context, ahead)
         self.native_context = self.max_context
         self.kv = KVManager(0, kv_bytes(model, self.kv_quantization), self.speculator.drafter_row_bytes())
         self.kv.max_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_bytes(
@@ -114,7 +108,7 @@ class Scheduler:
         self._detokenizer = tokenizer.detokenizer
         self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
-        self.prefill: _PrefillGroup | None = None
+        self.prefill: PrefillGroup | None = None
         self.batch = RunningBatch()
 
     def sequence(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> Sequence:
@@ -159,12 +153,20 @@ class Scheduler:
             self._drop_cancelled(inputs.cancelled)
         self._admit()
         self._update_gauges()
-        if self.prefill is not None:
-            self._prefill_chunk()
+        chunk = self._plan_prefill()
+        if chunk is not None:
+            self.runner.prefill(chunk)
+            chunk.group.done = chunk.end
+            self._record_prefill(chunk.group, chunk.end)
+        if self.prefill is not None and self.prefill.done == self.prefill.width:
+            self._join(self.prefill)
         if self.batch:
             self._make_room()
-            self.runner.decode(self.batch, self._emit)
+            round_ = self.speculator.plan(self.batch.seqs, self.batch.last_tokens)
+            self.runner.decode(DecodeStep(self.batch, round_), self._emit)
             self._leave(self._keep(lambda s: s.finish_reason is None))
+            if not self.batch:
+                self.runner.drop_ahead()
         self._update_gauges()
         self._measure_kv()
 
@@ -174,6 +176,7 @@ class Scheduler:
         self.waiting.clear()
         self.prefill = None
         self.batch = RunningBatch()
+        self.runner.drop_ahead()
         try:
             self._leave(seqs)
         except Exception:  # whatever releasing them broke, the requests still end, never hang
@@ -313,26 +316,21 @@ class Scheduler:
         self.metrics.prefix_cache_hits.labels(self.name).inc(sum(cached))
         tokens = mx.array([[0] * (width - len(c)) + c for c in contexts])
         cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts, self.kv_quantization)
-        self.prefill = _PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
+        self.prefill = PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
 
-    def _prefill_chunk(self) -> None:
-        """Run one bounded chunk of the prefill group. After its last chunk the
-        group joins the running batch, each row's next input its context's last
-        token: this step's decode forward samples the rows' first tokens, with
-        the batch's (no prefill computes logits)."""
+    def _plan_prefill(self) -> PrefillChunk | None:
+        """The prefill group's next chunk: at most ``prefill_step_tokens`` tokens over its rows,
+        so decoding keeps flowing (None: nothing left to run, or no group)."""
         group = self.prefill
-        width = group.tokens.shape[1]
-        if group.done < width:  # else nothing to run: a one-token prompt, or a context all cached
-            chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
-            end = min(width, group.done + chunk)
-            self.runner.prefill(group.cache, group.tokens[:, group.done:end])
-            self.speculator.prefilled(group.seqs, group.done, end, [width - len(c) for c in group.contexts],
-                                      first=group.done == group.start)
-            group.done = end
-            self._record_prefill(group, end)
-            if end < width:
-                mx.eval(group.cache.state)
-                return
+        if group is None or group.done == group.width:  # a one-token prompt, or a context all cached
+            return None
+        chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
+        return PrefillChunk(group, group.done, min(group.width, group.done + chunk))
+
+    def _join(self, group: PrefillGroup) -> None:
+        """After a group's last chunk its rows join the running batch, each row's next input its
+        context's last token: this step's decode forward samples the rows' first tokens, with
+        the batch's (no prefill computes logits)."""
         self.prefill = None
         fresh = [s for s in group.seqs if not s.tokens]
         self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in fresh))
@@ -345,12 +343,11 @@ class Scheduler:
         seqs = [group.seqs[i] for i in keep]
         self.batch.extend(seqs, group.cache, [s.next_input for s in seqs])
 
-    def _record_prefill(self, group: _PrefillGroup, end: int) -> None:
+    def _record_prefill(self, group: PrefillGroup, end: int) -> None:
         """Record what each row's context has run so far (a later request can
         start from it while this group is still prefilling)."""
-        width = group.tokens.shape[1]
         for b, (seq, context) in enumerate(zip(group.seqs, group.contexts)):
-            held = end - (width - len(context))
+            held = end - (group.width - len(context))
             if held > 0:
                 self.prefixes.record(seq, context, held, group.cache, b, prompt=len(seq.prompt))
 
@@ -434,6 +431,18 @@ def _report_logprobs(logits: mx.array, emitted: list[list[int]],
             items.append(TokenLogprob(token, row[token].item(), top))
         out[i] = items
     return out
+
+
+DECODE_AHEAD_ENV = "SPECD_DECODE_AHEAD"  # "1" or "0": the daemon's engines run ahead, or not, on any device
+
+
+def decodes_ahead_by_default() -> bool:
+    """Whether plain steps start the next before reading their tokens (``runner.py``), unless the
+    environment says (``SPECD_DECODE_AHEAD``): everywhere. On a GPU the kernels run while the CPU
+    builds the next graph; MLX's CPU backend runs the device's work on a thread of its own, and
+    there too the daemon served more tokens/s running ahead than stepping whole
+    (``ops/bench/results/serve_vs_mlx_lm.json``, ``decode_ahead``)."""
+    return os.environ.get(DECODE_AHEAD_ENV, "1") != "0"
 
 
 def warm_up(model: nn.Module, quantization: KVQuantization | None = None) -> bool:

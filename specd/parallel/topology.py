@@ -138,4 +138,6 @@ def engine_fields(spec: ModelSpec) -> dict:
                                    else spec.prefix_cache_max_bytes), "evict_under_pressure": False,
             # and preempt alike: one KV budget, the default a share of the daemon host's memory
             "kv_cache_bytes": spec.kv_cache_max_bytes, "host_memory": host_memory_bytes(),
-            "kv_bits": spec.kv_cache_bits, "kv_group_size": spec.kv_cache_group_size}
+            "kv_bits": spec.kv_cache_bits, "kv_group_size": spec.kv_cache_group_size,
+            # a group steps in lockstep, its ranks exchanging inputs between steps: each step whole
+            "decode_ahead": False}

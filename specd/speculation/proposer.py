@@ -19,7 +19,7 @@ import mlx.core as mx
 from ..core.cache import RowCache
 from ..core.sequence import Sequence
 from ..core.request import Method, SpeculationConfig
-from .tree import DraftTree
+from .tree import DraftTree, TreeLayout
 
 
 @dataclass
@@ -60,6 +60,52 @@ class Outcome:
     accepted: list[int]  # proposals accepted
     emitted: list[list[int]]  # accepted proposals plus the target's next token
     kept_columns: list[list[int]]  # the verify forward's columns that stay in the cache
+
+
+@dataclass
+class Proposal:
+    """A round's proposals, as the target's verify forward takes them."""
+
+    round: Round
+    drafts: list[list[int]]  # per row, possibly empty (a branching tree row: empty, see ``trees``)
+    offered: Drafts
+    caught_up: bool = False  # a drafter caught rows up (a prefill or a backlog): a one-off cost in the step
+    tree: TreeLayout | None = None  # set when some row proposes a branching tree
+    trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
+    forced: list[int] | None = None  # per row, tokens its grammar forced at the end of its chain
+    cut: list[int] | None = None  # per row, proposed tokens its grammar rejected before verification
+
+    @property
+    def drafted(self) -> list[int]:
+        """Per row, the proposers' tokens (a tree: its depth), forced ones left out."""
+        if self.trees is not None:
+            lengths = [max(t.depths(), default=0) for t in self.trees]
+        else:
+            lengths = [len(d) for d in self.drafts]
+        return lengths if self.forced is None else [n - f for n, f in zip(lengths, self.forced)]
+
+    @property
+    def forced_only(self) -> list[int]:
+        """Per row, its forced tokens when it proposed nothing else (they are
+        accepted with certainty), else 0."""
+        if self.forced is None:
+            return [0] * len(self.drafts)
+        return [f if d == 0 else 0 for d, f in zip(self.drafted, self.forced)]
+
+    @property
+    def width(self) -> int:
+        """Proposal columns the verify forward adds to each row."""
+        if self.tree is not None:
+            return self.tree.width - 1
+        return max((len(d) for d in self.drafts), default=0)
+
+    @property
+    def inputs(self) -> list[list[int]]:
+        """The verify forward's tokens per row: the tree's layout, or ``[last, d_1..d_k]`` right-padded."""
+        if self.tree is not None:
+            return self.tree.inputs
+        width = self.width
+        return [[t] + d + [0] * (width - len(d)) for t, d in zip(self.round.last_tokens, self.drafts)]
 
 
 class Proposer(Protocol):

@@ -1,34 +1,30 @@
-"""Speculation for the running batch: what each step proposes, and its verdict.
+"""Speculation for a model's running batch: what each row may propose, and what proposals
+teach.
 
-The engine's model runner (``engine/runner.py``) runs every decode step; it
-asks the speculator first (``propose``): the speculator plans each row's k
-(its controller) and collects proposals (its proposers); the runner forwards
-``[last, d_1..d_k]`` for every row (right-padded to the longest proposal,
-rows without proposals included) and processes the logits, then hands them
-back (``verify``): the speculator verifies, rolls the target's and every
-drafter's cache back to exactly the accepted tokens, and returns the tokens
-to deliver.  When an EAGLE head proposes a branching tree, every row's
-proposal is laid out as a tree (``tree.py``) and verified in the same single
-forward.  Per-sequence speculation state (acceptance estimates, proposer
-rows) lives here and in the proposers, released when the engine says a
-sequence left.
+The engine's scheduler asks the speculator, when it plans a step, how many
+tokens each row proposes (``plan``: each row's speculation, shrunk to its
+budget, then the controller's k); the model runner asks it for the proposals
+(``propose``: every attached proposer drafts for its rows, grammar-forced
+tokens end a constrained row's chain, branching trees are laid out), verifies
+them (``verifier.py``), rolls the target's cache back, and hands the outcome
+back (``commit``: every drafter brings its own state to each row's accepted
+context; ``observe``: statistics, acceptance estimates and step costs). So a
+new drafter is a ``Proposer``; the step itself is the runner's. Per-sequence
+speculation state (acceptance estimates, proposer rows) lives here and in the
+proposers, released when the engine says a sequence left.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, ContextManager
 
-import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from ..core.batch import RunningBatch
 from ..core.cache import RowCache, make_row_cache, model_prefixes
 from ..core.prefix import PrefixStore, RowPrefixes
-from ..core.sampling import transform_logprobs
 from ..core.sequence import Sequence
 from ..metrics import Metrics
 from .acceptance import AcceptanceEstimate, AcceptanceHistory
@@ -41,45 +37,8 @@ from .eagle.head import EagleHead
 from .eagle.proposer import EagleProposer
 from .exploration import Realised
 from .ngram import NgramProposer
-from .proposer import Drafts, Outcome, Proposer, Round
-from .tree import DraftTree, TreeLayout, TreePositions, accept, layout, verifying
-from .verify import point_mass, verify
-
-@dataclass
-class Proposal:
-    round: Round
-    drafts: list[list[int]]  # per row, possibly empty (a branching tree row: empty, see ``trees``)
-    offered: Drafts
-    caught_up: bool = False  # a drafter caught rows up (a prefill or a backlog): a one-off cost in the step
-    tree: TreeLayout | None = None  # set when some row proposes a branching tree
-    trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
-    forced: list[int] | None = None  # per row, tokens its grammar forced at the end of its chain
-    cut: list[int] | None = None  # per row, proposed tokens its grammar rejected before verification
-
-    @property
-    def drafted(self) -> list[int]:
-        """Per row, the proposers' tokens (a tree: its depth), forced ones left out."""
-        if self.trees is not None:
-            lengths = [max(t.depths(), default=0) for t in self.trees]
-        else:
-            lengths = [len(d) for d in self.drafts]
-        return lengths if self.forced is None else [n - f for n, f in zip(lengths, self.forced)]
-
-    @property
-    def forced_only(self) -> list[int]:
-        """Per row, its forced tokens when it proposed nothing else (they are
-        accepted with certainty), else 0."""
-        if self.forced is None:
-            return [0] * len(self.drafts)
-        return [f if d == 0 else 0 for d, f in zip(self.drafted, self.forced)]
-
-    @property
-    def width(self) -> int:
-        """Proposal columns the verify forward adds to each row."""
-        if self.tree is not None:
-            return self.tree.width - 1
-        return max((len(d) for d in self.drafts), default=0)
-
+from .proposer import Drafts, Outcome, Proposal, Proposer, Round
+from .tree import DraftTree, TreePositions, layout, verifying
 
 class Speculator:
     """A model's speculation: its default (from the DraftPairing), its
@@ -220,29 +179,42 @@ class Speculator:
         for proposer in self._proposers():
             proposer.release(seqs)
 
-    def after_plain_step(self, seqs: list[Sequence], proposal: Proposal, emitted: list[list[int]]) -> None:
-        """A step that verified nothing: every row sampled one token. The
-        drafters follow it, and a planned speculation that found nothing to
-        propose is learned from."""
-        self._commit(proposal, Outcome([0] * len(seqs), emitted, [[0]] * len(seqs)))
-        self._nothing_proposed(seqs, proposal)
-        for seq in seqs:
-            seq.stats.plain_steps += 1
-
     def verify_context(self, cache: RowCache, proposal: Proposal) -> ContextManager:
         """The context the verify forward runs in: a draft tree's ancestry and depth positions."""
         if proposal.tree is None:
             return nullcontext()
         return verifying(self.positions, cache, proposal.tree)
 
-    def observe_round(self, rows: int, width: int, forward_seconds: float, step_seconds: float,
-                      caught_up: bool) -> None:
-        """What a decode step cost: its forward with verification and rollback
-        (the cost model's input) and the whole step (the controller's)."""
-        self._observe_step(rows, width + 1, forward_seconds)
-        self.controller.observe_step(rows, step_seconds, caught_up)
+    # -- planning (the scheduler's) and proposing (the runner's) --------------
 
-    # -- proposing -------------------------------------------------------------
+    def plan(self, seqs: list[Sequence], last_tokens: list[int]) -> Round:
+        """How many tokens each row proposes this step: its speculation (its request's, else the
+        model's), shrunk to its budget, then the controller's k."""
+        specs = [self.spec_for(s) for s in seqs]
+        for s, spec in zip(seqs, specs):
+            if spec.enabled:
+                s.stats.method = spec.method
+                s.stats.source = "model" if s.request.speculation is None else "request"
+        budgets = [self._budget(s, spec) for s, spec in zip(seqs, specs)]
+        if not any(budgets):  # nobody may speculate: keep the plain decode path free of controller work
+            return Round(seqs, last_tokens, specs, [0] * len(seqs))
+        return self._plan(seqs, last_tokens, specs, budgets)
+
+    def propose(self, round_: Round) -> Proposal:
+        """The round's proposals: its proposers' drafts for the k planned per row, grammar-forced
+        tokens at their ends, and, when a row proposes a branching tree, every row laid out as a tree."""
+        seqs = round_.seqs
+        offered, caught_up = self._collect(round_) if any(round_.ks) else (Drafts(), False)
+        drafts = [offered.chains.get(i, []) for i in range(len(seqs))]
+        forced = cut = None
+        if any(s.constraint for s in seqs):
+            forced, cut = self._jump_forward(seqs, drafts, offered)
+        if not offered.trees:
+            return Proposal(round_, drafts, offered, caught_up, forced=forced, cut=cut)
+        if self.positions is None:
+            self.positions = TreePositions(self.target)
+        trees = [offered.trees.get(i) or DraftTree.chain(d) for i, d in enumerate(drafts)]
+        return Proposal(round_, drafts, offered, caught_up, layout(trees, round_.last_tokens), trees, forced, cut)
 
     def _proposers(self) -> list[Proposer]:
         return [self.ngram] if self.drafter is None else [self.ngram, self.drafter]
@@ -280,32 +252,6 @@ class Speculator:
             self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
         lookups = {i: chain[:ks[i]] for i, chain in found.items() if 0 < ks[i] <= len(chain)}
         return Round(seqs, last_tokens, specs, ks, lookups)
-
-    def propose(self, seqs: list[Sequence], last_tokens: list[int]) -> Proposal:
-        """This step's proposals: each row's k (the controller's), its proposers' drafts, grammar-forced
-        tokens at their ends, and, when a row proposes a branching tree, every row laid out as a tree."""
-        specs = [self.spec_for(s) for s in seqs]
-        for s, spec in zip(seqs, specs):
-            if spec.enabled:
-                s.stats.method = spec.method
-                s.stats.source = "model" if s.request.speculation is None else "request"
-        budgets = [self._budget(s, spec) for s, spec in zip(seqs, specs)]
-        if any(budgets):
-            round_ = self._plan(seqs, last_tokens, specs, budgets)
-            offered, caught_up = self._collect(round_)
-        else:  # nobody may speculate: keep the plain decode path free of controller work
-            round_ = Round(seqs, last_tokens, specs, [0] * len(seqs))
-            offered, caught_up = Drafts(), False
-        drafts = [offered.chains.get(i, []) for i in range(len(seqs))]
-        forced = cut = None
-        if any(s.constraint for s in seqs):
-            forced, cut = self._jump_forward(seqs, drafts, offered)
-        if not offered.trees:
-            return Proposal(round_, drafts, offered, caught_up, forced=forced, cut=cut)
-        if self.positions is None:
-            self.positions = TreePositions(self.target)
-        trees = [offered.trees.get(i) or DraftTree.chain(d) for i, d in enumerate(drafts)]
-        return Proposal(round_, drafts, offered, caught_up, layout(trees, last_tokens), trees, forced, cut)
 
     def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]],
                       offered: Drafts) -> tuple[list[int], list[int]]:
@@ -367,81 +313,9 @@ class Speculator:
             self.metrics.spec_propose_seconds.labels(self.name, proposer.method).observe(seconds)
         return offered, caught_up
 
-    # -- verifying and rolling back --------------------------------------------
+    # -- after the verdict -------------------------------------------------------
 
-    def verify(self, batch: RunningBatch, logits: mx.array, proposal: Proposal) -> tuple[list[list[int]], mx.array]:
-        """Keep each row's accepted proposals plus one target token; roll the
-        target's and the drafters' caches back to exactly that.  Returns the
-        tokens and, per row, the logits that produced each of them."""
-        if proposal.tree is not None:
-            return self._verify_tree(batch, logits, proposal)
-        seqs = batch.seqs
-        started = time.perf_counter()
-        width = proposal.width
-        padded = mx.array([d + [0] * (width - len(d)) for d in proposal.drafts])
-        sampling = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        lengths = [len(d) for d in proposal.drafts]
-        q = uniforms = gumbel = None
-        if sampling:  # only sampling rows need q and randomness
-            drafted_q = self._draft_q(proposal, width)
-            q = mx.stack([drafted_q[i] if i in drafted_q else point_mass(padded[i], self.vocab) for i in sampling])
-            forced = proposal.forced_only
-            uniforms, gumbel = self._randomness([seqs[i] for i in sampling], width, [lengths[i] for i in sampling],
-                                                [forced[i] for i in sampling])
-        verdict = verify(logits, padded, lengths, [s.params for s in seqs], q, uniforms, gumbel)
-        self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
-
-        started = time.perf_counter()
-        emitted = [d[:a] + [t] for d, a, t in zip(proposal.drafts, verdict.accepted, verdict.next_tokens)]
-        outcome = Outcome(verdict.accepted, emitted, [list(range(len(e))) for e in emitted])
-        self._commit(proposal, outcome)
-        batch.cache.rollback([width - a for a in verdict.accepted])
-        self._settle(batch, proposal, outcome)
-        self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
-        return emitted, logits
-
-    def _draft_q(self, proposal: Proposal, width: int) -> dict[int, mx.array]:
-        """Each draft-model row's q over ``width`` proposal columns: the
-        draft's own for the tokens it drafted, a point mass for those a
-        grammar forced, and anything past the row's proposal."""
-        out = {}
-        for i, q in proposal.offered.q.items():
-            chain = proposal.drafts[i]
-            drafted = len(chain) - (proposal.forced[i] if proposal.forced is not None else 0)
-            point = point_mass(mx.array(chain[drafted:] + [0] * (width - len(chain))), self.vocab)
-            out[i] = mx.concatenate([q[:drafted], point]) if drafted else point
-        return out
-
-    def _verify_tree(self, batch: RunningBatch, logits: mx.array,
-                     proposal: Proposal) -> tuple[list[list[int]], mx.array]:
-        """The tree path: walk every row's tree, keep the accepted path's columns."""
-        seqs = batch.seqs
-        started = time.perf_counter()
-        tree, trees = proposal.tree, proposal.trees
-        params = [s.params for s in seqs]
-        target = transform_logprobs(logits, params)
-        uniforms, gumbel = self._randomness(seqs, tree.width, [len(t.tokens) for t in trees],
-                                            proposal.forced_only)
-        verdict = accept(target, trees, tree, [p.greedy for p in params], uniforms, gumbel,
-                         self._draft_q(proposal, tree.width - 1))
-        self.metrics.spec_verify_seconds.labels(self.name).observe(time.perf_counter() - started)
-
-        started = time.perf_counter()
-        kept = [[0] + [tree.columns[b][n] for n in path] for b, path in enumerate(verdict.paths)]
-        drop = np.ones((len(seqs), tree.width), dtype=bool)
-        for b, cols in enumerate(kept):
-            drop[b, cols] = False
-        emitted = [[t.tokens[n] for n in path] + [nxt] for t, path, nxt in zip(trees, verdict.paths, verdict.next_tokens)]
-        outcome = Outcome([len(p) for p in verdict.paths], emitted, kept)
-        self._commit(proposal, outcome)
-        batch.cache.forget(drop)
-        self._settle(batch, proposal, outcome)
-        self.metrics.spec_rollback_seconds.labels(self.name).observe(time.perf_counter() - started)
-        width = max(len(c) for c in kept)
-        columns = mx.array([c + [0] * (width - len(c)) for c in kept])
-        return emitted, mx.take_along_axis(logits, columns[..., None], axis=1)
-
-    def _commit(self, proposal: Proposal, outcome: Outcome) -> None:
+    def commit(self, proposal: Proposal, outcome: Outcome) -> None:
         """Every drafter brings its state to each row's accepted context;
         before the target's rollback, which may run the target again (to
         re-advance recurrent state), so an EAGLE head still reads the
@@ -449,15 +323,28 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.commit(proposal.round, outcome)
 
-    def _settle(self, batch: RunningBatch, proposal: Proposal, outcome: Outcome) -> None:
-        """After a verdict, the drafters' commit and the target's rollback:
-        all evaluated now so this step pays for them, then statistics and the
-        controller's estimates (a tree counts as a proposal as long as its
-        deepest branch; tokens a grammar forced count apart)."""
-        batch.cache.settle()
+    def settle(self) -> None:
+        """Evaluate what the drafters' commit left lazy, so the step that verified pays for it."""
         if self.drafter is not None:
             self.drafter.settle()
-        seqs, verified = batch.seqs, proposal.drafted
+
+    def observe(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome, forward_seconds: float,
+                step_seconds: float) -> None:
+        """What a decode step taught: each row's proposals and what it accepted (statistics and
+        the controller's estimates; a tree counts as a proposal as long as its deepest branch;
+        tokens a grammar forced count apart), and what the step cost: its forward with
+        verification and rollback (the cost model's input) and the whole step (the controller's)."""
+        if proposal.width == 0:
+            self._nothing_proposed(seqs, proposal)
+            for seq in seqs:
+                seq.stats.plain_steps += 1
+        else:
+            self._count_round(seqs, proposal, outcome)
+        self._observe_step(len(seqs), proposal.width + 1, forward_seconds)
+        self.controller.observe_step(len(seqs), step_seconds, proposal.caught_up)
+
+    def _count_round(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome) -> None:
+        verified = proposal.drafted
         accepted = [min(a, n) for a, n in zip(outcome.accepted, verified)]
         if proposal.forced is not None:
             self.metrics.grammar_forced_tokens.labels(self.name).inc(sum(outcome.accepted) - sum(accepted))
@@ -485,35 +372,6 @@ class Speculator:
             cut = proposal.cut or none
             self.drafted_total += sum(cut)
             self.controller.observe([self.estimates[s] for s in seqs], cut, none, proposal.round.ks)
-
-    def _randomness(self, seqs: list[Sequence], width: int, proposed: list[int],
-                    forced_only: list[int]) -> tuple[mx.array, mx.array]:
-        """Acceptance uniforms and final-draw noise from each sampling row's own
-        key.  A row that proposed nothing draws its token with the noise a
-        plain step's sampler would use, so a seeded request samples the same
-        whether its batch mates speculate or not.  A row that proposed only
-        tokens its grammar forced (``forced_only``: accepted with certainty)
-        first advances its key once per forced token, as the plain steps that
-        would have produced them do: how many forced tokens a round carries
-        is the cost model's choice, from measured step times, and must not
-        change what a seeded request samples."""
-        uniforms, gumbel = [], []
-        for s, n, forced in zip(seqs, proposed, forced_only):
-            if s.params.greedy:
-                uniforms.append(mx.zeros((width,)))
-                gumbel.append(mx.zeros((self.vocab,)))
-                continue
-            for _ in range(forced):
-                s.key, _ = mx.random.split(s.key)
-            s.key, sub = mx.random.split(s.key)
-            if not n or n == forced:
-                uniforms.append(mx.zeros((width,)))
-                gumbel.append(mx.random.gumbel(shape=(self.vocab,), key=sub))
-                continue
-            k_u, k_g = mx.random.split(sub)
-            uniforms.append(mx.random.uniform(shape=(width,), key=k_u))
-            gumbel.append(mx.random.gumbel(shape=(self.vocab,), key=k_g))
-        return mx.stack(uniforms), mx.stack(gumbel)
 
     def _count(self, seq: Sequence, drafted: int, accepted: int, method: Method) -> None:
         """One round's proposals of a request, in its stats and in the metrics under the

@@ -1,0 +1,69 @@
+"""What the scheduler hands the model runner: the work of one step, decided before it runs.
+
+Every step the scheduler plans (``Scheduler.step``) and the runner executes
+(``ModelRunner``), as vLLM v1 divides its scheduler's output and its model
+runner: first a ``PrefillChunk`` (which newcomers run which prompt columns),
+then a ``DecodeStep`` (the batch's rows, newcomers whose last chunk just ran
+among them, and how many tokens each proposes: the draft and verify widths,
+the speculation controller's k per row). The scheduler decides who is in the
+batch and what each row runs; the runner forwards, samples or verifies, and
+rolls the caches back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..core.batch import RunningBatch
+from ..core.cache import RowCache
+from ..core.sequence import Sequence
+from ..speculation.proposer import Round
+
+
+@dataclass
+class PrefillGroup:
+    """Newcomers whose prompts are being prefilled together, chunk by chunk."""
+
+    seqs: list[Sequence]
+    contexts: list[list[int]]  # what each row prefills: its context but the last token (Sequence.prefill_tokens)
+    tokens: mx.array  # (B, L) left-padded contexts
+    cache: RowCache
+    start: int = 0  # the first column run (cached prefixes end here)
+    done: int = 0  # columns already in the cache
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def padding(self) -> list[int]:
+        """Each row's left padding."""
+        return [self.width - len(c) for c in self.contexts]
+
+
+@dataclass
+class PrefillChunk:
+    """Columns [start, end) of a prefill group's left-padded contexts, to run this step."""
+
+    group: PrefillGroup
+    start: int
+    end: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == self.group.start
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.group.width
+
+
+@dataclass
+class DecodeStep:
+    """The running batch's decode step: its rows, and each row's speculation and planned k."""
+
+    batch: RunningBatch
+    round: Round
+
+
