@@ -132,12 +132,12 @@ class RowKV:
     def _arrange(self, width: int, new_keys: Side, new_values: Side) -> None:
         """Lay the rows out for a forward of ``width`` columns: as a block or row by row."""
         block = self._block_pays(width)
+        if self.block is not None and (not block or side_columns(self.block[0]) > _rounded(max(self.held) + width)):
+            self._unblock()  # to rows, or to a narrower block: the longest rows left, the block may not keep their width
         if block and self.block is None:
             self.block = (_stacked(self.keys, self.held, new_keys, width), _stacked(self.values, self.held, new_values,
                                                                                       width))
             self.keys, self.values = [None] * len(self.held), [None] * len(self.held)
-        elif not block and self.block is not None:
-            self._unblock()
 
     def _block_pays(self, width: int) -> bool:
         """Whether this forward's rows take the block layout (see the module's docstring)."""

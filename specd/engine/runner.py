@@ -215,3 +215,9 @@ class ModelRunner:
     def drop_ahead(self) -> None:
         """Forget a step started ahead whose rows are gone (the batch emptied, or failed)."""
         self.ahead = None
+
+    def withdraw(self, seq: Sequence) -> None:
+        """``seq`` leaves the batch to come back later (preempted): it gets back the RNG key a step
+        started ahead took from it, so that it samples on resuming what it would have."""
+        if self.ahead is not None and seq in self.ahead.seqs:
+            seq.key = self.ahead.keys[self.ahead.seqs.index(seq)]

@@ -232,6 +232,7 @@ class Scheduler:
         prefix cache (resuming restores it), and its request goes back to the front of the queue."""
         seq = self.batch.seqs[b]
         self._record_row(b, seq)
+        self.runner.withdraw(seq)
         self.batch.keep([i for i in range(len(self.batch)) if i != b])
         self._leave([seq])
         seq.preemptions += 1
