@@ -18,7 +18,7 @@ position with its own context), then its grammar's mask (``mask_logits``),
 so a speculating row and a plain one are decided by the same distribution.
 
 **Running ahead.** A plain step (no row may speculate, none has a grammar
-or a penalty that reads its latest token, no drafter reads the target's
+or a penalty that reads its latest token, no EAGLE head reads the target's
 features) needs nothing from the host between its sampled tokens and the
 next step's inputs. Where ``decode_ahead`` is on, the runner builds and
 starts the next step's forward over the tokens this one is still sampling
@@ -136,8 +136,9 @@ class ModelRunner:
         else:
             outcome, logits = self._verify(batch, logits, proposal)
         forward_seconds = time.perf_counter() - started  # verification and rollback included
+        speculator.count(seqs, proposal, outcome)
         deliver(seqs, logits, outcome.emitted)
-        speculator.observe(seqs, proposal, outcome, forward_seconds, time.perf_counter() - step_started)
+        speculator.observe_step(len(seqs), proposal, forward_seconds, time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in outcome.emitted]
 
     def _verify(self, batch: RunningBatch, logits: mx.array, proposal: Proposal) -> tuple[Outcome, mx.array]:
@@ -161,9 +162,10 @@ class ModelRunner:
     def _plain(self, batch: RunningBatch) -> bool:
         """Whether this step and the next one, for these rows, may run without the host between
         them (see the module's docstring): where ``decode_ahead`` is on, a cache whose rollback is
-        a change of length (no recurrent state), no drafter, and no row that may speculate, has a
+        a change of length (no recurrent state), no drafter that reads the target's features (a
+        draft model follows plain rows from their tokens), and no row that may speculate, has a
         grammar or a penalty, or would pass its context window in the next step."""
-        if not self.decode_ahead or batch.cache.chains_only or self.speculator.drafter is not None:
+        if not self.decode_ahead or batch.cache.chains_only or self.speculator.reads_target_features:
             return False
         window = self.max_context()
         return not any(s.constraint is not None or s.params.penalized or self.speculator.spec_for(s).enabled
@@ -208,8 +210,9 @@ class ModelRunner:
         outcome = Outcome([0] * len(emitted), emitted, [[0]] * len(emitted))
         self.speculator.commit(proposal, outcome)
         forward_seconds = time.perf_counter() - started
+        self.speculator.count(batch.seqs, proposal, outcome)
         deliver(batch.seqs, launched.logits, emitted)
-        self.speculator.observe(batch.seqs, proposal, outcome, forward_seconds, time.perf_counter() - step_started)
+        self.speculator.observe_step(len(emitted), proposal, forward_seconds, time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in emitted]
 
     def drop_ahead(self) -> None:

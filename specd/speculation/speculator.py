@@ -116,6 +116,12 @@ class Speculator:
     def drafter_method(self) -> Method | None:
         return self.drafter.method if self.drafter is not None else None
 
+    @property
+    def reads_target_features(self) -> bool:
+        """Whether the attached drafter reads the features of every target forward as it runs (an
+        EAGLE head): each step's must be taken before the next forward is built."""
+        return isinstance(self.drafter, EagleProposer)
+
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """A new controller for the policy; the learned costs, measured rates and acceptance carry over."""
         self.controller = make_controller(policy, name, self.costs, self.realised, self.history)
@@ -328,20 +334,23 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.settle()
 
-    def observe(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome, forward_seconds: float,
-                step_seconds: float) -> None:
-        """What a decode step taught: each row's proposals and what it accepted (statistics and
-        the controller's estimates; a tree counts as a proposal as long as its deepest branch;
-        tokens a grammar forced count apart), and what the step cost: its forward with
-        verification and rollback (the cost model's input) and the whole step (the controller's)."""
+    def count(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome) -> None:
+        """What a round's verdict teaches, before its tokens are handed out (a request's last
+        output reports its speculation): each row's proposals and what it accepted (statistics
+        and the controller's estimates; a tree counts as a proposal as long as its deepest branch;
+        tokens a grammar forced count apart)."""
         if proposal.width == 0:
             self._nothing_proposed(seqs, proposal)
             for seq in seqs:
                 seq.stats.plain_steps += 1
         else:
             self._count_round(seqs, proposal, outcome)
-        self._observe_step(len(seqs), proposal.width + 1, forward_seconds)
-        self.controller.observe_step(len(seqs), step_seconds, proposal.caught_up)
+
+    def observe_step(self, rows: int, proposal: Proposal, forward_seconds: float, step_seconds: float) -> None:
+        """What the step cost: its forward with verification and rollback (the cost model's
+        input) and the whole step, its tokens handed out (the controller's)."""
+        self._observe_step(rows, proposal.width + 1, forward_seconds)
+        self.controller.observe_step(rows, step_seconds, proposal.caught_up)
 
     def _count_round(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome) -> None:
         verified = proposal.drafted
