@@ -3,7 +3,7 @@
 
 A random-weight Llama with a 16k window and a realistic attention width (8
 heads of 128 dimensions: 32 KiB of KV a token in float32, the shape of
-``kv_memory.py``) is served by both, each as its users run it (prefix and
+``kv_memory.py``), or the model ``--model`` names, is served by both, each as its users run it (prefix and
 prompt caches on). At each prompt length (about 2k, 8k and 16k tokens) the
 servers take turns run by run, each run a prompt no earlier request shared a
 token with (so neither cache can hit): the figure is the wall time of a
@@ -38,8 +38,12 @@ DEFAULT_OUT = REPO_ROOT / "ops" / "bench" / "results" / "prefill.json"
 
 
 def fresh_prompt(tokenizer, length: int, seed: int) -> str:
-    """About ``length`` tokens of text whose first token differs for every seed below 1000."""
-    return tokenizer.decode([10 + (seed + i * 104729) % 1000 for i in range(length)])
+    """Text of about ``length`` tokens whose first token differs for every seed below 1000 (decoded
+    ids re-encode to other ids, so the text is cut to ``length`` of its own tokens, twice)."""
+    text = tokenizer.decode([10 + (seed + i * 104729) % 1000 for i in range(length)])
+    for _ in range(2):
+        text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:length])
+    return text
 
 
 async def first_token_seconds(session: aiohttp.ClientSession, base: str, model: str, prompt: str) -> dict:
@@ -54,8 +58,11 @@ async def first_token_seconds(session: aiohttp.ClientSession, base: str, model: 
 
 
 async def bench(args: argparse.Namespace, workdir: Path) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
-    model = build("llama", workdir / "model", args.tokenizer, overrides=REALISTIC)
+    if args.model is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+        model = build("llama", workdir / "model", args.tokenizer, overrides=REALISTIC)
+    else:
+        tokenizer, model = AutoTokenizer.from_pretrained(str(args.model)), args.model.resolve()
     env, _ = child_env()
     ports: list[int] = []
     while len(ports) < 2:
@@ -92,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", type=Path, default=REPO_ROOT / "models" / "test" / "target",
                    help="the forge test preset's target (specd forge models/test --preset test): its tokenizer")
+    p.add_argument("--model", type=Path, default=None,
+                   help="serve this mlx-lm model directory instead (its own tokenizer), e.g. the demo target")
     p.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000, 16000])
     p.add_argument("--runs", type=int, default=3, help="runs per length and server (medians)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

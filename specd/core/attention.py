@@ -42,8 +42,8 @@ MASK_CACHE_CELLS = 1 << 26
 _cached_cells = 0
 
 
-def _cached_mask(masks: OrderedDict[tuple, mx.array], key: tuple) -> mx.array | None:
-    """A mask already made, now the most recently used of ``masks`` (None if not made)."""
+def recalled(masks: OrderedDict[tuple, mx.array], key: tuple) -> mx.array | None:
+    """An array already made, now the most recently used of ``masks`` (None if not made)."""
     with _MASKS_LOCK:
         mask = masks.get(key)
         if mask is not None:
@@ -51,8 +51,8 @@ def _cached_mask(masks: OrderedDict[tuple, mx.array], key: tuple) -> mx.array | 
         return mask
 
 
-def _keep_recent(masks: OrderedDict[tuple, mx.array], key: tuple, mask: mx.array, kept: int) -> mx.array:
-    """Remember ``mask`` among the ``kept`` most recent of ``masks`` (a step's layers share it)."""
+def remembered(masks: OrderedDict[tuple, mx.array], key: tuple, mask: mx.array, kept: int) -> mx.array:
+    """``mask``, remembered among the ``kept`` most recent of ``masks`` (a step's layers share it)."""
     with _MASKS_LOCK:
         masks[key] = mask
         while len(masks) > kept:
@@ -64,7 +64,7 @@ def causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arra
     """(n, capacity): the last ``n`` of ``held`` columns see themselves and what is
     before them (within ``window``), and nothing past ``held``."""
     key = (n, held, capacity, window)
-    mask = _cached_mask(_CAUSAL_MASKS, key)
+    mask = recalled(_CAUSAL_MASKS, key)
     if mask is not None:
         return mask
     columns = mx.arange(capacity)[None, :]
@@ -180,7 +180,7 @@ def _gather_mask(seen: tuple[int, ...], n: int, group: int, window: int | None) 
     """(rows * group * n, sum(seen)): query j of row b (of each of its ``group`` heads) sees the
     columns of row b's ``seen[b]`` that are at or before its own position, within ``window``."""
     key = (seen, n, group, window)
-    mask = _cached_mask(_GATHER_MASKS, key)
+    mask = recalled(_GATHER_MASKS, key)
     if mask is not None:
         return mask
     lengths = np.array(seen)
@@ -191,7 +191,7 @@ def _gather_mask(seen: tuple[int, ...], n: int, group: int, window: int | None) 
     visible = (column_row[None, :] == query_row[:, None]) & (column[None, :] <= position[:, None])
     if window is not None:
         visible &= column[None, :] > position[:, None] - window
-    return _keep_recent(_GATHER_MASKS, key, mx.array(visible), MASKS_KEPT)
+    return remembered(_GATHER_MASKS, key, mx.array(visible), MASKS_KEPT)
 
 
 def attend_gathered(queries: mx.array, rows: list[RowColumns], window: int | None) -> mx.array | None:
@@ -224,7 +224,7 @@ def _block_mask(held: tuple[int, ...], n: int, group: int, window: int | None, c
     (of each of its ``group`` heads) sees those at or before its position ``held[b] - n + j``,
     within ``window``."""
     key = (held, n, group, window, columns)
-    mask = _cached_mask(_BLOCK_MASKS, key)
+    mask = recalled(_BLOCK_MASKS, key)
     if mask is not None:
         return mask
     position = np.array(held)[:, None] - n + np.arange(n)[None, :]  # (B, n)
@@ -233,7 +233,7 @@ def _block_mask(held: tuple[int, ...], n: int, group: int, window: int | None, c
     if window is not None:
         visible &= column > position[:, :, None] - window
     visible = np.broadcast_to(visible[:, None, None], (len(held), 1, group, n, columns))
-    return _keep_recent(_BLOCK_MASKS, key, mx.array(visible.reshape(len(held), 1, group * n, columns)), MASKS_KEPT)
+    return remembered(_BLOCK_MASKS, key, mx.array(visible.reshape(len(held), 1, group * n, columns)), MASKS_KEPT)
 
 
 def attend_block(queries: mx.array, keys: Side, values: Side, held: list[int], window: int | None,

@@ -434,18 +434,16 @@ def _stacked(buffers: list[Side | None], held: list[int], shape_of: Side, width:
     return side_concat(rows, axis=0)
 
 
-_WRITE_INDICES: OrderedDict[tuple, mx.array] = OrderedDict()  # a step's, shared by its layers
+_WRITE_INDICES: OrderedDict[tuple, mx.array] = OrderedDict()  # the last few steps' (every layer shares them)
 
 
 def _write_index(held: tuple[int, ...], width: int) -> mx.array:
     """(B, 1, width, 1): the block columns each row's new columns go to."""
-    index = _WRITE_INDICES.get((held, width))
+    index = attention.recalled(_WRITE_INDICES, (held, width))
     if index is None:
-        index = mx.array(np.array(held, dtype=np.int32)[:, None, None, None] + np.arange(width, dtype=np.int32)[
-            None, None, :, None])
-        _WRITE_INDICES[(held, width)] = index
-        while len(_WRITE_INDICES) > 8:
-            _WRITE_INDICES.popitem(last=False)
+        columns = np.array(held, dtype=np.int32)[:, None] + np.arange(width, dtype=np.int32)[None, :]
+        index = attention.remembered(_WRITE_INDICES, (held, width), mx.array(columns[:, None, :, None]),
+                                     attention.MASKS_KEPT)
     return index
 
 

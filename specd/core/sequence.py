@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .grammar import Constraint
 from .request import GenerationRequest, Method, SpecStats, StepOutput, TokenLogprob
-from .sampling import SamplingParams, make_key, sample_rows
+from .sampling import SamplingParams, make_key
 
 
 class StopMatcher:
@@ -149,12 +149,3 @@ class Sequence:
             stop_sequence=self.stops.matched,
             spec=self.stats if self.finish_reason is not None and self._speculated() else None,
         )
-
-
-def sample_tokens(seqs: list[Sequence], logits: mx.array) -> list[int]:
-    """One token per row from (B, V) logits, with each row's settings and RNG."""
-    tokens, keys, _ = sample_rows(logits, [s.params for s in seqs], [s.key for s in seqs])
-    mx.eval(tokens, keys)
-    for seq, key in zip(seqs, keys):
-        seq.key = key
-    return tokens.tolist()

@@ -43,9 +43,9 @@ import mlx.nn as nn
 from ..core.batch import RunningBatch
 from ..core.grammar import mask_logits
 from ..core.sampling import adjust_logits, sample_rows
-from ..core.sequence import Sequence, sample_tokens
+from ..core.sequence import Sequence
 from ..metrics import Metrics
-from ..speculation.proposer import Drafts, Outcome, Proposal
+from ..speculation.proposer import Outcome, Proposal
 from ..speculation.speculator import Speculator
 from ..speculation.verifier import verify_round
 from .plan import DecodeStep, PrefillChunk
@@ -112,29 +112,20 @@ class ModelRunner:
         batch, speculator = step.batch, self.speculator
         seqs = batch.seqs
         launched = self._ahead_for(step)
-        if launched is not None:
-            proposal = Proposal(step.round, [[] for _ in seqs], Drafts())
-            self._finish(step, launched, proposal, deliver, step_started, step_started)
-            return
         proposal = speculator.propose(step.round)
         inputs = mx.array(proposal.inputs)
-        started = time.perf_counter()
-        if proposal.width == 0 and self._plain(batch):
-            self._finish(step, self._launch(batch, inputs), proposal, deliver, step_started, started)
+        if proposal.width == 0:
+            self._finish(step, launched or self._launch(batch, inputs), proposal, deliver, step_started)
             return
+        started = time.perf_counter()
         with speculator.verify_context(batch.cache, proposal):
-            logits = batch.cache.forward(self.model, inputs, provisional=proposal.width > 0)
+            logits = batch.cache.forward(self.model, inputs, provisional=True)
         if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
             mx.async_eval(logits)
         tree = proposal.tree
         logits = self.process(logits, seqs, inputs, None if tree is None else mx.array(tree.ancestry),
                               proposal.drafts, None if tree is None else [[0] + c for c in tree.columns])
-        if proposal.width == 0:
-            emitted = [[t] for t in sample_tokens(seqs, logits[:, -1, :])]
-            outcome = Outcome([0] * len(seqs), emitted, [[0]] * len(seqs))
-            speculator.commit(proposal, outcome)
-        else:
-            outcome, logits = self._verify(batch, logits, proposal)
+        outcome, logits = self._verify(batch, logits, proposal)
         forward_seconds = time.perf_counter() - started  # verification and rollback included
         speculator.count(seqs, proposal, outcome)
         deliver(seqs, logits, outcome.emitted)
@@ -172,10 +163,14 @@ class ModelRunner:
                        or s.context_length + 2 > window for s in batch.seqs)
 
     def _launch(self, batch: RunningBatch, inputs: mx.array) -> Launched:
-        """Build a plain step's forward and sampling, and start it on the device."""
+        """Build a plain step's forward, its logits processors and its sampling (each row's own
+        settings and RNG key), and start it on the device."""
         seqs = list(batch.seqs)  # the rows as they are now: the batch's own list changes as rows join
         keys = [s.key for s in seqs]
-        logits = self.process(batch.cache.forward(self.model, inputs), seqs)
+        logits = batch.cache.forward(self.model, inputs)
+        if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
+            mx.async_eval(logits)
+        logits = self.process(logits, seqs, inputs)
         tokens, sampled_keys, _ = sample_rows(logits[:, -1, :], [s.params for s in seqs], keys)
         for seq, key in zip(seqs, sampled_keys):
             seq.key = key
@@ -191,7 +186,7 @@ class ModelRunner:
         batch = step.batch
         position = {s: i for i, s in enumerate(ahead.seqs)}
         index = [position.get(s) for s in batch.seqs]
-        if None not in index and not any(step.round.ks) and self._plain(batch):
+        if None not in index and self._plain(batch):
             return ahead.rows(index)
         batch.cache.rollback([0 if i is None else 1 for i in index])
         for seq, i in zip(batch.seqs, index):
@@ -200,16 +195,16 @@ class ModelRunner:
         return None
 
     def _finish(self, step: DecodeStep, launched: Launched, proposal: Proposal, deliver: Deliver,
-                step_started: float, started: float) -> None:
-        """Start the next plain step over this one's tokens (when it may run ahead), then read
-        this one's tokens and hand them out."""
+                step_started: float) -> None:
+        """A plain step: start the next one over its tokens (when it may run ahead), then read
+        its tokens and hand them out."""
         batch = step.batch
         if self._plain(batch):
             self.ahead = self._launch(batch, launched.tokens[:, None])
         emitted = [[t] for t in launched.tokens.tolist()]
+        forward_seconds = time.perf_counter() - step_started
         outcome = Outcome([0] * len(emitted), emitted, [[0]] * len(emitted))
         self.speculator.commit(proposal, outcome)
-        forward_seconds = time.perf_counter() - started
         self.speculator.count(batch.seqs, proposal, outcome)
         deliver(batch.seqs, launched.logits, emitted)
         self.speculator.observe_step(len(emitted), proposal, forward_seconds, time.perf_counter() - step_started)
