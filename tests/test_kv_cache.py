@@ -391,3 +391,34 @@ def test_block_attention_equals_row_by_row_attention(lengths, n, window, group, 
     got = attend_block(queries, block(keys), block(values), lengths, window, quantization, sink)
     want = attend_rows(queries, rows, window, quantization, sink)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+
+
+def test_the_layout_is_the_one_measured_cheaper(monkeypatch):
+    """``auto`` (the default) lays rows out as one block only where the costs measured for the
+    layer's attention shape on this device say a block is cheaper, changing layout only for a
+    clear saving, and never past what the KV budget charges the rows; the costs this device
+    measures are lines with no negative part."""
+    monkeypatch.setattr(layout, "LAYOUT", "auto")
+    counter = iter(range(1, 10**6))
+    measured = layout.measure(layout.AttentionShape(1, 2, D, D, mx.float32, None, False))
+    assert min(measured.per_row, measured.per_column, measured.fixed, measured.per_cell) >= 0
+    assert measured.rows([64] * 16, 1, None) > 0 and measured.block([64] * 16, 1) > 0
+
+    def batch(costs: layout.LayoutCosts, lengths: list[int]) -> RowKV:
+        monkeypatch.setattr(layout, "costs", lambda shape: costs)
+        cache = RowKV([0])
+        write(cache, [[next(counter) for _ in range(lengths[0])]])
+        for length in lengths[1:]:
+            other = RowKV([0])
+            write(other, [[next(counter) for _ in range(length)]])
+            cache.extend(other)
+        write(cache, [[next(counter)] for _ in lengths])
+        return cache
+    cheap_rows = layout.LayoutCosts(per_row=1e-6, per_column=1e-9, fixed=1e-3, per_cell=1e-9)
+    cheap_block = layout.LayoutCosts(per_row=1e-4, per_column=1e-9, fixed=1e-5, per_cell=1e-9)
+    assert batch(cheap_rows, [5, 9, 3]).block is None
+    assert batch(cheap_block, [5, 9, 3]).block is not None
+    assert batch(cheap_block, [5, 300]).block is None  # a block would hold the short row at the long one's width
+    # within the margin, a layout is kept
+    near = layout.LayoutCosts(per_row=1e-4, per_column=0.0, fixed=1.9e-4, per_cell=0.0)  # rows 2e-4, block 1.9e-4
+    assert not near.prefers_block([10, 10], 1, None, now_block=False) and near.prefers_block([10, 10], 1, None, True)
