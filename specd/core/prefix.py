@@ -559,18 +559,22 @@ class RowPrefixes:
             width = need
         return width, [max(0, n - width) for n in lengths]
 
-    def admissible(self, contexts: list[Sequence[int]], matches: list[int], limits: list[int]) -> bool:
+    def admissible(self, contexts: list[Sequence[int]], matches: list[int], limits: list[int],
+                   chunk_tokens: int) -> bool:
         """Whether rows are worth starting together: at most one starts from
         a cached prefix (its prefill attends to its whole context, so a
-        second one would only delay the first one's first token), none gives
+        second one would only delay the first one's first token), unless the
+        whole group's prefill fits one chunk of ``chunk_tokens`` (every row's
+        first token then comes in the same step, which rows started one
+        group after another would spread over as many steps), none gives
         up more of its cached prefix than ``SLACK`` or what it runs anyway,
         and no two would compute the same uncached prefix (the second waits
         and then finds it cached)."""
         if self.tree is None or len(contexts) == 1:
             return True
-        if sum(1 for m in matches if m) > 1:
+        width, starts = self.plan(contexts, limits)
+        if sum(1 for m in matches if m) > 1 and width * len(contexts) > chunk_tokens:
             return False
-        _, starts = self.plan(contexts, limits)
         for m, s, c in zip(matches, starts, contexts):
             if m - s > max(self.SLACK, len(c) - m):
                 return False

@@ -46,6 +46,11 @@ class EngineUnavailable(Exception):
     """The engine is draining or stopped (HTTP 503)."""
 
 
+# An idle engine's first arrival waits for companions until none comes for SETTLE_S (at most SETTLE_MAX_S)
+SETTLE_S = 0.001
+SETTLE_MAX_S = 0.005
+
+
 class Inbox:
     """What the event loop hands the engine thread: arrivals, cancellations,
     updates to run between steps, and stop. An arrival becomes a ``Sequence``
@@ -95,10 +100,20 @@ class Inbox:
             self._cv.notify()
 
     def take(self, busy: bool) -> StepInputs | None:
-        """Wait for work unless ``busy``; take what arrived since the last step (None: stop)."""
+        """Wait for work unless ``busy``; take what arrived since the last step (None: stop).
+        An idle engine woken by an arrival first lets the requests that came with it arrive too
+        (until none has for ``SETTLE_S``, at most ``SETTLE_MAX_S``), so clients that start
+        together are prefilled as one group rather than one step after another."""
         with self._cv:
             while not (busy or self._arrivals or self._cancelled or self._updates or self.stopped):
                 self._cv.wait()
+            if not busy and self._arrivals:
+                deadline = time.monotonic() + SETTLE_MAX_S
+                while not self.stopped and (left := deadline - time.monotonic()) > 0:
+                    waiting = len(self._arrivals)
+                    self._cv.wait(min(SETTLE_S, left))
+                    if len(self._arrivals) == waiting:
+                        break
             if self.stopped:
                 return None
             arrivals = list(self._arrivals)

@@ -290,7 +290,8 @@ class Scheduler:
             if (holds or seqs) and not self.kv.fits(holds + [own]):
                 self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
                 break
-            if self.prefixes.admissible(contexts + [context], matches + [match], limits + [limit]):
+            if self.prefixes.admissible(contexts + [context], matches + [match], limits + [limit],
+                                        self.config.prefill_step_tokens):
                 seqs.append(seq)
                 contexts.append(context)
                 limits.append(limit)
