@@ -523,6 +523,24 @@ def test_static_mode_follows_the_seed_rules():
     assert offs == ["low_acceptance"] * 3 + [None]  # the 4th step probes
 
 
+
+@pytest.mark.parametrize("policy", [None, PolicySettings(mode="static", max_speculative_tokens=6)])
+def test_the_k_asked_is_shortened_when_its_last_proposals_do_not_pay(policy):
+    """As requests ask (no policy) or under a static one, k is a ceiling: a draft model at 40%
+    acceptance on a machine where every verified token costs as much as a plain step yields
+    most at k = 1, never at 0 (a request that asked to speculate does); a cheap verify keeps k."""
+    steep = StaticController(policy, "p", costs(0.0, 0.001, 0.0005, 0.0001))
+    assert steep.plan(rows([0.4] * 4, budget=5, draft=True), 4) == ([1] * 4, None)
+    # budgets below the chosen k stay theirs
+    assert steep.plan([Row(0, True, iid(0.4)), Row(3, True, iid(0.4))], 2) == ([0, 1], None)
+    flat = StaticController(policy, "p", costs(0.010, 0.00001))
+    assert flat.plan(rows([0.4] * 4, budget=5, draft=True), 4) == ([5] * 4, None)
+    # nothing measured beside a plain step: every width is modelled alike, k stays as asked
+    unmeasured = CostModel()
+    unmeasured.observe_target(4, 6, 0.05)
+    unmeasured.observe_draft(4, 5, 0.05)
+    assert StaticController(policy, "p", unmeasured).plan(rows([0.4] * 4, budget=5, draft=True), 4) == ([5] * 4, None)
+
 def test_estimates_move_towards_what_is_observed():
     controller = GoodputController(PolicySettings(ema_alpha=0.5), "p", costs(0.01, 0.0))
     estimate = controller.new_estimate()

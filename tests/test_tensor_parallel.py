@@ -161,22 +161,28 @@ def test_greedy_output_matches_single_process_in_mixed_batches(tp):
         assert got == ref == baseline[prompt], (prompt, method)
 
 
-def speculation_stats(client, model: str, method: str) -> dict:
-    """The speculation report of a greedy completion that repeats itself (so proposals match)."""
+def speculation_report(client, model: str, method: str) -> tuple[str, dict]:
+    """The text and speculation report of a greedy completion that repeats itself (so proposals match)."""
     reply = client.completions.create(model=model, prompt=PROMPTS[0] * 3, max_tokens=32, temperature=0,
                                       extra_body={"speculation": {"method": method}})
-    return reply.usage.model_extra["speculation"]
+    return reply.choices[0].text, reply.usage.model_extra["speculation"]
 
 
 def assert_speculates_as_single(client, model: str) -> None:
-    """Same rounds, proposals and acceptances as ``single``, n-gram and draft alike, and the draft drafts."""
+    """The text ``single`` writes, n-gram and draft alike, and both speculate with the method
+    asked. How many tokens a round proposes is each engine's own choice (the k asked is a
+    ceiling the cost model shortens from timed steps; a group's ranks take rank 0's), so
+    the counts may differ from one process to another, never the tokens."""
     for method in ("ngram", "draft"):
-        assert speculation_stats(client, model, method) == speculation_stats(client, "single", method)
-    assert speculation_stats(client, model, "draft")["rounds"] > 0
+        (text, report), (single_text, single) = (speculation_report(client, m, method) for m in (model, "single"))
+        assert text == single_text
+        assert report["method"] == single["method"] == method
+        assert report["rounds"] > 0 and single["rounds"] > 0
+        assert 0 < report["draft_tokens"] and report["accepted_tokens"] <= report["draft_tokens"]
 
 
-def test_group_speculates_exactly_as_a_single_process(tp):
-    """The ranks' speculation is the single engine's."""
+def test_group_speculates_as_a_single_process(tp):
+    """The ranks speculate, and write what the single engine writes."""
     assert_speculates_as_single(client_for(tp), "tp")
 
 

@@ -1,10 +1,15 @@
 """Speculation controllers: how far each request speculates this step.
 
-``StaticController`` is the seed policy (``mode: static``): an EMA of the
-model's acceptance rate, speculation off when the batch reaches
+``StaticController`` is the seed policy (``mode: static``), and what rows
+speculate by with no policy at all (as requests ask): an EMA of the model's
+acceptance rate, speculation off when the batch reaches
 ``disableByBatchSize`` or the EMA falls below ``acceptanceRateThreshold``, k
 capped by ``maxSpeculativeTokens``; while acceptance keeps speculation off,
-every ``probeInterval``-th step still speculates so the EMA can recover.
+every ``probeInterval``-th step still speculates so the EMA can recover. The
+k asked is a ceiling: the cost model shortens it when a shorter proposal
+yields more tokens per second (never to 0, which only a goodput policy may
+choose, measuring plain steps beside it); with nothing measured yet, every
+width is modelled alike and k stays as asked.
 
 ``GoodputController`` (``mode: goodput``) chooses, every step, the k that
 maximises expected tokens per second of wall time for the whole batch, from
@@ -63,8 +68,10 @@ class StaticController:
         speculation is off this step if it is."""
         policy = self.policy
         asked = [r.budget for r in rows]
-        if policy is None or not any(asked):
+        if not any(asked):
             return asked, None
+        if policy is None:
+            return self.shortened(rows, asked), None
         if not policy.enabled:
             return [0] * len(rows), "policy_disabled"
         if policy.disable_by_batch_size is not None and batch_size >= policy.disable_by_batch_size:
@@ -73,7 +80,29 @@ class StaticController:
             self._steps_off += 1
             if self._steps_off % policy.probe_interval:
                 return [0] * len(rows), "low_acceptance"
-        return [min(k, policy.max_speculative_tokens) for k in asked], None
+        return self.shortened(rows, [min(k, policy.max_speculative_tokens) for k in asked]), None
+
+    def shortened(self, rows: list[Row], ks: list[int]) -> list[int]:
+        """``ks`` cut to the k (at least 1) with the most expected tokens per second by the cost
+        model, the longest on a tie: drafting and verifying a long proposal may cost more than its
+        last tokens yield."""
+        longest = max(ks)
+        if not self.costs.steps.relative:  # what a wider step costs is not known yet
+            return ks
+        best = max(range(longest, 0, -1), key=lambda k: self._rate_of(rows, [min(k, n) for n in ks]))
+        return ks if best == longest else [min(best, n) for n in ks]
+
+    def _rate_of(self, rows: list[Row], ks: list[int]) -> float:
+        """Expected tokens per second for the batch if row i proposes ``ks[i]``."""
+        drafted = [k for r, k in zip(rows, ks) if k and r.drafts(k)]
+        seconds = (self.costs.target_seconds(len(rows), 1 + max(ks))
+                   + self.costs.draft_seconds(len(drafted), max(drafted, default=0)))
+        return self._expected(rows, ks) / seconds
+
+    @staticmethod
+    def _expected(rows: list[Row], ks: list[int]) -> float:
+        """Expected tokens a step yields for the batch if row i proposes ``ks[i]``."""
+        return sum(r.estimate.expected_tokens(k) for r, k in zip(rows, ks))
 
     def new_estimate(self) -> AcceptanceEstimate:
         """A request's starting estimate: the model's recent acceptance by position, weakly held."""
@@ -215,18 +244,6 @@ class GoodputController(StaticController):
         """Expected tokens per second for the batch if ``use`` rows propose up to k
         (without the draft model, if lookups alone yield more)."""
         return self._rate_of(rows, self._lookups_alone(rows, self._ks(rows, k, use)))
-
-    def _rate_of(self, rows: list[Row], ks: list[int]) -> float:
-        """Expected tokens per second for the batch if row i proposes ``ks[i]``."""
-        drafted = [k for r, k in zip(rows, ks) if k and r.drafts(k)]
-        seconds = (self.costs.target_seconds(len(rows), 1 + max(ks))
-                   + self.costs.draft_seconds(len(drafted), max(drafted, default=0)))
-        return self._expected(rows, ks) / seconds
-
-    @staticmethod
-    def _expected(rows: list[Row], ks: list[int]) -> float:
-        """Expected tokens a step yields for the batch if row i proposes ``ks[i]``."""
-        return sum(r.estimate.expected_tokens(k) for r, k in zip(rows, ks))
 
 
 def make_controller(policy: PolicySettings | None, name: str | None, costs: CostModel,

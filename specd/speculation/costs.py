@@ -42,6 +42,11 @@ class StepCostTable:
         (b0, s0) = below[-1] if below else above[0]
         return s0 * rows / b0 if below else s0  # more rows never cost less
 
+    @property
+    def relative(self) -> bool:
+        """Whether some batch size has a wider step measured beside a plain one."""
+        return any(w > 1 and (b, 1) in self.seconds for b, w in self.seconds)
+
     def _width_factor(self, rows: int, width: int) -> float:
         """How much a ``width`` step costs relative to a plain one, from the
         nearest batch size where such a width was measured (the larger one on
