@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -205,12 +206,6 @@ def _forge(args: argparse.Namespace) -> int:
     return forge.run(args)
 
 
-def _train_eagle(args: argparse.Namespace) -> int:
-    from .forge import eagle
-
-    return eagle.run(args)
-
-
 def _doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
@@ -289,10 +284,11 @@ def _forge_arguments(parser: argparse.ArgumentParser) -> None:
     forge.add_arguments(parser)
 
 
-def _train_eagle_arguments(parser: argparse.ArgumentParser) -> None:
-    from .forge import eagle
-
-    eagle.add_arguments(parser)
+def _trainer(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """A forge trainer's (add its arguments, run it), imported only when its command is used."""
+    def load():
+        return importlib.import_module(f"specd.forge.{module}")
+    return (lambda parser: load().add_arguments(parser)), (lambda args: load().run(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,8 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("forge", help="build a deterministic target/draft model pair",
                    define=_forge_arguments).set_defaults(func=_forge)
-    sub.add_parser("train-eagle", help="train an EAGLE draft head for a local target",
-                   define=_train_eagle_arguments).set_defaults(func=_train_eagle)
+    for command, module, what in (("train-eagle", "eagle", "train an EAGLE draft head for a local target"),
+                                  ("train-mtp", "mtp", "train an MTP head into a local target's checkpoint")):
+        define, run = _trainer(module)
+        sub.add_parser(command, help=what, define=define).set_defaults(func=run)
 
     from . import service
 

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, model_manifest, start_daemon
 from specd.speculation.eagle.checkpoint import save_head
+from specd.forge.mtp import fresh_head, save_mtp_head
 from specd.speculation.eagle.head import EagleConfig, EagleHead
 
 
@@ -154,6 +155,8 @@ BAD = {
                    "spec: {targetRef: m, method: ngram, numSpeculativeTokens: -2}\n", "spec.numSpeculativeTokens"),
     "eagle without a head": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
                              "spec: {targetRef: m, method: eagle}\n", "spec.source"),
+    "mtp with a source": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
+                          "spec: {targetRef: m, method: mtp, source: /h}\n", "spec.source"),
     "tree for n-gram": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
                         "spec: {targetRef: m, method: ngram, eagle: {topK: 2}}\n", "spec.eagle"),
     "tree smaller than k": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
@@ -264,6 +267,31 @@ def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(
                       .get("reason") == "DraftLoadFailed" and c, what="DraftLoadFailed")
     assert "hidden" in failed["message"]
     assert client.completions.create(model="eg", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_an_mtp_pairing_drafts_with_the_checkpoints_own_head_and_one_without_fails_only_the_pairing(
+        forged, tmp_path, empty_daemon):
+    d = empty_daemon
+    with_head = tmp_path / "with-head"
+    shutil.copytree(forged / "target", with_head)
+    save_mtp_head(fresh_head(load(str(with_head))[0]), with_head)
+    pairing = ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: nextn}\n"
+               "spec: {targetRef: mt, method: mtp, numSpeculativeTokens: 3}\n")
+    specd(d, "apply", "-f", "-", stdin=model_manifest("mt", with_head) + "---\n" + pairing
+          + "---\n" + model_manifest("plain", forged / "target") + "---\n"
+          + pairing.replace("nextn", "none").replace("mt,", "plain,"))
+    wait_for(lambda: ready(d, "dp", "nextn"), what="MTP pairing attached")
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    reply = client.completions.create(model="mt", prompt="def f(", max_tokens=24, temperature=0)
+    assert reply.usage.speculation["method"] == "mtp" and reply.usage.speculation["rounds"] > 0
+    plain = client.completions.create(model="mt", prompt="def f(", max_tokens=24, temperature=0,
+                                      extra_body={"speculation": {"method": "none"}})
+    assert reply.choices[0].text == plain.choices[0].text
+    # a checkpoint without a head fails its pairing, saying why; its model keeps serving
+    failed = wait_for(lambda: (c := get(d, "dp", "none").get("status", {}).get("conditions", [{}])[0])
+                      .get("reason") == "DraftLoadFailed" and c, what="DraftLoadFailed")
+    assert "ships no MTP head" in failed["message"]
+    assert client.completions.create(model="plain", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
 
 
 def test_watched_manifests_hot_reload_a_policy_during_a_stream(forged, tmp_path):

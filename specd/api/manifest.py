@@ -250,11 +250,14 @@ def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec
             {"targetRef", "method"})
     target = _check_type(spec["targetRef"], str, f"{path}.targetRef")
     method = _check_type(spec["method"], str, f"{path}.method")
-    if method not in ("ngram", "draft", "eagle"):
-        raise ManifestError(f'must be "ngram", "draft" or "eagle", got {shown(method)}', f"{path}.method")
+    if method not in ("ngram", "draft", "eagle", "mtp"):
+        raise ManifestError(f'must be "ngram", "draft", "eagle" or "mtp", got {shown(method)}', f"{path}.method")
     source = spec.get("source")
     if source is not None:
         _check_type(source, str, f"{path}.source")
+    if method == "mtp" and source is not None:
+        raise ManifestError("method mtp drafts with the head the target's own checkpoint ships: it takes no source",
+                            f"{path}.source")
     if method in ("draft", "eagle") and not source:
         what = "the draft model's" if method == "draft" else "the EAGLE head's"
         raise ManifestError(f"method {method} needs {what} source", f"{path}.source")

@@ -56,8 +56,9 @@ def _engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | Non
     speculation, drafter, pairing_error = NO_SPECULATION, None, ""
     if pairing is not None:
         try:
+            source = spec.source if pairing.method == Method.MTP else pairing.spec.source  # the target's own
             drafter = None if pairing.method == Method.NGRAM else load_drafter(
-                pairing.method, pairing.spec.source, pairing.name, model, tokenizer)
+                pairing.method, source, pairing.name, model, tokenizer)
             speculation = pairing.speculation()
         except Exception as exc:
             pairing_error = f"{type(exc).__name__}: {exc}"
@@ -77,8 +78,9 @@ def _embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[
 async def _group(name: str, spec: ModelSpec, placed: Placement, pairing: Pairing | None,
                  on_failure: Callable[[], None]) -> Started:
     speculation, draft_source, pairing_error = NO_SPECULATION, None, ""
-    if pairing is not None and pairing.method == Method.EAGLE:
-        pairing_error = "EAGLE heads are not supported under tensor parallelism yet"
+    if pairing is not None and pairing.method in (Method.EAGLE, Method.MTP):
+        what = "EAGLE" if pairing.method == Method.EAGLE else "MTP"
+        pairing_error = f"{what} heads are not supported under tensor or pipeline parallelism yet"
     elif pairing is not None:
         speculation = pairing.speculation()
         draft_source = pairing.spec.source if pairing.method == Method.DRAFT else None

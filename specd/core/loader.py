@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +37,47 @@ def load_model(source: str, revision: str | None = None) -> tuple[nn.Module, obj
     model, tokenizer = mlx_lm_load(resolve_source(source), revision=revision)
     materialize(model)
     return model, tokenizer
+
+
+CONVERT_BIN = (
+    "MLX cannot read PyTorch pickles (pytorch_model*.bin); convert them once, in the checkpoint "
+    "directory (a hub repo: `huggingface-cli download REPO --local-dir DIR` first, then load DIR):\n"
+    "  python -c \"import glob, torch; from safetensors.torch import save_file; "
+    "sd = {k: v.clone().contiguous() for f in sorted(glob.glob('pytorch_model*.bin')) "
+    "for k, v in torch.load(f, map_location='cpu').items()}; "
+    "save_file(sd, 'model.safetensors', metadata={'format': 'pt'})\""
+)
+
+
+def checkpoint_directory(source: str) -> Path:
+    """A checkpoint's local directory: the directory given, or the hub snapshot of its config and
+    safetensors (downloaded where they are not cached yet)."""
+    from mlx_lm.utils import _download
+
+    return Path(_download(resolve_source(source), allow_patterns=["*.json", "*.safetensors"]))
+
+
+def read_tensors(path: Path, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, mx.array]:
+    """The ``wanted`` tensors of a checkpoint directory's safetensors files, by name (loaded lazily
+    by MLX; with an index, only the files that hold wanted ones are opened)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({path / f for name, f in json.loads(index.read_text())["weight_map"].items() if wanted(name)})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files and not index.exists():
+        found = sorted(p.name for p in path.glob("*.bin"))
+        raise FileNotFoundError(f"{path} has no *.safetensors weights"
+                                + (f" (it has {', '.join(found)})" if found else "") + ". " + CONVERT_BIN)
+    tensors: dict[str, mx.array] = {}
+    for file in files:
+        for name, array in mx.load(str(file)).items():
+            if not wanted(name):
+                continue
+            if name in tensors:
+                raise ValueError(f"tensor {name} appears twice in {path}")
+            tensors[name] = array
+    return tensors
 
 
 def text_config(model: nn.Module) -> dict:

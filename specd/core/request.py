@@ -16,6 +16,11 @@ class Method(enum.StrEnum):
     NGRAM = "ngram"
     DRAFT = "draft"
     EAGLE = "eagle"
+    MTP = "mtp"  # the head the target's checkpoint ships
+
+
+# the methods that draft with a model the pairing attaches, and what each is called
+DRAFTERS = {Method.DRAFT: "draft model", Method.EAGLE: "EAGLE head", Method.MTP: "MTP head"}
 
 
 @dataclass(frozen=True)

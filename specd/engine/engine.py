@@ -25,6 +25,7 @@ from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
 from ..speculation.config import PolicySettings
 from ..speculation.eagle.checkpoint import load_head
+from ..speculation.mtp.checkpoint import load_mtp_head
 from . import threads
 from .scheduler import EngineConfig, Scheduler, StepInputs, check_request
 
@@ -32,9 +33,12 @@ log = structlog.get_logger(__name__)
 
 
 def load_drafter(method: Method, source: str, pairing: str, target: nn.Module, tokenizer) -> nn.Module:
-    """Load (blocking) a pairing's draft model or EAGLE head, checked against the target."""
+    """Load (blocking) a pairing's draft model, EAGLE head or MTP head (``source``: the
+    target's own checkpoint), checked against the target."""
     if method == Method.EAGLE:
         return load_head(source, target)
+    if method == Method.MTP:
+        return load_mtp_head(source, target)
     return load_draft_model(source, target, tokenizer, pairing)
 
 

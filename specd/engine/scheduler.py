@@ -37,7 +37,7 @@ from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence
 from ..metrics import Metrics
-from ..core.request import Method, SpeculationConfig
+from ..core.request import DRAFTERS, Method, SpeculationConfig
 from ..speculation.speculator import Speculator
 from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
 from .plan import DecodeStep, PrefillChunk, PrefillGroup
@@ -396,8 +396,8 @@ def check_request(request: GenerationRequest, model: str, drafter: Method | None
             raise RequestRejected(f"logit_bias names token {token}; this model's vocabulary is [0, {vocab})",
                                   "logit_bias")
     spec = request.speculation
-    if spec is not None and spec.method in (Method.DRAFT, Method.EAGLE) and drafter != spec.method:
-        what = "draft model" if spec.method == Method.DRAFT else "EAGLE head"
+    if spec is not None and spec.method in DRAFTERS and drafter != spec.method:
+        what = DRAFTERS[spec.method]
         raise RequestRejected(f"model {model!r} has no {what}; declare a DraftPairing "
                               f"with method: {spec.method}, or ask for ngram", "speculation.method")
     if not request.prompt_tokens:

@@ -310,9 +310,11 @@ def train_eagle(target: Path, out: Path, version: int = 1, corpus: list[Path] | 
     return head, info
 
 
-def _train(head: EagleHead, model: nn.Module, capture: FeatureCapture, loss_fn: Loss,
-           data: np.ndarray, cfg: TrainConfig, seed: int, log: Log) -> tuple[list[float], int, float]:
-    """AdamW on random windows of ``data``; returns the losses, steps and seconds."""
+def _train(head: nn.Module, model: nn.Module, capture: FeatureCapture, loss_fn: Loss,
+           data: np.ndarray, cfg: TrainConfig, seed: int, log: Log,
+           command: str = "train-eagle") -> tuple[list[float], int, float]:
+    """AdamW on random windows of ``data`` (a head that reads ``capture``'s features: an EAGLE or
+    an MTP head); returns the losses, steps and seconds."""
     if len(data) <= cfg.seq:
         raise ValueError(f"{len(data)} training tokens are too few for --seq-len {cfg.seq}")
     embed, _ = target_parts(model)
@@ -343,7 +345,7 @@ def _train(head: EagleHead, model: nn.Module, capture: FeatureCapture, loss_fn: 
         losses.append(loss.item())
         if (now := time.monotonic()) - last_log >= 30:
             last_log = now
-            log(f"train-eagle: step {n + 1} loss {np.mean(losses[-20:]):.3f} "
+            log(f"{command}: step {n + 1} loss {np.mean(losses[-20:]):.3f} "
                 f"{(n + 1) * cfg.batch * cfg.seq / (now - start):.0f} tok/s {now - start:.0f}s")
     return losses, len(losses), time.monotonic() - start
 

@@ -499,6 +499,7 @@ FAMILIES: dict[str, dict] = {
         "scoring_func": "sigmoid",
         "routed_scaling_factor": 2.5,
         "num_nextn_predict_layers": 1,
+        "num_nextn_predict_layers": 1,
         "hidden_act": "silu",
         "attention_bias": False,
         "max_position_embeddings": 163840,

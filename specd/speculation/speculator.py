@@ -28,13 +28,15 @@ from ..core.prefix import PrefixStore, RowPrefixes
 from ..core.sequence import Sequence
 from ..metrics import Metrics
 from .acceptance import AcceptanceEstimate, AcceptanceHistory
-from ..core.request import NO_SPECULATION, Method, SpeculationConfig
+from ..core.request import DRAFTERS, NO_SPECULATION, Method, SpeculationConfig
 from .config import PolicySettings
 from .controller import Row, StaticController, make_controller
 from .costs import CostModel
 from .draft import DraftModelProposer
 from .eagle.head import EagleHead
 from .eagle.proposer import EagleProposer
+from .mtp.head import MTPHead
+from .mtp.proposer import MTPProposer
 from .exploration import Realised
 from .ngram import NgramProposer
 from .proposer import Drafts, Outcome, Proposal, Proposer, Round
@@ -90,9 +92,10 @@ class Speculator:
         store.drop("drafter")  # what the old drafter cached
         if drafter is None:
             self.drafter = None
-        elif isinstance(drafter, EagleHead):
+        elif isinstance(drafter, (EagleHead, MTPHead)):
             head = RowPrefixes(store.tree("drafter", stateful=False) if store.enabled else None, [None])
-            self.drafter = EagleProposer(drafter, self.target, head)
+            proposer = EagleProposer if isinstance(drafter, EagleHead) else MTPProposer
+            self.drafter = proposer(drafter, self.target, head)
         else:
             self.drafter = DraftModelProposer(drafter, model_prefixes(drafter, store, "drafter"))
 
@@ -137,7 +140,7 @@ class Speculator:
         ema = self.controller.ema
         rate = self.acceptance_rate
         drafter = self.drafter_method
-        if isinstance(self.drafter, EagleProposer):
+        if isinstance(self.drafter, EagleProposer) and isinstance(self.drafter.head, EagleHead):
             drafter = f"eagle-{self.drafter.head.config.version}"
         return {"default": self.default.method,
                 "drafter": drafter,
@@ -153,8 +156,8 @@ class Speculator:
 
     def spec_for(self, seq: Sequence) -> SpeculationConfig:
         spec = seq.request.speculation or self.default
-        # a grammar checks chains; recurrent state cannot keep one branch of a tree
-        chains = self.chains_only or seq.constraint is not None
+        # a grammar checks chains; recurrent state cannot keep one branch of a tree; an MTP head drafts chains
+        chains = self.chains_only or seq.constraint is not None or spec.method == Method.MTP
         return replace(spec, tree_top_k=1) if chains and spec.tree_top_k > 1 else spec
 
     def prefilled(self, seqs: list[Sequence], start: int, end: int, padding: list[int], first: bool) -> None:
@@ -172,7 +175,7 @@ class Speculator:
         needs the target's features of every position it has no cached
         entry for, so the target runs those again."""
         limit = len(seq.prefill_tokens)
-        if isinstance(self.drafter, EagleProposer) and self.spec_for(seq).method == Method.EAGLE:
+        if isinstance(self.drafter, EagleProposer) and self.spec_for(seq).method == self.drafter.method:
             limit = min(limit, self.drafter.cached(seq.prefill_tokens))
         return limit
 
@@ -248,7 +251,7 @@ class Speculator:
                 estimate = self.estimates[s] = self.controller.new_estimate()
             if budget and spec.method == Method.DRAFT:
                 found[i] = self.ngram.lookup(s, spec, budget)
-            rows.append(Row(budget, spec.method in (Method.DRAFT, Method.EAGLE), estimate, len(found.get(i, ()))))
+            rows.append(Row(budget, spec.method in DRAFTERS, estimate, len(found.get(i, ()))))
         ks, reason = self.controller.plan(rows, len(seqs))
         if self.agree is not None:
             ks = self.agree(ks)

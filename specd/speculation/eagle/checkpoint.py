@@ -27,20 +27,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...core.loader import materialize, resolve_source, text_config, vocab_size
+from ...core.loader import checkpoint_directory, materialize, read_tensors, text_config, vocab_size
 from ...core.model_parts import decoder, final_norm
 from .head import EagleConfig, EagleHead
 
 EAGLE1_ARCHITECTURE = "LlamaForCausalLM"  # what SafeAILab's EAGLE-1 configs say
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # SpecForge / SGLang
-CONVERT_BIN = (
-    "MLX cannot read PyTorch pickles (pytorch_model*.bin); convert them once, in the checkpoint "
-    "directory (a hub repo: `huggingface-cli download REPO --local-dir DIR` first, then load DIR):\n"
-    "  python -c \"import glob, torch; from safetensors.torch import save_file; "
-    "sd = {k: v.clone().contiguous() for f in sorted(glob.glob('pytorch_model*.bin')) "
-    "for k, v in torch.load(f, map_location='cpu').items()}; "
-    "save_file(sd, 'model.safetensors', metadata={'format': 'pt'})\""
-)
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -60,9 +52,9 @@ def load_head(source: str | Path, target: nn.Module) -> EagleHead:
     """Load an EAGLE-1 or EAGLE-3 head for ``target`` from a local directory or
     a hub repo id, checked tensor by tensor, cast to the target's dtype and
     frozen (``unfreeze()`` it to fine-tune)."""
-    path = _fetch(str(source))
+    path = checkpoint_directory(str(source))
     config = _flat_config(json.loads((path / "config.json").read_text()))
-    tensors = _read_tensors(path)
+    tensors = read_tensors(path)
     version = 3 if _is_eagle3(config, tensors) else 1
     head = EagleHead(_eagle_config(config, version, tensors, target, path))
     weights = _head_weights(head, tensors, target, path)
@@ -96,35 +88,9 @@ def save_head(head: EagleHead, out_dir: Path, target_config: dict | None = None)
 # -- reading ------------------------------------------------------------------
 
 
-def _fetch(source: str) -> Path:
-    """A local checkpoint directory, downloading a hub repo's config and safetensors."""
-    from mlx_lm.utils import _download
-
-    return Path(_download(resolve_source(source), allow_patterns=["*.json", "*.safetensors"]))
-
-
 def _flat_config(raw: dict) -> dict:
     """The speculators format nests the layer's config in ``transformer_layer_config``."""
     return {**raw.get("transformer_layer_config", {}), **raw}
-
-
-def _read_tensors(path: Path) -> dict[str, mx.array]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        found = sorted(p.name for p in path.glob("*.bin"))
-        raise FileNotFoundError(f"{path} has no *.safetensors weights"
-                                + (f" (it has {', '.join(found)})" if found else "") + ". " + CONVERT_BIN)
-    tensors: dict[str, mx.array] = {}
-    for file in files:
-        for name, array in mx.load(str(file)).items():
-            if name in tensors:
-                raise ValueError(f"tensor {name} appears twice in {path}")
-            tensors[name] = array
-    return tensors
 
 
 def _is_eagle3(config: dict, tensors: dict) -> bool:

@@ -135,6 +135,21 @@ class EagleHead(nn.Module):
     def layer(self) -> EagleLayer:
         return self.layers[0] if self.config.version == 1 else self.midlayer
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs it reads (none: the final norm's)."""
+        return self.config.feature_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def row_bytes(self) -> int:
+        """One position of its cache: keys and values of its one layer."""
+        c = self.config
+        return 2 * c.num_key_value_heads * c.head_dim * self.layer.self_attn.k_proj.weight.itemsize
+
     def fuse(self, features: mx.array) -> mx.array:
         """The hidden state the head reads from captured target features
         (EAGLE-3: ``fc`` over the three layers; EAGLE-1: the features as they are)."""

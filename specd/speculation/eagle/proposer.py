@@ -37,19 +37,19 @@ from ..tree import DraftTree
 from .capture import FeatureCapture
 from ...core.model_parts import target_parts
 from .head import EagleHead
+from ..mtp.head import MTPHead
 
 
 class EagleProposer:
     method = Method.EAGLE
 
-    def __init__(self, head: EagleHead, target: nn.Module, prefixes: RowPrefixes):
+    def __init__(self, head: EagleHead | MTPHead, target: nn.Module, prefixes: RowPrefixes):
         self.head = head
         self.prefixes = prefixes  # the head's cached entries, keyed by token pairs
         self.origin: dict[Sequence, RowPrefix | None] = {}  # where a row not in the head's cache yet starts
         self.embed, self.lm_head = target_parts(target)
-        self.capture = FeatureCapture(target, head.config.feature_layers)
-        itemsize = head.layer.self_attn.k_proj.weight.itemsize
-        self.row_bytes = (2 * head.config.num_key_value_heads * head.config.head_dim * itemsize, 0)  # one layer
+        self.capture = FeatureCapture(target, head.feature_layers)
+        self.row_bytes = (head.row_bytes, 0)
         self.rows: FollowedRows[int] = FollowedRows()  # per row: positions in the head's cache
         self.queued: dict[Sequence, list[mx.array]] = {}  # fused features not fed to the head yet
         self.caught_up = False
@@ -114,7 +114,7 @@ class EagleProposer:
         rows = self.rows
         held = [s for s in seqs if s in rows]
         if held:
-            empty = (mx.zeros((0, self.head.config.hidden_size)), [])
+            empty = (mx.zeros((0, self.head.hidden_size)), [])
             pairs = [self._pairs(s, rows.state[s]) if s in held else empty for s in rows.seqs]
             self._feed(pairs, rows.cache, left=False)
             for s, (f, _) in zip(rows.seqs, pairs):
