@@ -17,7 +17,9 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import load
 
 from conftest import code_sample, run_engine, two_sample_chi2
@@ -25,7 +27,7 @@ from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
 from specd.engine.scheduler import RequestRejected
 from specd.forge.mtp import WEIGHTS_FILE, fresh_head, save_mtp_head, train_mtp
-from specd.speculation.mtp.checkpoint import NoMTPHead, load_mtp_head
+from specd.speculation.mtp.checkpoint import MIMO, NEXTN, QWEN3_NEXT, Layout, NoMTPHead, load_mtp_head
 
 GREEDY = SamplingParams(temperature=0)
 MTP = SpeculationConfig("mtp", 3)
@@ -43,10 +45,10 @@ def trained(forged, tmp_path_factory) -> Path:
     return directory
 
 
-def with_random_head(source: Path, directory: Path) -> Path:
+def with_random_head(source: Path, directory: Path, layout: Layout = NEXTN) -> Path:
     shutil.copytree(source, directory)
     model, _ = load(str(directory))
-    save_mtp_head(fresh_head(model, seed=1), directory)
+    save_mtp_head(fresh_head(model, seed=1), directory, layout)
     return directory
 
 
@@ -90,13 +92,41 @@ def test_a_trained_head_proposes_what_the_target_accepts_and_output_never_change
     assert info["validation"]["top1_agreement"] > 0.2, info["validation"]
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_moe", "gemma3_text", "qwen3_next", "gpt_oss"])
-def test_greedy_parity_for_each_family(family, family_models, tmp_path):
-    """A random head of each family's own layer kind (MoE, sliding windows, a hybrid target whose
-    cache rolls back by running again, attention sinks): whatever it proposes, the target decides."""
-    plain, mixed, drafted, _ = parity(with_random_head(family_models(family), tmp_path / family))
+@pytest.mark.parametrize("family, layout", [("glm4_moe", NEXTN), ("qwen3_moe", NEXTN), ("gemma3_text", NEXTN),
+                                            ("qwen3_next", QWEN3_NEXT), ("qwen3_5_moe", QWEN3_NEXT), ("mimo", MIMO),
+                                            ("lfm2", NEXTN), ("gpt_oss", NEXTN)])
+def test_greedy_parity_for_each_family(family, layout, family_models, tmp_path):
+    """A random head of each family's own attention layer kind (MoE, sliding windows, hybrid targets
+    whose cache rolls back by running again, attention sinks), in GLM's nextn layout or Qwen3-Next's
+    mtp.* one: whatever it proposes, the target decides."""
+    plain, mixed, drafted, _ = parity(with_random_head(family_models(family), tmp_path / family, layout))
     assert mixed == plain
     assert drafted > 0
+
+
+def test_a_qwen3_next_head_reads_the_same_from_its_published_layout(family_models, tmp_path):
+    """Qwen3-Next publishes its head as mtp.* with its experts one by one and its norms
+    zero-centred (1 + w): read through the family's own sanitize, it is the head the MLX layout
+    (experts stacked, norms as used) holds."""
+    source = family_models("qwen3_next")
+    model, _ = load(str(source))
+    mlx_layout, published = tmp_path / "mlx", tmp_path / "published"
+    for directory in (mlx_layout, published):
+        shutil.copytree(source, directory)
+    save_mtp_head(fresh_head(model, seed=2), mlx_layout, QWEN3_NEXT)
+    for written in ("config.json", "model.safetensors.index.json"):  # the head named in both
+        if (mlx_layout / written).exists():
+            shutil.copy(mlx_layout / written, published / written)
+    tensors = {}
+    for name, array in mx.load(str(mlx_layout / WEIGHTS_FILE)).items():
+        if ".switch_mlp." in name:
+            tensors.update({name.replace("switch_mlp.", f"experts.{e}."): array[e] for e in range(array.shape[0])})
+        else:
+            tensors[name] = array - 1 if array.ndim == 1 and "norm" in name else array
+    mx.save_safetensors(str(published / WEIGHTS_FILE), tensors)
+    ours, theirs = (dict(tree_flatten(load_mtp_head(str(d), model).parameters())) for d in (mlx_layout, published))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.allclose(ours[k], theirs[k], atol=1e-6).item() for k in ours)
 
 
 def test_sampled_tokens_follow_the_target_with_mtp(trained):
@@ -125,19 +155,15 @@ def test_checkpoints_without_a_head_are_refused_with_the_reason(forged, family_m
     # the config names a head the weights do not hold: a conversion dropped it
     dropped = with_random_head(forged / "target", tmp_path / "dropped")
     (dropped / WEIGHTS_FILE).unlink()
-    with pytest.raises(NoMTPHead, match=r"holds no model\.layers\.4\.\* weights"):
+    with pytest.raises(NoMTPHead, match=r"holds no model\.layers\.4\.\* or model\.mtp_layers\.0\.\* weights"):
         load_mtp_head(str(dropped), model)
-    # Qwen3-Next's own layout is named, not mistaken for no head
-    other = tmp_path / "qwen3_next"
-    shutil.copytree(family_models("qwen3_next"), other)
-    config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
-    with pytest.raises(NoMTPHead, match=r"mtp\.\* layout"):
-        load_mtp_head(str(other), load(str(other))[0])
-    # a hybrid whose last layer is recurrent has no attention layer to build the head as
-    lfm2 = family_models("lfm2")
-    with pytest.raises(NoMTPHead, match="not an attention layer"):
-        load_mtp_head(str(with_random_head(lfm2, tmp_path / "lfm2")), load(str(lfm2))[0])
+    # a family whose every layer mixes attention with a state space model has no layer to build the head as
+    falcon = tmp_path / "falcon_h1"
+    shutil.copytree(family_models("falcon_h1"), falcon)
+    config = json.loads((falcon / "config.json").read_text())
+    (falcon / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(NoMTPHead, match="attention alone"):
+        load_mtp_head(str(falcon), load(str(falcon))[0])
     # DeepSeek V3's latent attention runs row by row: its head cannot draft for a batch
     deepseek = family_models("deepseek_v3")
     config = json.loads((deepseek / "config.json").read_text())

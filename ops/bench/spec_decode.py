@@ -50,6 +50,8 @@ from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest, SpecStats
 from specd.core.request import Method, NO_SPECULATION, SpeculationConfig
 from specd.speculation.config import PolicySettings
+from specd.speculation.eagle.checkpoint import load_head
+from specd.speculation.mtp.checkpoint import NoMTPHead, load_mtp_head
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n",
@@ -210,13 +212,18 @@ async def measure(engine: Engine, prompts: list[list[int]], spec, max_tokens: in
 
 async def interleaved(engine: Engine, prompts: list[list[int]], configs: dict[str, tuple], max_tokens: int,
                       runs: int, concurrency: int) -> dict[str, dict[str, Any]]:
-    """Each configuration ((speculation, policy)) measured ``runs`` times, the configurations
-    taken in turn run by run, so each run's ratio to the first configuration compares runs
-    side by side (``paired``: their median): this machine's speed drifts by more than the
-    gains measured between spells of a minute."""
+    """Each configuration ((speculation, policy, drafter)) measured ``runs`` times, the
+    configurations taken in turn run by run, so each run's ratio to the first configuration
+    compares runs side by side (``paired``: their median): this machine's speed drifts by more
+    than the gains measured between spells of a minute. The engine's drafter (draft model,
+    EAGLE or MTP head) is swapped between runs where a configuration asks for another."""
     per_run: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(runs):
-        for name, (spec, policy) in configs.items():
+        for name, (spec, policy, drafter) in configs.items():
+            if drafter is not None and engine.drafter_module is not drafter:
+                engine.configure_speculation(NO_SPECULATION, drafter)
+                while engine.drafter_module is not drafter:  # applied between the engine's steps
+                    await asyncio.sleep(0.001)
             engine.set_policy(policy, None if policy is None else "goodput-default")
             per_run[name].append(await one_run(engine, prompts, spec, max_tokens, concurrency))
     engine.set_policy(None, None)
@@ -275,6 +282,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     c_draft = costs["c"]
     print(f"target step {costs['target_step_s'] * 1e3:.2f} ms, draft step {costs['draft_step_s'] * 1e3:.2f} ms, "
           f"c = {c_draft:.3f}; v(k) = " + ", ".join(f"{k}:{v:.2f}" for k, v in costs["v"].items()))
+    heads = {Method.DRAFT: draft, **drafting_heads(args, target, pair / args.target_dir)}
     engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=16), drafter=draft)
     engine.start()
     code = [tokenizer.encode(p) for p in CODE_PROMPTS]
@@ -294,23 +302,39 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"batch {conc}: target step {bc['target_step_s'] * 1e3:.2f} ms, c = {bc['c']:.3f}, "
                   f"v({args.conc_k}) = {bc['v'][args.conc_k]:.2f}")
             k, c = args.conc_k, bc["c"]
-            # name: (speculation, policy, the fixed k and the draft's cost c its ideal is modelled with)
-            configs = {f"c={conc} off": (None, None, None, None),
-                       f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None, k, 0.0),
-                       f"c={conc} draft k={k}": (SpeculationConfig(Method.DRAFT, k), None, k, c),
-                       # a SpecPolicy with the manifest's defaults
-                       f"c={conc} draft goodput": (SpeculationConfig(Method.DRAFT, k), PolicySettings(), None, c)}
-            measured = await interleaved(engine, prompts[:max(conc, 8)], {n: v[:2] for n, v in configs.items()},
+            # name: (speculation, policy, drafter, the fixed k and the draft's cost c its ideal is modelled with);
+            # each drafter as asked (k a ceiling) and under a SpecPolicy with the manifest's defaults
+            configs = {f"c={conc} off": (None, None, None, None, None),
+                       f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None, None, k, 0.0)}
+            for method, drafter in heads.items():
+                configs[f"c={conc} {method} k={k}"] = (SpeculationConfig(method, k), None, drafter, k,
+                                                       c if method == Method.DRAFT else None)
+                configs[f"c={conc} {method} goodput"] = (SpeculationConfig(method, k), PolicySettings(), drafter,
+                                                         None, None)
+            measured = await interleaved(engine, prompts[:max(conc, 8)], {n: v[:3] for n, v in configs.items()},
                                          args.max_tokens, args.runs, conc)
             base = measured[f"c={conc} off"]["tok_s"]
             for name, m in measured.items():
-                rows.append({**row(name, m, base, *configs[name][2:], bc["v"]), "paired_speedup": m["paired"]})
+                rows.append({**row(name, m, base, *configs[name][3:], bc["v"]), "paired_speedup": m["paired"]})
         print_rows("concurrency sweep (speedup vs spec-off at the same concurrency; paired: the median "
                    "of each run's ratio to the spec-off run beside it)", rows)
         result["concurrency"] = rows
     finally:
         await engine.shutdown(1)
     return result
+
+
+def drafting_heads(args: argparse.Namespace, target, target_dir: Path) -> dict[Method, Any]:
+    """The heads the concurrency sweep runs beside the draft model: the MTP head the target's
+    checkpoint ships (if it ships one), and an EAGLE head from ``--eagle``."""
+    heads: dict[Method, Any] = {}
+    try:
+        heads[Method.MTP] = load_mtp_head(str(target_dir), target)
+    except NoMTPHead as exc:
+        print(f"no MTP rows: {exc}")
+    if args.eagle:
+        heads[Method.EAGLE] = load_head(args.eagle, target)
+    return heads
 
 
 async def single_streams(engine: Engine, code: list[list[int]], rewrite: list[list[int]], ks: list[int],
@@ -345,6 +369,7 @@ def main() -> int:
     parser.add_argument("--conc-k", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--only-concurrency", action="store_true", help="skip the single-stream k sweeps")
+    parser.add_argument("--eagle", default=None, help="an EAGLE head for the target, run beside the others")
     parser.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     args = parser.parse_args()
     forge_json = Path(args.pair) / "forge.json"

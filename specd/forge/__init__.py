@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import llama
 from .chat import chat_variant
+from .mtp import train_mtp
 from .presets import BUDGET_ENV, PRESETS, Recipe, get_recipe
 from .tokenizer import EOS, IM_END, save_tokenizer, spread, stdlib_sources, train_tokenizer
 from .train import encode_corpus, evaluate, train, windows
@@ -139,6 +140,12 @@ def _build(recipe: Recipe, seed: int, staging: Path, log: Log) -> dict:
         val_loss, preds[name] = evaluate(model, val)
         info[name] = {"params": llama.num_params(model), "val_loss": round(val_loss, 4), **stats[name]}
     info["agreement_top1"] = round(float((preds["draft"] == preds["target"]).mean()), 4)
+    if recipe.mtp_train is not None:
+        cfg = recipe.mtp_train
+        log("forge: training the target's MTP head")
+        trained = train_mtp(staging / "target", steps=cfg.max_steps, budget_s=cfg.budget_s, seq_len=cfg.seq,
+                            batch=cfg.batch, lr=cfg.lr, seed=seed, log=log)
+        info["mtp"] = {"steps": trained["steps"], "seconds": trained["train_seconds"], **trained["validation"]}
     info["eos_token_ids"] = eos_ids
     info["validation_tokens"] = int(val.shape[0] * (val.shape[1] - 1))  # scored positions
     return info

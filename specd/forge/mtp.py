@@ -2,11 +2,11 @@
 
 The head (``speculation.mtp.head``) is written in the nextn layout
 (``model.layers.{num_hidden_layers}.*``, ``num_nextn_predict_layers: 1`` in
-config.json), to ``mtp.safetensors``, which ``mlx_lm.load`` does not read: the
+config.json; or Qwen3-Next's ``mtp.*``), to ``mtp.safetensors``, which ``mlx_lm.load`` does not read: the
 target still loads as before, and ``method: mtp`` finds the head.
 
-``random`` heads (the tests': parity holds whatever a head proposes) copy the
-target's last layer, re-drawn. ``train_mtp`` trains one against the frozen
+Fresh heads (the tests': parity holds whatever a head proposes) copy the
+target's last attention layer, re-drawn. ``train_mtp`` trains one against the frozen
 target on the forge's corpus, as the EAGLE heads are trained (``forge.eagle``):
 the head reads the target's normed hidden state at t and the embedding of
 token t+1, and learns the target's own distribution over token t+2 (soft
@@ -29,10 +29,10 @@ import mlx_lm
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..core.loader import materialize
+from ..core.loader import materialize, text_config, with_text_config
 from ..core.model_parts import decoder, target_parts
 from ..speculation.eagle.capture import FeatureCapture
-from ..speculation.mtp.checkpoint import OWN
+from ..speculation.mtp.checkpoint import NEXTN, Layout, attention_layer, swap_halves
 from ..speculation.mtp.head import MTPHead
 from .eagle import VAL_WINDOWS, Log, _soft_ce, _train, read_corpus, split_tokens, validate
 from .train import TrainConfig, windows
@@ -42,11 +42,11 @@ DEFAULTS = {"steps": 400, "seq_len": 128, "batch": 8, "lr": 3e-3}
 
 
 def fresh_head(model: nn.Module, seed: int = 0) -> MTPHead:
-    """An MTP head shaped for ``model``: a copy of its last decoder layer with matrices re-drawn
+    """An MTP head shaped for ``model``: a copy of its last attention layer with matrices re-drawn
     N(0, 1/fan_in), unit norms and a random ``eh_proj``."""
-    layer = copy.deepcopy(decoder(model).layers[-1])
-    config = model.args
-    head = MTPHead(layer, config.hidden_size, getattr(config, "rms_norm_eps", 1e-6), 0)
+    layer = copy.deepcopy(decoder(model).layers[attention_layer(model)])
+    text = text_config(model)
+    head = MTPHead(layer, text["hidden_size"], text.get("rms_norm_eps", 1e-6), 0)
     params = tree_flatten(head.parameters())
     keys = mx.random.split(mx.random.key(seed), len(params))
     # vectors (norm scales, biases) keep the target's values, as copies of their own: an array
@@ -59,21 +59,25 @@ def fresh_head(model: nn.Module, seed: int = 0) -> MTPHead:
     return head
 
 
-def save_mtp_head(head: MTPHead, target_dir: Path) -> None:
-    """Write ``head`` into the checkpoint at ``target_dir`` in the nextn layout."""
+def save_mtp_head(head: MTPHead, target_dir: Path, layout: Layout = NEXTN) -> None:
+    """Write ``head`` into the checkpoint at ``target_dir`` in ``layout`` (as MLX holds its layer:
+    a family's ``sanitize`` leaves such weights as they are)."""
     config_path = target_dir / "config.json"
     config = json.loads(config_path.read_text())
-    prefix = f"model.layers.{config['num_hidden_layers']}."
-    names = {mine: theirs for theirs, mine in OWN.items()}
-    weights = {prefix + (names.get(n) or n.removeprefix("layer.")): a
+    prefix = layout.prefix(with_text_config(config))
+    names = {mine: theirs for theirs, mine in layout.own.items()}
+    weights = {prefix + (names.get(n) or layout.layer + n.removeprefix("layer.")): a
                for n, a in tree_flatten(head.parameters())}
+    if layout.hidden_first:
+        projection = prefix + names["eh_proj.weight"]
+        weights[projection] = swap_halves(weights[projection])
     mx.save_safetensors(str(target_dir / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
     index = target_dir / "model.safetensors.index.json"
     if index.exists():  # a sharded checkpoint's index names every file
         data = json.loads(index.read_text())
         data["weight_map"].update({n: WEIGHTS_FILE for n in weights})
         index.write_text(json.dumps(data, indent=2) + "\n")
-    config["num_nextn_predict_layers"] = 1
+    config[layout.depth_key] = 1
     config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from .llama import LlamaShape
 from .train import TrainConfig
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 BUDGET_ENV = "SPECD_FORGE_BUDGET_S"
 PRESETS = ("test", "quick", "demo")
 QUICK_BUDGET_S = 45.0
@@ -33,6 +33,7 @@ class Recipe:
     init_std: tuple[float, float, float] = (0.02, 0.02, 0.02)
     target_train: TrainConfig | None = None
     draft_train: TrainConfig | None = None
+    mtp_train: TrainConfig | None = None  # an MTP head trained into the target's checkpoint
     val_every: int = 20  # every n-th stdlib file is held out for validation
     val_windows: int = 256
 
@@ -83,11 +84,13 @@ def _test() -> Recipe:
 
 
 def _demo(budget_s: float) -> Recipe:
-    """A briefly trained pair: a 6-layer target, then a distilled 2-layer draft.
+    """A briefly trained pair: a 6-layer target, then a distilled 2-layer draft, then an
+    MTP head in the target's checkpoint (``method: mtp``).
 
-    ``budget_s`` is the wall-clock training budget, split ~72/28 between the
-    target (which needs it most: undertrained it loses to the draft) and the
-    draft. Step caps bind first on an unloaded machine, for reproducibility.
+    ``budget_s`` is the wall-clock training budget of the pair, split ~72/28 between
+    the target (which needs it most: undertrained it loses to the draft) and the
+    draft; the MTP head has 40% of it on top. Step caps bind first on an unloaded
+    machine, for reproducibility.
     """
     target = LlamaShape(
         hidden_size=256,
@@ -115,13 +118,14 @@ def _demo(budget_s: float) -> Recipe:
         draft_train=TrainConfig(
             budget_s=round(0.28 * budget_s, 1), max_steps=900, lr=3e-3, teacher_mix=0.5
         ),
+        mtp_train=TrainConfig(budget_s=round(0.4 * budget_s, 1), max_steps=400, lr=3e-3, seq=128, batch=8),
     )
 
 
 def _quick() -> Recipe:
     """The demo's shapes trained for under a minute: what the quick start serves
     first, so its first answer does not wait for the demo pair's training."""
-    return replace(_demo(QUICK_BUDGET_S), preset="quick")
+    return replace(_demo(QUICK_BUDGET_S), preset="quick", mtp_train=None)
 
 
 def get_recipe(preset: str) -> Recipe:
