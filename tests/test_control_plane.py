@@ -240,6 +240,15 @@ def test_references_resolve_in_any_order_and_failures_are_isolated(forged, tmp_p
     assert status["metadata"]["generation"] == 1
 
 
+def assert_speculates_losslessly(client: OpenAI, model: str, method: str) -> None:
+    """A greedy completion speculates with the pairing's ``method`` and writes what it writes plainly."""
+    reply = client.completions.create(model=model, prompt="def f(", max_tokens=24, temperature=0)
+    assert reply.usage.speculation["method"] == method and reply.usage.speculation["rounds"] > 0
+    plain = client.completions.create(model=model, prompt="def f(", max_tokens=24, temperature=0,
+                                      extra_body={"speculation": {"method": "none"}})
+    assert reply.choices[0].text == plain.choices[0].text
+
+
 def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(forged, tmp_path, empty_daemon):
     d = empty_daemon
     target, _ = load(str(forged / "target"))
@@ -252,11 +261,7 @@ def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(
     specd(d, "apply", "-f", "-", stdin=model_manifest("eg", forged / "target") + "---\n" + pairing)
     wait_for(lambda: ready(d, "dp", "tree"), what="EAGLE pairing attached")
     client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
-    reply = client.completions.create(model="eg", prompt="def f(", max_tokens=24, temperature=0)
-    assert reply.usage.speculation["method"] == "eagle" and reply.usage.speculation["rounds"] > 0
-    plain = client.completions.create(model="eg", prompt="def f(", max_tokens=24, temperature=0,
-                                      extra_body={"speculation": {"method": "none"}})
-    assert reply.choices[0].text == plain.choices[0].text
+    assert_speculates_losslessly(client, "eg", "eagle")
     # a head of the wrong shape fails the pairing; the model keeps serving
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "head", broken)
@@ -282,11 +287,7 @@ def test_an_mtp_pairing_drafts_with_the_checkpoints_own_head_and_one_without_fai
           + pairing.replace("nextn", "none").replace("mt,", "plain,"))
     wait_for(lambda: ready(d, "dp", "nextn"), what="MTP pairing attached")
     client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
-    reply = client.completions.create(model="mt", prompt="def f(", max_tokens=24, temperature=0)
-    assert reply.usage.speculation["method"] == "mtp" and reply.usage.speculation["rounds"] > 0
-    plain = client.completions.create(model="mt", prompt="def f(", max_tokens=24, temperature=0,
-                                      extra_body={"speculation": {"method": "none"}})
-    assert reply.choices[0].text == plain.choices[0].text
+    assert_speculates_losslessly(client, "mt", "mtp")
     # a checkpoint without a head fails its pairing, saying why; its model keeps serving
     failed = wait_for(lambda: (c := get(d, "dp", "none").get("status", {}).get("conditions", [{}])[0])
                       .get("reason") == "DraftLoadFailed" and c, what="DraftLoadFailed")

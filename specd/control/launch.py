@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..api.manifest import ModelSpec
-from ..core.loader import context_window, load_embedding_model, load_model, weight_bytes
+from ..core.loader import checkpoint_directory, context_window, load_embedding_model, load_model, weight_bytes
 from ..core.request import Method, NO_SPECULATION
 from ..engine.embedder import Embedder, EmbedderConfig
 from ..engine.engine import Engine, load_drafter
@@ -56,7 +56,9 @@ def _engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | Non
     speculation, drafter, pairing_error = NO_SPECULATION, None, ""
     if pairing is not None:
         try:
-            source = spec.source if pairing.method == Method.MTP else pairing.spec.source  # the target's own
+            # an MTP head is read from the files the target was loaded from, at its revision
+            source = (str(checkpoint_directory(spec.source, spec.revision)) if pairing.method == Method.MTP
+                      else pairing.spec.source)
             drafter = None if pairing.method == Method.NGRAM else load_drafter(
                 pairing.method, source, pairing.name, model, tokenizer)
             speculation = pairing.speculation()

@@ -49,12 +49,13 @@ CONVERT_BIN = (
 )
 
 
-def checkpoint_directory(source: str) -> Path:
+def checkpoint_directory(source: str, revision: str | None = None) -> Path:
     """A checkpoint's local directory: the directory given, or the hub snapshot of its config and
-    safetensors (downloaded where they are not cached yet)."""
+    safetensors at ``revision`` (downloaded where they are not cached yet)."""
     from mlx_lm.utils import _download
 
-    return Path(_download(resolve_source(source), allow_patterns=["*.json", "*.safetensors"]))
+    return Path(_download(resolve_source(source), revision=revision,
+                          allow_patterns=["*.json", "*.safetensors"]))
 
 
 def read_tensors(path: Path, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, mx.array]:
