@@ -50,7 +50,7 @@ class Drafts:
     chains: dict[int, list[int]] = field(default_factory=dict)
     q: dict[int, mx.array] = field(default_factory=dict)  # sampling rows of a draft model: (k, V) q
     trees: dict[int, DraftTree] = field(default_factory=dict)  # rows offered a branching tree
-    shape: tuple[int, int] | None = None  # (rows, steps) a draft model ran: its cost model's input
+    shape: tuple[int, int] | None = None  # (rows, steps) a draft model or head ran: its cost model's input
 
 
 @dataclass

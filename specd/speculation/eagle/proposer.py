@@ -197,7 +197,7 @@ class EagleProposer:
         budget = max(spec.tree_tokens for spec in specs) if top_k > 1 else depth
         trees = self._expand([round_.seqs[i] for i in members], [ks[i] > 0 for i in members], depth, top_k, budget,
                              [spec.tree_top_k == 1 for spec in specs])
-        out = Drafts()
+        out = Drafts(shape=(len(members), depth))  # the head's steps cost like a draft model's
         for i, tree in zip(members, trees):
             if tree is None:
                 continue
