@@ -274,6 +274,45 @@ def test_a_request_becomes_a_sequence_on_the_engine_thread_never_on_the_event_lo
     assert finish == "length"  # the engine serves on
 
 
+def test_a_goodput_policy_that_measured_plain_decoding_best_runs_ahead(target):
+    """Rows asking to speculate, under a goodput policy whose measurements say plain decoding pays
+    best (no try due), start each step before the last one's tokens are read, as spec-off rows do,
+    and write what stepping whole writes."""
+    from specd.core.request import SpeculationConfig
+    from specd.engine import runner as runner_module
+    from specd.speculation.config import PolicySettings
+    from specd.speculation.exploration import Realised
+
+    ngram = SpeculationConfig("ngram", 3)
+    taken = 0
+    original = runner_module.ModelRunner._ahead_for
+
+    def counted(self, step):
+        nonlocal taken
+        launched = original(self, step)
+        taken += launched is not None
+        return launched
+
+    async def go(engine):
+        speculator = engine.scheduler.speculator
+        for bucket in (1, 2, 4, 8):
+            plain = speculator.realised[bucket] = Realised()
+            plain.baseline_left, plain.next_try[Realised.PLAIN] = 0, 10 ** 9
+        engine.set_policy(PolicySettings(), "goodput")
+        while speculator.controller.mode != "goodput":
+            await asyncio.sleep(0.001)
+
+        async def one(prompt):
+            request = GenerationRequest(f"r{next(_ids)}", prompt, GREEDY, 30, speculation=ngram)
+            return [t async for out in engine.generate(request) for t in out.tokens]
+        return await asyncio.gather(*(one(p) for p in prompts(target[1], 4, 30)))
+    whole = with_engine(target, go, decode_ahead=False)
+    with mock.patch.object(runner_module.ModelRunner, "_ahead_for", counted):
+        ahead = with_engine(target, go, decode_ahead=True)
+    assert ahead == whole
+    assert taken > 20, taken
+
+
 def test_running_ahead_changes_no_token(target):
     """Plain steps that start the next before reading their tokens (``decode_ahead``) give every
     request exactly what stepping whole gives: greedy and seeded sampled rows, a row with a

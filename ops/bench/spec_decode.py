@@ -304,8 +304,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             k, c = args.conc_k, bc["c"]
             # name: (speculation, policy, drafter, the fixed k and the draft's cost c its ideal is modelled with);
             # each drafter as asked (k a ceiling) and under a SpecPolicy with the manifest's defaults
-            configs = {f"c={conc} off": (None, None, None, None, None),
-                       f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None, None, k, 0.0)}
+            # spec-off and n-gram run beside the draft model: a head that reads the target's features
+            # would keep plain steps from starting before the previous one's tokens are read
+            configs = {f"c={conc} off": (None, None, draft, None, None),
+                       f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None, draft, k, 0.0)}
             for method, drafter in heads.items():
                 configs[f"c={conc} {method} k={k}"] = (SpeculationConfig(method, k), None, drafter, k,
                                                        c if method == Method.DRAFT else None)

@@ -150,17 +150,20 @@ class ModelRunner:
 
     # -- running ahead ------------------------------------------------------------
 
-    def _plain(self, batch: RunningBatch) -> bool:
+    def _plain(self, batch: RunningBatch, planned: DecodeStep | None = None) -> bool:
         """Whether this step and the next one, for these rows, may run without the host between
         them (see the module's docstring): where ``decode_ahead`` is on, a cache whose rollback is
         a change of length (no recurrent state), no drafter that reads the target's features (a
-        draft model follows plain rows from their tokens), and no row that may speculate, has a
-        grammar or a penalty, or would pass its context window in the next step."""
+        draft model follows plain rows from their tokens), no row that has a grammar or a penalty
+        or would pass its context window in the next step, and no row that speculates: as
+        ``planned`` (a step the scheduler planned), or, for the next step, as the controller
+        says it will plan (a goodput policy that measured plain decoding to pay best)."""
         if not self.decode_ahead or batch.cache.chains_only or self.speculator.reads_target_features:
             return False
         window = self.max_context()
-        return not any(s.constraint is not None or s.params.penalized or self.speculator.spec_for(s).enabled
-                       or s.context_length + 2 > window for s in batch.seqs)
+        if any(s.constraint is not None or s.params.penalized or s.context_length + 2 > window for s in batch.seqs):
+            return False
+        return not any(planned.round.ks) if planned is not None else self.speculator.decodes_plainly(batch.seqs)
 
     def _launch(self, batch: RunningBatch, inputs: mx.array) -> Launched:
         """Build a plain step's forward, its logits processors and its sampling (each row's own
@@ -186,7 +189,7 @@ class ModelRunner:
         batch = step.batch
         position = {s: i for i, s in enumerate(ahead.seqs)}
         index = [position.get(s) for s in batch.seqs]
-        if None not in index and self._plain(batch):
+        if None not in index and self._plain(batch, step):
             return ahead.rows(index)
         batch.cache.rollback([0 if i is None else 1 for i in index])
         for seq, i in zip(batch.seqs, index):

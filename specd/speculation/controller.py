@@ -104,6 +104,13 @@ class StaticController:
         """Expected tokens a step yields for the batch if row i proposes ``ks[i]``."""
         return sum(r.estimate.expected_tokens(k) for r, k in zip(rows, ks))
 
+    def plain_next(self, batch_size: int) -> bool:
+        """Whether the next step decodes plainly whatever the rows ask and expect (a disabled policy,
+        or a batch at ``disableByBatchSize``): the runner may start it before this one's tokens are read."""
+        policy = self.policy
+        return policy is not None and (not policy.enabled or (policy.disable_by_batch_size is not None
+                                                              and batch_size >= policy.disable_by_batch_size))
+
     def new_estimate(self) -> AcceptanceEstimate:
         """A request's starting estimate: the model's recent acceptance by position, weakly held."""
         return self.history.seed(self.PRIOR_WEIGHT)
@@ -144,6 +151,13 @@ class GoodputController(StaticController):
         batch-size bucket, as ``describe`` shows them."""
         return {f"B<={b}": {"best": r.best, **{f"k={k}": round(1000 * v, 2) for k, v in sorted(r.seconds.items())}}
                 for b, r in sorted(self.realised.items())}
+
+    def plain_next(self, batch_size: int) -> bool:
+        """Plain decoding measured best in the batch's bucket, and no try of speculating due next."""
+        if self.policy is not None and not self.policy.enabled:
+            return True
+        measured = self.realised.get(batch_bucket(batch_size))
+        return measured is not None and measured.plain_next()
 
     def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False) -> None:
         """A whole decode step's wall time, proposing to emitting; ``caught_up``:

@@ -121,6 +121,19 @@ class Realised:
         k = self.trying if trying else min(self.best, max_k)
         return self._run(k, trying), None if k else "no_gain"
 
+    def plain_next(self) -> bool:
+        """Whether the next ``decide`` is plain decoding whatever the rows' estimates: the baseline
+        is still measured, or plain decoding is best, no try is under way and none can be due."""
+        if self.baseline_left:
+            return True
+        if self.best != 0 or self.trying is not None:
+            return False
+        step = self.steps + 1
+        if step >= self.next_try.get(self.PLAIN, 0):
+            return False
+        start = self.earliest.get(self.PLAIN)
+        return not (start is not None and step >= start and (step - start) % self.FIRST_RETRY == 0)
+
     def rate(self, k: int) -> float:
         """Expected tokens per second at k for the rows of the latest step."""
         return self.tokens(k) / self.seconds[k]

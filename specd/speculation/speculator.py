@@ -209,6 +209,13 @@ class Speculator:
             return Round(seqs, last_tokens, specs, [0] * len(seqs))
         return self._plan(seqs, last_tokens, specs, budgets)
 
+    def decodes_plainly(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step's plan for these rows proposes nothing, whatever their estimates:
+        no row may speculate, or the controller will choose plain decoding for the batch."""
+        if not any(self.spec_for(s).enabled for s in seqs):
+            return True
+        return self.controller.plain_next(len(seqs))
+
     def propose(self, round_: Round) -> Proposal:
         """The round's proposals: its proposers' drafts for the k planned per row, grammar-forced
         tokens at their ends, and, when a row proposes a branching tree, every row laid out as a tree."""
