@@ -531,8 +531,9 @@ def test_the_k_asked_is_shortened_when_its_last_proposals_do_not_pay(policy):
     most at k = 1, never at 0 (a request that asked to speculate does); a cheap verify keeps k."""
     steep = StaticController(policy, "p", costs(0.0, 0.001, 0.0005, 0.0001))
     assert steep.plan(rows([0.4] * 4, budget=5, draft=True), 4) == ([1] * 4, None)
-    # budgets below the chosen k stay theirs
+    # budgets below the chosen k stay theirs; a seeded sampling row keeps its k (its RNG stream follows it)
     assert steep.plan([Row(0, True, iid(0.4)), Row(3, True, iid(0.4))], 2) == ([0, 1], None)
+    assert steep.plan([Row(3, True, iid(0.4)), Row(3, True, iid(0.4), seeded=True)], 2) == ([1, 3], None)
     flat = StaticController(policy, "p", costs(0.010, 0.00001))
     assert flat.plan(rows([0.4] * 4, budget=5, draft=True), 4) == ([5] * 4, None)
     # nothing measured beside a plain step: every width is modelled alike, k stays as asked

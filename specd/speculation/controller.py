@@ -39,6 +39,9 @@ class Row:
     drafts_with_model: bool  # its proposals cost draft-model steps
     estimate: AcceptanceEstimate
     lookup: int = 0  # tokens a prompt lookup offers a draft-model row now (free: no draft step)
+    # a seeded sampling row: how far it drafts decides how far its RNG stream advances, so it
+    # keeps the k it asked for, to sample the same alone or batched
+    seeded: bool = False
 
     def drafts(self, k: int) -> bool:
         """Whether proposing ``k`` tokens costs it draft-model steps (its lookup is shorter)."""
@@ -85,12 +88,12 @@ class StaticController:
     def shortened(self, rows: list[Row], ks: list[int]) -> list[int]:
         """``ks`` cut to the k (at least 1) with the most expected tokens per second by the cost
         model, the longest on a tie: drafting and verifying a long proposal may cost more than its
-        last tokens yield."""
+        last tokens yield. Seeded sampling rows keep theirs (``Row.seeded``)."""
         longest = max(ks)
         if not self.costs.steps.relative:  # what a wider step costs is not known yet
             return ks
         best = max(range(longest, 0, -1), key=lambda k: self._rate_of(rows, [min(k, n) for n in ks]))
-        return ks if best == longest else [min(best, n) for n in ks]
+        return ks if best == longest else [n if r.seeded else min(best, n) for r, n in zip(rows, ks)]
 
     def _rate_of(self, rows: list[Row], ks: list[int]) -> float:
         """Expected tokens per second for the batch if row i proposes ``ks[i]``."""

@@ -258,7 +258,8 @@ class Speculator:
                 estimate = self.estimates[s] = self.controller.new_estimate()
             if budget and spec.method == Method.DRAFT:
                 found[i] = self.ngram.lookup(s, spec, budget)
-            rows.append(Row(budget, spec.method in DRAFTERS, estimate, len(found.get(i, ()))))
+            seeded = s.params.seed is not None and not s.params.greedy
+            rows.append(Row(budget, spec.method in DRAFTERS, estimate, len(found.get(i, ())), seeded))
         ks, reason = self.controller.plan(rows, len(seqs))
         if self.agree is not None:
             ks = self.agree(ks)
