@@ -9,7 +9,8 @@ every ``probeInterval``-th step still speculates so the EMA can recover. The
 k asked is a ceiling: the cost model shortens it when a shorter proposal
 yields more tokens per second (never to 0, which only a goodput policy may
 choose, measuring plain steps beside it); with nothing measured yet, every
-width is modelled alike and k stays as asked.
+width is modelled alike and k stays as asked. A seeded sampling row keeps
+its k, so that it samples the same alone or batched.
 
 ``GoodputController`` (``mode: goodput``) chooses, every step, the k that
 maximises expected tokens per second of wall time for the whole batch, from
