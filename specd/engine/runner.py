@@ -17,8 +17,9 @@ presence, frequency and repetition penalties (``adjust_logits``, every
 position with its own context), then its grammar's mask (``mask_logits``),
 so a speculating row and a plain one are decided by the same distribution.
 
-**Running ahead.** A plain step (no row may speculate, none has a grammar
-or a penalty that reads its latest token, no EAGLE head reads the target's
+**Running ahead.** A plain step (no row may speculate, or a goodput policy
+measured plain decoding best and has no try due; none has a grammar or a
+penalty that reads its latest token; no EAGLE or MTP head reads the target's
 features) needs nothing from the host between its sampled tokens and the
 next step's inputs. Where ``decode_ahead`` is on, the runner builds and
 starts the next step's forward over the tokens this one is still sampling
