@@ -104,6 +104,36 @@ def test_greedy_parity_for_each_family(family, layout, family_models, tmp_path):
     assert drafted > 0
 
 
+def test_mtp_rows_under_a_grammar_with_penalties_and_a_warm_prefix_cache_write_what_plain_rows_write(trained):
+    """MTP beside the rest of the engine: a row under a JSON grammar (its forced tokens ride the
+    proposals), a row with repetition and presence penalties, and rows whose prompts the prefix
+    cache already holds (served twice). Quantized keys and values: ``test_kv_quantization``."""
+    from specd.core.grammar import json_schema_grammar
+
+    model, tokenizer = load(str(trained))
+    head = load_mtp_head(str(trained), model)
+    rows = prompts_for(tokenizer)
+    grammar = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    penalized = SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5)
+    cases = [(rows[0], GREEDY, None), (rows[1], penalized, None), (rows[2], GREEDY, grammar), (rows[6], GREEDY, None)]
+
+    async def serve(engine, spec):
+        async def one(i, prompt, params, grammar):
+            await asyncio.sleep(0.01 * i)
+            request = GenerationRequest(f"m{next(_ids)}", prompt, params, 32, (), spec, grammar)
+            return [t async for out in engine.generate(request) for t in out.tokens]
+        return [await asyncio.gather(*(one(i, *case) for i, case in enumerate(cases))) for _ in range(2)]
+
+    async def both(engine):
+        return await serve(engine, None), await serve(engine, MTP), engine.scheduler.speculator.drafted_total
+
+    plain, speculated, drafted = run_engine(model, tokenizer, both, draft_model=head, max_batch_size=8,
+                                            prefix_cache_bytes=64 << 20)
+    assert speculated == plain and plain[0] == plain[1]
+    assert drafted > 0
+    assert tokenizer.decode(plain[0][2]).startswith('{"n"')  # the grammar's row writes its object
+
+
 def test_a_qwen3_next_head_reads_the_same_from_its_published_layout(family_models, tmp_path):
     """Qwen3-Next publishes its head as mtp.* with its experts one by one and its norms
     zero-centred (1 + w): read through the family's own sanitize, it is the head the MLX layout
