@@ -46,7 +46,7 @@ def fresh_head(model: nn.Module, seed: int = 0) -> MTPHead:
     N(0, 1/fan_in), unit norms and a random ``eh_proj``."""
     layer = copy.deepcopy(decoder(model).layers[attention_layer(model)])
     text = text_config(model)
-    head = MTPHead(layer, text["hidden_size"], text.get("rms_norm_eps", 1e-6), 0)
+    head = MTPHead(layer, text["hidden_size"], text.get("rms_norm_eps", 1e-6))
     params = tree_flatten(head.parameters())
     keys = mx.random.split(mx.random.key(seed), len(params))
     # vectors (norm scales, biases) keep the target's values, as copies of their own: an array

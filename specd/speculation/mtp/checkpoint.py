@@ -39,7 +39,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import dequantize_model
 
-from ...core.cache import kv_bytes, runs_row_by_row
+from ...core.cache import runs_row_by_row
 from ...core.loader import checkpoint_directory, materialize, read_tensors, text_config, with_text_config
 from ...core.model_parts import decoder
 from .head import MTPHead
@@ -131,7 +131,7 @@ def _head(named: dict[str, mx.array], layout: Layout, target: nn.Module, stand_i
     # the family's layer, whatever its constructor takes; quantized as the MTP weights are, not the target
     layer = dequantize_model(copy.deepcopy(decoder(target).layers[stand_in]))
     text = text_config(target)
-    head = MTPHead(layer, text["hidden_size"], text.get("rms_norm_eps", 1e-6), 0)
+    head = MTPHead(layer, text["hidden_size"], text.get("rms_norm_eps", 1e-6))
     quantization = config.get("quantization")
     if quantization is not None and any(n.endswith(".scales") for n in weights):
         nn.quantize(head, group_size=quantization["group_size"], bits=quantization["bits"],
@@ -146,7 +146,6 @@ def _head(named: dict[str, mx.array], layout: Layout, target: nn.Module, stand_i
     head.eval()
     head.freeze()
     materialize(head)
-    head.row_bytes = kv_bytes(_Probe(head))[0]
     return head
 
 
@@ -172,15 +171,3 @@ def _norm_shift(raw: dict[str, mx.array], sanitized: dict[str, mx.array]) -> flo
         return 0.0
     return round(float((sanitized[name] - raw[name]).mean().item()))
 
-
-class _Probe(nn.Module):
-    """The head as a one-layer model over token ids, so ``kv_bytes`` reads its cache's width."""
-
-    def __init__(self, head: MTPHead):
-        super().__init__()
-        self.head = head
-        self.layers = [head.layer]
-
-    def __call__(self, tokens: mx.array, cache=None) -> mx.array:
-        x = mx.zeros((*tokens.shape, self.head.hidden_size))
-        return self.head(x, x, cache[0])

@@ -22,6 +22,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...core.cache import kv_bytes
+
 
 class MTPHead(nn.Module):
     """One MTP depth: the projection of (hidden state, next token) pairs, the family's decoder layer
@@ -29,7 +31,7 @@ class MTPHead(nn.Module):
 
     feature_layers: tuple[int, ...] = ()  # it reads the target's final, normed hidden state
 
-    def __init__(self, layer: nn.Module, hidden_size: int, eps: float, row_bytes: int):
+    def __init__(self, layer: nn.Module, hidden_size: int, eps: float):
         super().__init__()
         self.enorm = nn.RMSNorm(hidden_size, eps=eps)
         self.hnorm = nn.RMSNorm(hidden_size, eps=eps)
@@ -37,7 +39,7 @@ class MTPHead(nn.Module):
         self.layer = layer
         self.norm = nn.RMSNorm(hidden_size, eps=eps)  # the checkpoint's ``shared_head.norm``
         self.hidden_size = hidden_size
-        self.row_bytes = row_bytes  # one position of its layer's cache
+        self.row_bytes = kv_bytes(_Probe(self))[0]  # one position of its layer's cache (shapes, not weights)
 
     def fuse(self, features: mx.array) -> mx.array:
         return features
@@ -51,3 +53,16 @@ class MTPHead(nn.Module):
 
     def logits(self, out: mx.array, target_head) -> mx.array:
         return target_head(self.norm(out))
+
+
+class _Probe(nn.Module):
+    """A head as a one-layer model over token ids, so ``kv_bytes`` reads its cache's width."""
+
+    def __init__(self, head: MTPHead):
+        super().__init__()
+        self.head = head
+        self.layers = [head.layer]
+
+    def __call__(self, tokens: mx.array, cache=None) -> mx.array:
+        x = mx.zeros((*tokens.shape, self.head.hidden_size))
+        return self.head(x, x, cache[0])
