@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("forge", help="build a deterministic target/draft model pair",
                    define=_forge_arguments).set_defaults(func=_forge)
     for command, module, what in (("train-eagle", "eagle", "train an EAGLE draft head for a local target"),
-                                  ("train-mtp", "mtp", "train an MTP head into a local target's checkpoint")):
+                                  ("train-mtp", "mtp", "train an MTP head into a local target's checkpoint"),
+                                  ("train-dflash", "dflash", "train a DFlash block drafter for a local target")):
         define, run = _trainer(module)
         sub.add_parser(command, help=what, define=define).set_defaults(func=run)
 

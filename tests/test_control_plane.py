@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import ROOT, model_manifest, start_daemon
 from specd.speculation.eagle.checkpoint import save_head
 from specd.forge.mtp import fresh_head, save_mtp_head
+from specd.forge.dflash import fresh_drafter
+from specd.speculation.dflash.checkpoint import save_dflash
 from specd.speculation.eagle.head import EagleConfig, EagleHead
 
 
@@ -157,6 +159,11 @@ BAD = {
                              "spec: {targetRef: m, method: eagle}\n", "spec.source"),
     "mtp with a source": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
                           "spec: {targetRef: m, method: mtp, source: /h}\n", "spec.source"),
+    "dflash without a drafter": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
+                                 "spec: {targetRef: m, method: dflash}\n", "spec.source"),
+    "dflash tree shaped as eagle's": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
+                                      "spec: {targetRef: m, method: dflash, source: /d, eagle: {topK: 2}}\n",
+                                      "spec.eagle"),
     "tree for n-gram": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
                         "spec: {targetRef: m, method: ngram, eagle: {topK: 2}}\n", "spec.eagle"),
     "tree smaller than k": ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: p}\n"
@@ -249,6 +256,20 @@ def assert_speculates_losslessly(client: OpenAI, model: str, method: str) -> Non
     assert reply.choices[0].text == plain.choices[0].text
 
 
+def apply_broken_copy(d, pairing: str, source: Path, old: str, new: str) -> None:
+    """Point ``pairing`` at a copy of the drafter at ``source`` whose config.json says ``new`` for ``old``."""
+    broken = source.with_name(source.name + "-broken")
+    shutil.copytree(source, broken)
+    (broken / "config.json").write_text((broken / "config.json").read_text().replace(old, new))
+    specd(d, "apply", "-f", "-", stdin=pairing.replace(str(source), str(broken)))
+
+
+def pairing_failure(d, name: str) -> dict:
+    """The DraftLoadFailed condition DraftPairing ``name`` comes to."""
+    return wait_for(lambda: (c := get(d, "dp", name).get("status", {}).get("conditions", [{}])[0])
+                    .get("reason") == "DraftLoadFailed" and c, what="DraftLoadFailed")
+
+
 def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(forged, tmp_path, empty_daemon):
     d = empty_daemon
     target, _ = load(str(forged / "target"))
@@ -263,14 +284,8 @@ def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(
     client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
     assert_speculates_losslessly(client, "eg", "eagle")
     # a head of the wrong shape fails the pairing; the model keeps serving
-    broken = tmp_path / "broken"
-    shutil.copytree(tmp_path / "head", broken)
-    (broken / "config.json").write_text(
-        (broken / "config.json").read_text().replace(f'"hidden_size": {a.hidden_size}', '"hidden_size": 8'))
-    specd(d, "apply", "-f", "-", stdin=pairing.replace(str(tmp_path / "head"), str(broken)))
-    failed = wait_for(lambda: (c := get(d, "dp", "tree").get("status", {}).get("conditions", [{}])[0])
-                      .get("reason") == "DraftLoadFailed" and c, what="DraftLoadFailed")
-    assert "hidden" in failed["message"]
+    apply_broken_copy(d, pairing, tmp_path / "head", f'"hidden_size": {a.hidden_size}', '"hidden_size": 8')
+    assert "hidden" in pairing_failure(d, "tree")["message"]
     assert client.completions.create(model="eg", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
 
 
@@ -289,10 +304,27 @@ def test_an_mtp_pairing_drafts_with_the_checkpoints_own_head_and_one_without_fai
     client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
     assert_speculates_losslessly(client, "mt", "mtp")
     # a checkpoint without a head fails its pairing, saying why; its model keeps serving
-    failed = wait_for(lambda: (c := get(d, "dp", "none").get("status", {}).get("conditions", [{}])[0])
-                      .get("reason") == "DraftLoadFailed" and c, what="DraftLoadFailed")
-    assert "ships no MTP head" in failed["message"]
+    assert "ships no MTP head" in pairing_failure(d, "none")["message"]
     assert client.completions.create(model="plain", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_dflash_pairing_drafts_block_trees_and_a_dflash2_checkpoint_fails_only_the_pairing(
+        forged, tmp_path, empty_daemon):
+    d = empty_daemon
+    target, _ = load(str(forged / "target"))
+    config = json.loads((forged / "target" / "config.json").read_text())
+    save_dflash(fresh_drafter(target, config=config), tmp_path / "dflash", config)
+    pairing = ("apiVersion: specd.dev/v1alpha1\nkind: DraftPairing\nmetadata: {name: block}\n"
+               f"spec: {{targetRef: df, method: dflash, source: {tmp_path / 'dflash'}, numSpeculativeTokens: 5,"
+               " dflash: {topK: 2, treeTokens: 8}}\n")
+    specd(d, "apply", "-f", "-", stdin=model_manifest("df", forged / "target") + "---\n" + pairing)
+    wait_for(lambda: ready(d, "dp", "block"), what="DFlash pairing attached")
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    assert_speculates_losslessly(client, "df", "dflash")
+    # DFlash2's convolutions and candidate selector are not implemented: refused by name
+    apply_broken_copy(d, pairing, tmp_path / "dflash", '"DFlashDraftModel"', '"DFlash2DraftModel"')
+    assert "DFlash2DraftModel" in pairing_failure(d, "block")["message"]
+    assert client.completions.create(model="df", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
 
 
 def test_watched_manifests_hot_reload_a_policy_during_a_stream(forged, tmp_path):

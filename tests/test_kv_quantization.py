@@ -16,6 +16,7 @@ from specd.api.manifest import ManifestError, parse_documents
 from specd.core.cache import kv_bytes
 from specd.core.columns import KVQuantization
 from specd.core.request import GenerationRequest, SpeculationConfig
+from specd.forge.dflash import fresh_drafter
 from specd.forge.mtp import fresh_head
 from specd.core.sampling import SamplingParams
 from specd.forge.families import family_config, make_model
@@ -70,6 +71,9 @@ def test_speculation_is_lossless_at_the_same_bits(tokenizer_and_draft, prompts, 
     assert serve(model, tokenizer, prompts, [DRAFT, NGRAM, None, DRAFT, DRAFT], draft, kv_bits=bits) == plain
     mtp = SpeculationConfig("mtp", 3)  # a head of the model's own attention layer kind
     assert serve(model, tokenizer, prompts, [mtp, NGRAM, None, mtp, mtp], fresh_head(model), kv_bits=bits) == plain
+    dflash = SpeculationConfig("dflash", 5, tree_top_k=2, tree_tokens=8)  # trees, except on the hybrid target
+    assert serve(model, tokenizer, prompts, [dflash, None, NGRAM, dflash, dflash], fresh_drafter(model),
+                 kv_bits=bits) == plain
     if family == "llama":
         head = head_for(model, 1)  # EAGLE-1: the tiny llama has too few layers to fuse three
         assert serve(model, tokenizer, prompts, [EAGLE, None, EAGLE, NGRAM, EAGLE], head, kv_bits=bits) == plain

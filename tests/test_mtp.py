@@ -11,8 +11,6 @@ and on tiny random models of the families whose layer kinds differ.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import json
 import shutil
 from pathlib import Path
@@ -22,18 +20,15 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from conftest import code_sample, run_engine, two_sample_chi2
-from specd.core.request import GenerationRequest, SpeculationConfig
-from specd.core.sampling import SamplingParams
+from conftest import run_engine
+from drafters import NGRAM, assert_sampling_follows_the_target, beside_the_engine, generate, mixed_batch_parity
+from specd.core.request import SpeculationConfig
 from specd.engine.scheduler import RequestRejected
 from specd.forge.mtp import WEIGHTS_FILE, fresh_head, save_mtp_head, train_mtp
 from specd.speculation.mtp.checkpoint import MIMO, NEXTN, QWEN3_NEXT, Layout, NoMTPHead, load_mtp_head
 
-GREEDY = SamplingParams(temperature=0)
 MTP = SpeculationConfig("mtp", 3)
 LONG = SpeculationConfig("mtp", 6)  # past the checkpoint's depth of 1: the head chained
-NGRAM = SpeculationConfig("ngram", 3)
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -52,35 +47,12 @@ def with_random_head(source: Path, directory: Path, layout: Layout = NEXTN) -> P
     return directory
 
 
-async def generate(engine, prompt, spec=None, params=GREEDY, max_tokens=40, delay=0.0) -> list[int]:
-    await asyncio.sleep(delay)
-    request = GenerationRequest(f"m{next(_ids)}", prompt, params, max_tokens, (), spec)
-    return [t async for out in engine.generate(request) for t in out.tokens]
-
-
-def prompts_for(tokenizer) -> list[list[int]]:
-    ids = tokenizer.encode(code_sample("eagle"))
-    return [ids[i * 53: i * 53 + 10 + 5 * i] for i in range(6)] + [ids[20:36] * 3]
-
-
 def parity(directory: Path) -> tuple[list, list, int, int]:
     """Plain outputs, and the same prompts served in a staggered mixed batch with the head loaded
     as a DraftPairing loads it; with the proposals drafted and accepted."""
     model, tokenizer = load(str(directory))
-    head = load_mtp_head(str(directory), model)
-    rows = prompts_for(tokenizer)
-
-    async def both(engine):
-        plain = await asyncio.gather(*(generate(engine, p) for p in rows))
-        mixes = [MTP, LONG, None, NGRAM, MTP, LONG, MTP]
-        sampled = SamplingParams(temperature=0.8, seed=5)
-        mixed = await asyncio.gather(
-            *(generate(engine, p, spec, delay=0.01 * (i % 3)) for i, (p, spec) in enumerate(zip(rows, mixes))),
-            generate(engine, rows[2], MTP, sampled), generate(engine, rows[0], LONG, sampled))
-        speculator = engine.scheduler.speculator
-        return plain, mixed[: len(rows)], speculator.drafted_total, speculator.accepted_total
-
-    return run_engine(model, tokenizer, both, draft_model=head, max_batch_size=16)
+    return mixed_batch_parity(model, tokenizer, load_mtp_head(str(directory), model),
+                              [MTP, LONG, None, NGRAM, MTP, LONG, MTP], [MTP, LONG])
 
 
 def test_a_trained_head_proposes_what_the_target_accepts_and_output_never_changes(trained):
@@ -105,30 +77,10 @@ def test_greedy_parity_for_each_family(family, layout, family_models, tmp_path):
 
 
 def test_mtp_rows_under_a_grammar_with_penalties_and_a_warm_prefix_cache_write_what_plain_rows_write(trained):
-    """MTP beside the rest of the engine: a row under a JSON grammar (its forced tokens ride the
-    proposals), a row with repetition and presence penalties, and rows whose prompts the prefix
-    cache already holds (served twice). Quantized keys and values: ``test_kv_quantization``."""
-    from specd.core.grammar import json_schema_grammar
-
+    """MTP beside the rest of the engine (``beside_the_engine``). Quantized keys and values:
+    ``test_kv_quantization``."""
     model, tokenizer = load(str(trained))
-    head = load_mtp_head(str(trained), model)
-    rows = prompts_for(tokenizer)
-    grammar = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
-    penalized = SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5)
-    cases = [(rows[0], GREEDY, None), (rows[1], penalized, None), (rows[2], GREEDY, grammar), (rows[6], GREEDY, None)]
-
-    async def serve(engine, spec):
-        async def one(i, prompt, params, grammar):
-            await asyncio.sleep(0.01 * i)
-            request = GenerationRequest(f"m{next(_ids)}", prompt, params, 32, (), spec, grammar)
-            return [t async for out in engine.generate(request) for t in out.tokens]
-        return [await asyncio.gather(*(one(i, *case) for i, case in enumerate(cases))) for _ in range(2)]
-
-    async def both(engine):
-        return await serve(engine, None), await serve(engine, MTP), engine.scheduler.speculator.drafted_total
-
-    plain, speculated, drafted = run_engine(model, tokenizer, both, draft_model=head, max_batch_size=8,
-                                            prefix_cache_bytes=64 << 20)
+    plain, speculated, drafted = beside_the_engine(model, tokenizer, load_mtp_head(str(trained), model), MTP)
     assert speculated == plain and plain[0] == plain[1]
     assert drafted > 0
     assert tokenizer.decode(plain[0][2]).startswith('{"n"')  # the grammar's row writes its object
@@ -160,22 +112,8 @@ def test_a_qwen3_next_head_reads_the_same_from_its_published_layout(family_model
 
 
 def test_sampled_tokens_follow_the_target_with_mtp(trained):
-    """Two-sample chi-square on the 2nd..4th generated tokens, MTP on against off."""
     model, tokenizer = load(str(trained))
-    head = load_mtp_head(str(trained), model)
-    prompt = prompts_for(tokenizer)[3]
-    params = [SamplingParams(temperature=1.0, seed=s) for s in range(300)]
-
-    async def sample(engine, spec):
-        outs = await asyncio.gather(*(generate(engine, prompt, spec, p, 4) for p in params))
-        return [t for out in outs for t in out[1:]]
-
-    off = run_engine(model, tokenizer, lambda e: sample(e, None), draft_model=head, max_batch_size=64,
-                     max_waiting=1000)
-    on = run_engine(model, tokenizer, lambda e: sample(e, MTP), draft_model=head, max_batch_size=64,
-                    max_waiting=1000)
-    stat, limit, dof = two_sample_chi2(off, on)
-    assert stat < limit, (stat, limit, dof)
+    assert_sampling_follows_the_target(model, tokenizer, load_mtp_head(str(trained), model), MTP)
 
 
 def test_checkpoints_without_a_head_are_refused_with_the_reason(forged, family_models, tmp_path):

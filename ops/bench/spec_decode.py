@@ -50,6 +50,7 @@ from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest, SpecStats
 from specd.core.request import Method, NO_SPECULATION, SpeculationConfig
 from specd.speculation.config import PolicySettings
+from specd.speculation.dflash.checkpoint import load_dflash
 from specd.speculation.eagle.checkpoint import load_head
 from specd.speculation.mtp.checkpoint import NoMTPHead, load_mtp_head
 
@@ -309,10 +310,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             configs = {f"c={conc} off": (None, None, draft, None, None),
                        f"c={conc} ngram k={k}": (SpeculationConfig(Method.NGRAM, k), None, draft, k, 0.0)}
             for method, drafter in heads.items():
-                configs[f"c={conc} {method} k={k}"] = (SpeculationConfig(method, k), None, drafter, k,
-                                                       c if method == Method.DRAFT else None)
-                configs[f"c={conc} {method} goodput"] = (SpeculationConfig(method, k), PolicySettings(), drafter,
-                                                         None, None)
+                # a DFlash drafter drafts its whole block in one forward: asked for all of it
+                asked = drafter.block_size - 1 if method == Method.DFLASH else k
+                configs[f"c={conc} {method} k={asked}"] = (SpeculationConfig(method, asked), None, drafter, asked,
+                                                           c if method == Method.DRAFT else None)
+                configs[f"c={conc} {method} goodput"] = (SpeculationConfig(method, asked), PolicySettings(),
+                                                         drafter, None, None)
             measured = await interleaved(engine, prompts[:max(conc, 8)], {n: v[:3] for n, v in configs.items()},
                                          args.max_tokens, args.runs, conc)
             base = measured[f"c={conc} off"]["tok_s"]
@@ -328,7 +331,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def drafting_heads(args: argparse.Namespace, target, target_dir: Path) -> dict[Method, Any]:
     """The heads the concurrency sweep runs beside the draft model: the MTP head the target's
-    checkpoint ships (if it ships one), and an EAGLE head from ``--eagle``."""
+    checkpoint ships (if it ships one), an EAGLE head from ``--eagle`` and a DFlash drafter from
+    ``--dflash``."""
     heads: dict[Method, Any] = {}
     try:
         heads[Method.MTP] = load_mtp_head(str(target_dir), target)
@@ -336,6 +340,8 @@ def drafting_heads(args: argparse.Namespace, target, target_dir: Path) -> dict[M
         print(f"no MTP rows: {exc}")
     if args.eagle:
         heads[Method.EAGLE] = load_head(args.eagle, target)
+    if args.dflash:
+        heads[Method.DFLASH] = load_dflash(args.dflash, target)
     return heads
 
 
@@ -372,6 +378,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--only-concurrency", action="store_true", help="skip the single-stream k sweeps")
     parser.add_argument("--eagle", default=None, help="an EAGLE head for the target, run beside the others")
+    parser.add_argument("--dflash", default=None, help="a DFlash drafter for the target, run beside the others")
     parser.add_argument("--out", default=str(RESULTS / "spec_decode.json"))
     args = parser.parse_args()
     forge_json = Path(args.pair) / "forge.json"

@@ -228,7 +228,8 @@ def byte_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class DraftPairingSpec:
-    """How a Model speculates: n-gram lookup, a draft model or an EAGLE head, and how far."""
+    """How a Model speculates: n-gram lookup, a draft model, an EAGLE head, the target's MTP head or a
+    DFlash drafter, and how far."""
 
     target_ref: str
     method: str
@@ -236,30 +237,32 @@ class DraftPairingSpec:
     num_speculative_tokens: int = 3
     ngram_min: int = 1
     ngram_max: int = 4
-    tree_top_k: int = 1  # EAGLE: children kept per expansion (1: chain drafting)
-    tree_tokens: int = 16  # EAGLE: nodes a tree keeps
+    tree_top_k: int = 1  # EAGLE, DFlash: children kept per expansion (1: chain drafting)
+    tree_tokens: int = 16  # EAGLE, DFlash: nodes a tree keeps
 
 
 MAX_SPECULATIVE_TOKENS = 16
+TREE_DRAFTERS = ("eagle", "dflash")  # the methods that draft trees, each shaped by a section of its name
 MAX_TREE_TOP_K = 16
 MAX_TREE_TOKENS = 128
 
 
 def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec:
-    _fields(spec, path, {"targetRef", "method", "source", "numSpeculativeTokens", "ngram", "eagle"},
+    _fields(spec, path, {"targetRef", "method", "source", "numSpeculativeTokens", "ngram", *TREE_DRAFTERS},
             {"targetRef", "method"})
     target = _check_type(spec["targetRef"], str, f"{path}.targetRef")
     method = _check_type(spec["method"], str, f"{path}.method")
-    if method not in ("ngram", "draft", "eagle", "mtp"):
-        raise ManifestError(f'must be "ngram", "draft", "eagle" or "mtp", got {shown(method)}', f"{path}.method")
+    if method not in ("ngram", "draft", "eagle", "mtp", "dflash"):
+        raise ManifestError(f'must be "ngram", "draft", "eagle", "mtp" or "dflash", got {shown(method)}',
+                            f"{path}.method")
     source = spec.get("source")
     if source is not None:
         _check_type(source, str, f"{path}.source")
     if method == "mtp" and source is not None:
         raise ManifestError("method mtp drafts with the head the target's own checkpoint ships: it takes no source",
                             f"{path}.source")
-    if method in ("draft", "eagle") and not source:
-        what = "the draft model's" if method == "draft" else "the EAGLE head's"
+    if method in ("draft", "eagle", "dflash") and not source:
+        what = {"draft": "the draft model's", "eagle": "the EAGLE head's", "dflash": "the DFlash drafter's"}[method]
         raise ManifestError(f"method {method} needs {what} source", f"{path}.source")
     k = _positive_int(spec, "numSpeculativeTokens", path, 3)
     if k > MAX_SPECULATIVE_TOKENS:
@@ -269,16 +272,18 @@ def _parse_draft_pairing_spec(spec: Any, path: str = "spec") -> DraftPairingSpec
     n_max = _positive_int(ngram, "max", f"{path}.ngram", max(4, n_min))
     if n_max < n_min:
         raise ManifestError(f"must be at least ngram.min ({n_min}), got {shown(n_max)}", f"{path}.ngram.max")
-    if "eagle" in spec and method != "eagle":
-        raise ManifestError("only method eagle drafts trees", f"{path}.eagle")
-    eagle = _fields(spec.get("eagle", {}), f"{path}.eagle", {"topK", "treeTokens"})
-    top_k = _positive_int(eagle, "topK", f"{path}.eagle", 1)
+    for section in TREE_DRAFTERS:
+        if section in spec and method != section:
+            raise ManifestError(f"only method {section} reads the {section} section", f"{path}.{section}")
+    tree_path = f"{path}.{method}"
+    tree = _fields(spec.get(method, {}) if method in TREE_DRAFTERS else {}, tree_path, {"topK", "treeTokens"})
+    top_k = _positive_int(tree, "topK", tree_path, 1)
     if top_k > MAX_TREE_TOP_K:
-        raise ManifestError(f"must be at most {MAX_TREE_TOP_K}, got {shown(top_k)}", f"{path}.eagle.topK")
-    tokens = _positive_int(eagle, "treeTokens", f"{path}.eagle", max(16, k))
+        raise ManifestError(f"must be at most {MAX_TREE_TOP_K}, got {shown(top_k)}", f"{tree_path}.topK")
+    tokens = _positive_int(tree, "treeTokens", tree_path, max(16, k))
     if not k <= tokens <= MAX_TREE_TOKENS:
         raise ManifestError(f"must be between numSpeculativeTokens ({k}) and {MAX_TREE_TOKENS}, got {shown(tokens)}",
-                            f"{path}.eagle.treeTokens")
+                            f"{tree_path}.treeTokens")
     return DraftPairingSpec(target, method, source, k, n_min, n_max, top_k, tokens)
 
 

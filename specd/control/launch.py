@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..api.manifest import ModelSpec
 from ..core.loader import checkpoint_directory, context_window, load_embedding_model, load_model, weight_bytes
-from ..core.request import Method, NO_SPECULATION
+from ..core.request import DRAFTERS, Method, NO_SPECULATION
 from ..engine.embedder import Embedder, EmbedderConfig
 from ..engine.engine import Engine, load_drafter
 from ..engine.interface import ServingEngine
@@ -80,9 +80,9 @@ def _embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[
 async def _group(name: str, spec: ModelSpec, placed: Placement, pairing: Pairing | None,
                  on_failure: Callable[[], None]) -> Started:
     speculation, draft_source, pairing_error = NO_SPECULATION, None, ""
-    if pairing is not None and pairing.method in (Method.EAGLE, Method.MTP):
-        what = "EAGLE" if pairing.method == Method.EAGLE else "MTP"
-        pairing_error = f"{what} heads are not supported under tensor or pipeline parallelism yet"
+    if pairing is not None and pairing.method in (Method.EAGLE, Method.MTP, Method.DFLASH):
+        pairing_error = (f"{DRAFTERS[pairing.method]}s read the target's hidden states, which are not gathered "
+                         "under tensor or pipeline parallelism yet")
     elif pairing is not None:
         speculation = pairing.speculation()
         draft_source = pairing.spec.source if pairing.method == Method.DRAFT else None

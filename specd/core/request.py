@@ -17,10 +17,12 @@ class Method(enum.StrEnum):
     DRAFT = "draft"
     EAGLE = "eagle"
     MTP = "mtp"  # the head the target's checkpoint ships
+    DFLASH = "dflash"  # a block drafter: one forward drafts k tokens
 
 
 # the methods that draft with a model the pairing attaches, and what each is called
-DRAFTERS = {Method.DRAFT: "draft model", Method.EAGLE: "EAGLE head", Method.MTP: "MTP head"}
+DRAFTERS = {Method.DRAFT: "draft model", Method.EAGLE: "EAGLE head", Method.MTP: "MTP head",
+            Method.DFLASH: "DFlash drafter"}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ..core.sequence import Sequence
 from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
 from ..speculation.config import PolicySettings
+from ..speculation.dflash.checkpoint import load_dflash
 from ..speculation.eagle.checkpoint import load_head
 from ..speculation.mtp.checkpoint import load_mtp_head
 from . import threads
@@ -33,12 +34,14 @@ log = structlog.get_logger(__name__)
 
 
 def load_drafter(method: Method, source: str, pairing: str, target: nn.Module, tokenizer) -> nn.Module:
-    """Load (blocking) a pairing's draft model, EAGLE head or MTP head (``source``: the
-    target's own checkpoint), checked against the target."""
+    """Load (blocking) a pairing's draft model, EAGLE head, MTP head (``source``: the
+    target's own checkpoint) or DFlash drafter, checked against the target."""
     if method == Method.EAGLE:
         return load_head(source, target)
     if method == Method.MTP:
         return load_mtp_head(source, target)
+    if method == Method.DFLASH:
+        return load_dflash(source, target)
     return load_draft_model(source, target, tokenizer, pairing)
 
 

@@ -4,14 +4,16 @@ No model hub is reachable, so ``forge`` makes its own models: a byte-level
 BPE tokenizer trained on the Python standard library's sources, and two
 mlx_lm-loadable float32 Llama models sharing it, written to
 ``OUT_DIR/target`` and ``OUT_DIR/draft`` with a summary in
-``OUT_DIR/forge.json``; ``OUT_DIR/agent`` is the target with a chat
+``OUT_DIR/forge.json`` (the demo preset adds a DFlash drafter for the target
+in ``OUT_DIR/dflash``); ``OUT_DIR/agent`` is the target with a chat
 template that renders tools (Hermes conventions) and a window wide enough
 for an agent client's prompt, so Claude Code, Codex and OpenCode can be
 tried against it offline.
 
 Presets: ``test`` (random, tiny, deterministic, seconds), ``quick`` (the
 demo's shapes trained for under a minute) and ``demo`` (trained for about nine
-minutes); each is cached by recipe hash.
+minutes, then an MTP head and a DFlash drafter for about ten more); each is cached by
+recipe hash.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import llama
 from .chat import chat_variant
+from .dflash import train_dflash
 from .mtp import train_mtp
 from .presets import BUDGET_ENV, PRESETS, Recipe, get_recipe
 from .tokenizer import EOS, IM_END, save_tokenizer, spread, stdlib_sources, train_tokenizer
@@ -38,6 +41,7 @@ __all__ = ["forge", "add_arguments", "run", "PRESETS", "BUDGET_ENV", "AGENT_CONT
 
 MANIFEST = "forge.json"
 MODELS = ("target", "draft")
+DFLASH = "dflash"
 AGENT = "agent"
 AGENT_CONTEXT = 65536  # tokens: an agent client's system prompt and tools fit several times over
 
@@ -76,9 +80,10 @@ def forge(
         if recipe.trained:  # wall time would break the test preset's determinism
             info["seconds"] = round(time.monotonic() - start, 1)
         (out_dir / MANIFEST).unlink(missing_ok=True)
-        for name in MODELS:
+        for name in (*MODELS, DFLASH):
             shutil.rmtree(out_dir / name, ignore_errors=True)
-            (staging / name).rename(out_dir / name)
+            if (staging / name).exists():
+                (staging / name).rename(out_dir / name)
         _write_agent(out_dir)
         # Written last: its presence marks a complete forge.
         (out_dir / MANIFEST).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
@@ -146,6 +151,12 @@ def _build(recipe: Recipe, seed: int, staging: Path, log: Log) -> dict:
         trained = train_mtp(staging / "target", steps=cfg.max_steps, budget_s=cfg.budget_s, seq_len=cfg.seq,
                             batch=cfg.batch, lr=cfg.lr, seed=seed, log=log)
         info["mtp"] = {"steps": trained["steps"], "seconds": trained["train_seconds"], **trained["validation"]}
+    if recipe.dflash_train is not None:
+        cfg = recipe.dflash_train
+        log("forge: training a DFlash drafter for the target")
+        trained = train_dflash(staging / "target", staging / DFLASH, steps=cfg.max_steps, budget_s=cfg.budget_s,
+                               seq_len=cfg.seq, batch=cfg.batch, lr=cfg.lr, seed=seed, log=log)
+        info["dflash"] = {"steps": trained["steps"], "seconds": trained["train_seconds"], **trained["validation"]}
     info["eos_token_ids"] = eos_ids
     info["validation_tokens"] = int(val.shape[0] * (val.shape[1] - 1))  # scored positions
     return info

@@ -276,13 +276,9 @@ def train_eagle(target: Path, out: Path, version: int = 1, corpus: list[Path] | 
     loss_fn = eagle1_loss(target_parts(model)[1]) if version == 1 else eagle3_loss
     log(f"train-eagle: EAGLE-{version} head for {target}: {len(train_data)} training tokens, "
         f"{val.size} validation tokens")
-    try:
-        cfg = TrainConfig(budget_s=budget_s or math.inf, max_steps=steps, lr=lr, batch=batch,
-                          seq=seq_len, warmup=min(50, max(1, steps // 10)))
-        losses, n, seconds = _train(head, model, capture, loss_fn, train_data, cfg, seed, log)
-        metrics = validate(head, model, capture, loss_fn, val, batch=16)
-    finally:
-        capture.remove()
+    cfg = head_training(steps, budget_s, lr, batch, seq_len)
+    losses, n, seconds, metrics = train_and_validate(head, model, capture, loss_fn, train_data, val, cfg, seed, log,
+                                                     validate)
     save_head(head, out, target_config=config)
     info = {
         "target": str(target),
@@ -308,6 +304,24 @@ def train_eagle(target: Path, out: Path, version: int = 1, corpus: list[Path] | 
         f"{info['losses']['final']:.3f}, top-1 agreement {metrics['top1_agreement']:.3f}, "
         f"mean accepted {metrics['mean_accepted']:.2f} of {CHAIN_DEPTH}")
     return head, info
+
+
+def head_training(steps: int, budget_s: float | None, lr: float, batch: int, seq_len: int) -> TrainConfig:
+    """A drafter trainer's schedule: ``steps`` or ``budget_s``, warming up over a tenth of the steps (at most 50)."""
+    return TrainConfig(budget_s=budget_s or math.inf, max_steps=steps, lr=lr, batch=batch, seq=seq_len,
+                       warmup=min(50, max(1, steps // 10)))
+
+
+def train_and_validate(head: nn.Module, model: nn.Module, capture: FeatureCapture, loss_fn: Loss, data: np.ndarray,
+                       val: np.ndarray, cfg: TrainConfig, seed: int, log: Log, check: Callable[..., dict],
+                       command: str = "train-eagle") -> tuple[list[float], int, float, dict]:
+    """Train ``head`` (``_train``), then ``check`` it on ``val``; the target is unhooked either way.
+    Returns the losses, steps, seconds and what ``check`` measured."""
+    try:
+        losses, n, seconds = _train(head, model, capture, loss_fn, data, cfg, seed, log, command)
+        return losses, n, seconds, check(head, model, capture, loss_fn, val, batch=16)
+    finally:
+        capture.remove()
 
 
 def _train(head: nn.Module, model: nn.Module, capture: FeatureCapture, loss_fn: Loss,

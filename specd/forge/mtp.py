@@ -34,8 +34,9 @@ from ..core.model_parts import decoder, target_parts
 from ..speculation.eagle.capture import FeatureCapture
 from ..speculation.mtp.checkpoint import NEXTN, Layout, attention_layer, swap_halves
 from ..speculation.mtp.head import MTPHead
-from .eagle import VAL_WINDOWS, Log, _soft_ce, _train, read_corpus, split_tokens, validate
-from .train import TrainConfig, windows
+from .eagle import (VAL_WINDOWS, Log, _soft_ce, head_training, read_corpus, split_tokens, train_and_validate,
+                    validate)
+from .train import add_training_arguments, windows
 
 WEIGHTS_FILE = "mtp.safetensors"
 DEFAULTS = {"steps": 400, "seq_len": 128, "batch": 8, "lr": 3e-3}
@@ -105,13 +106,9 @@ def train_mtp(target: Path, steps: int = DEFAULTS["steps"], budget_s: float | No
     head = fresh_head(model, seed)
     capture = FeatureCapture(model)
     loss_fn = mtp_loss(target_parts(model)[1])
-    try:
-        cfg = TrainConfig(budget_s=budget_s or math.inf, max_steps=steps, lr=lr, batch=batch, seq=seq_len,
-                          warmup=min(50, max(1, steps // 10)))
-        losses, n, seconds = _train(head, model, capture, loss_fn, train_data, cfg, seed, log, "train-mtp")
-        metrics = validate(head, model, capture, loss_fn, val, batch=16)
-    finally:
-        capture.remove()
+    cfg = head_training(steps, budget_s, lr, batch, seq_len)
+    losses, n, seconds, metrics = train_and_validate(head, model, capture, loss_fn, train_data, val, cfg, seed, log,
+                                                     validate, "train-mtp")
     save_mtp_head(head, Path(target))
     info = {"target": str(target), "steps": n, "train_seconds": round(seconds, 1),
             "seconds": round(time.monotonic() - start, 1),
@@ -131,14 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``specd train-mtp``'s arguments."""
     parser.add_argument("--target", type=Path, required=True,
                         help="local mlx-lm target directory; the head is written into it")
-    parser.add_argument("--corpus", type=Path, nargs="+", default=None, metavar="PATH",
-                        help="text files or directories (default: the Python stdlib sources, as the forge)")
-    for name in ("steps", "seq_len", "batch"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=DEFAULTS[name],
-                            help=f"(default {DEFAULTS[name]})")
-    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"], help=f"peak learning rate (default {DEFAULTS['lr']})")
-    parser.add_argument("--budget-s", type=float, default=None, help="stop when this many seconds are spent")
-    parser.add_argument("--seed", type=int, default=0)
+    add_training_arguments(parser, DEFAULTS, ("steps", "seq_len", "batch"))
 
 
 def run(args: argparse.Namespace) -> int:

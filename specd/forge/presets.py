@@ -34,6 +34,7 @@ class Recipe:
     target_train: TrainConfig | None = None
     draft_train: TrainConfig | None = None
     mtp_train: TrainConfig | None = None  # an MTP head trained into the target's checkpoint
+    dflash_train: TrainConfig | None = None  # a DFlash block drafter for the target, in ``dflash/``
     val_every: int = 20  # every n-th stdlib file is held out for validation
     val_windows: int = 256
 
@@ -85,11 +86,13 @@ def _test() -> Recipe:
 
 def _demo(budget_s: float) -> Recipe:
     """A briefly trained pair: a 6-layer target, then a distilled 2-layer draft, then an
-    MTP head in the target's checkpoint (``method: mtp``).
+    MTP head in the target's checkpoint (``method: mtp``) and a 2-layer DFlash drafter
+    (``method: dflash``).
 
     ``budget_s`` is the wall-clock training budget of the pair, split ~72/28 between
     the target (which needs it most: undertrained it loses to the draft) and the
-    draft; the MTP head has 40% of it on top. Step caps bind first on an unloaded
+    draft; the MTP head has 40% of it on top, and the DFlash drafter 80% (it learns a whole
+    block from each anchor, and is still improving there). Step caps bind first on an unloaded
     machine, for reproducibility.
     """
     target = LlamaShape(
@@ -119,13 +122,14 @@ def _demo(budget_s: float) -> Recipe:
             budget_s=round(0.28 * budget_s, 1), max_steps=900, lr=3e-3, teacher_mix=0.5
         ),
         mtp_train=TrainConfig(budget_s=round(0.4 * budget_s, 1), max_steps=400, lr=3e-3, seq=128, batch=8),
+        dflash_train=TrainConfig(budget_s=round(0.8 * budget_s, 1), max_steps=700, lr=4e-3, seq=128, batch=8),
     )
 
 
 def _quick() -> Recipe:
     """The demo's shapes trained for under a minute: what the quick start serves
     first, so its first answer does not wait for the demo pair's training."""
-    return replace(_demo(QUICK_BUDGET_S), preset="quick", mtp_train=None)
+    return replace(_demo(QUICK_BUDGET_S), preset="quick", mtp_train=None, dflash_train=None)
 
 
 def get_recipe(preset: str) -> Recipe:

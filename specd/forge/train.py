@@ -8,9 +8,11 @@ On a fast enough machine the step count binds and runs are reproducible.
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from functools import partial
 from typing import Callable
 
@@ -166,3 +168,16 @@ def evaluate(model: nn.Module, val: np.ndarray, batch: int = 16) -> tuple[float,
         count += ce.size
         preds.append(np.array(mx.argmax(logits, axis=-1)))
     return total / count, np.concatenate(preds)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, defaults: dict, integers: tuple[str, ...]) -> None:
+    """What every drafter trainer takes besides its target: the corpus, the integer settings named
+    (``seq_len`` -> ``--seq-len``), the learning rate, a time budget and a seed."""
+    parser.add_argument("--corpus", type=Path, nargs="+", default=None, metavar="PATH",
+                        help="text files or directories (default: the Python stdlib sources, as the forge)")
+    for name in integers:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name],
+                            help=f"(default {defaults[name]})")
+    parser.add_argument("--lr", type=float, default=defaults["lr"], help=f"peak learning rate (default {defaults['lr']})")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop when this many seconds are spent")
+    parser.add_argument("--seed", type=int, default=0)

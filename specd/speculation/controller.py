@@ -246,7 +246,7 @@ class GoodputController(StaticController):
 
     def _worth_it(self, rows: list[Row], k: int) -> list[bool]:
         """Rows whose expected extra tokens pay for the drafting they add."""
-        per_row_draft = self.costs.draft_row_seconds() * k
+        per_row_draft = self.costs.draft_row_seconds(k)
         tokens_per_second = 1.0 / max(self.costs.target_seconds(len(rows), 1), 1e-6)
         use = []
         for r in rows:

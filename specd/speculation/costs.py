@@ -110,6 +110,10 @@ class CostModel:
     def __init__(self):
         self.steps = StepCostTable()
         self.draft = DraftStepFit()
+        self.block_drafts = False  # the drafter drafts any k in one forward (DFlash): one step
+
+    def _draft_steps(self, k: int) -> int:
+        return min(k, 1) if self.block_drafts else k
 
     def observe_target(self, rows: int, width: int, seconds: float) -> None:
         self.steps.add(rows, width, seconds)
@@ -121,12 +125,13 @@ class CostModel:
     def target_seconds(self, rows: int, width: int) -> float:
         return max(self.steps.predict(rows, width), 1e-6)
 
-    def draft_seconds(self, rows: int, steps: int) -> float:
-        return 0.0 if rows == 0 or steps == 0 else steps * self.draft.predict(rows)
+    def draft_seconds(self, rows: int, k: int) -> float:
+        """Drafting ``k`` tokens for ``rows`` rows."""
+        return 0.0 if rows == 0 or k == 0 else self._draft_steps(k) * self.draft.predict(rows)
 
-    def draft_row_seconds(self) -> float:
-        """Marginal draft cost of one more row for one step."""
-        return self.draft.params()[1]
+    def draft_row_seconds(self, k: int) -> float:
+        """Marginal cost of drafting ``k`` tokens for one more row."""
+        return self.draft.params()[1] * self._draft_steps(k)
 
     def snapshot(self) -> dict[str, float]:
         """Measured step seconds by shape (``B4xW2``) and the draft fit."""

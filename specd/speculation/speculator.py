@@ -32,6 +32,8 @@ from ..core.request import DRAFTERS, NO_SPECULATION, Method, SpeculationConfig
 from .config import PolicySettings
 from .controller import Row, StaticController, make_controller
 from .costs import CostModel
+from .dflash.drafter import DFlashDrafter
+from .dflash.proposer import DFlashProposer
 from .draft import DraftModelProposer
 from .eagle.head import EagleHead
 from .eagle.proposer import EagleProposer
@@ -41,6 +43,10 @@ from .exploration import Realised
 from .ngram import NgramProposer
 from .proposer import Drafts, Outcome, Proposal, Proposer, Round
 from .tree import DraftTree, TreePositions, layout, verifying
+
+# the drafters that read the target's features, and their proposers
+FEATURE_DRAFTERS = ((EagleHead, EagleProposer), (MTPHead, MTPProposer), (DFlashDrafter, DFlashProposer))
+
 
 class Speculator:
     """A model's speculation: its default (from the DraftPairing), its
@@ -62,8 +68,8 @@ class Speculator:
         self.positions: TreePositions | None = None  # installed on the target at the first draft tree
         # recurrent state cannot keep one branch of a tree: EAGLE drafts chains for such targets
         self.chains_only = make_row_cache(target, [0]).chains_only
-        self.configure(default, drafter)
         self.costs = CostModel()
+        self.configure(default, drafter)
         self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
         self.history = AcceptanceHistory()
         self.estimates: dict[Sequence, AcceptanceEstimate] = {}
@@ -81,8 +87,9 @@ class Speculator:
     # -- configuration, from the control plane (between steps) ---------------
 
     def configure(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
-        """Attach, change or detach the pairing (``drafter``: a draft model or
-        an EAGLE head); a new drafter starts with no rows."""
+        """Attach, change or detach the pairing (``drafter``: a draft model, or an EAGLE head,
+        an MTP head or a DFlash drafter, which read the target's features); a new drafter starts
+        with no rows."""
         self.default = default
         if drafter is self.drafter_module:
             return
@@ -92,12 +99,14 @@ class Speculator:
         store.drop("drafter")  # what the old drafter cached
         if drafter is None:
             self.drafter = None
-        elif isinstance(drafter, (EagleHead, MTPHead)):
-            head = RowPrefixes(store.tree("drafter", stateful=False) if store.enabled else None, [None])
-            proposer = EagleProposer if isinstance(drafter, EagleHead) else MTPProposer
+        elif isinstance(drafter, (EagleHead, MTPHead, DFlashDrafter)):
+            tree = store.tree("drafter", stateful=False) if store.enabled else None
+            head = RowPrefixes(tree, [None] * drafter.cache_layers)
+            proposer = next(p for kind, p in FEATURE_DRAFTERS if isinstance(drafter, kind))
             self.drafter = proposer(drafter, self.target, head)
         else:
             self.drafter = DraftModelProposer(drafter, model_prefixes(drafter, store, "drafter"))
+        self.costs.block_drafts = isinstance(self.drafter, DFlashProposer)
 
     def drafter_row_bytes(self) -> tuple[int, int]:
         """What one row of the drafter's cache holds: (bytes per token, recurrent state bytes)."""
@@ -110,7 +119,7 @@ class Speculator:
 
     @property
     def drafter_module(self) -> nn.Module | None:
-        """The attached draft model or EAGLE head (kept when only the pairing's settings change)."""
+        """The attached draft model or feature-reading drafter (kept when only the pairing's settings change)."""
         if isinstance(self.drafter, EagleProposer):
             return self.drafter.head
         return self.drafter.model if self.drafter is not None else None
@@ -122,7 +131,7 @@ class Speculator:
     @property
     def reads_target_features(self) -> bool:
         """Whether the attached drafter reads the features of every target forward as it runs (an
-        EAGLE head): each step's must be taken before the next forward is built."""
+        EAGLE, MTP or DFlash drafter): each step's must be taken before the next forward is built."""
         return isinstance(self.drafter, EagleProposer)
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
@@ -158,7 +167,13 @@ class Speculator:
         spec = seq.request.speculation or self.default
         # a grammar checks chains; recurrent state cannot keep one branch of a tree; an MTP head drafts chains
         chains = self.chains_only or seq.constraint is not None or spec.method == Method.MTP
-        return replace(spec, tree_top_k=1) if chains and spec.tree_top_k > 1 else spec
+        if chains and spec.tree_top_k > 1:
+            spec = replace(spec, tree_top_k=1)
+        if isinstance(self.drafter, DFlashProposer) and spec.method == Method.DFLASH:
+            most = self.drafter.head.block_size - 1  # a block's first position is the last token
+            if spec.num_speculative_tokens > most:
+                spec = replace(spec, num_speculative_tokens=most)
+        return spec
 
     def prefilled(self, seqs: list[Sequence], start: int, end: int, padding: list[int], first: bool) -> None:
         """A prefill chunk ran prompt columns [start, end) of left-padded rows

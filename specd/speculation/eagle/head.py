@@ -117,6 +117,8 @@ class EagleLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
+    cache_layers = 1  # attention layers in its cache
+
     def __init__(self, config: EagleConfig):
         super().__init__()
         self.config = config

@@ -73,7 +73,7 @@ class EagleProposer:
         on (only those the head saw whole can draft)."""
         if started:
             mine = [s for s, spec in zip(seqs, specs) if spec.method == self.method]
-            starts = self.prefixes.start([(s, pair_keys(s.prefill_tokens), s.restored_tokens) for s in mine])
+            starts = self.prefixes.start([(s, self.entry_keys(s.prefill_tokens), s.restored_tokens) for s in mine])
             for s, origin in zip(mine, starts):
                 self.origin[s] = origin
                 self.queued.setdefault(s, [])
@@ -81,7 +81,7 @@ class EagleProposer:
 
     def cached(self, prompt: list[int]) -> int:
         """How many leading positions of ``prompt`` the head holds cached entries for."""
-        return self.prefixes.match(pair_keys(prompt), len(prompt) - 1)
+        return self.prefixes.match(self.entry_keys(prompt), len(prompt) - 1)
 
     def commit(self, round_: Round, outcome: Outcome) -> None:
         self._observe(round_.seqs, outcome.kept_columns)
@@ -101,8 +101,9 @@ class EagleProposer:
             self._flush([s for s in seqs if self.queued.get(s)])
             for s in seqs:
                 if s in self.rows:
-                    self.prefixes.record(s, pair_keys(s.prompt + s.tokens), self.rows.state[s], self.rows.cache,
-                                         self.rows.seqs.index(s), prompt=len(s.prompt) - 1)
+                    self.prefixes.record(s, self.entry_keys(s.prompt + s.tokens), self.rows.state[s],
+                                         self.rows.cache, self.rows.seqs.index(s),
+                                         prompt=len(self.entry_keys(s.prompt)))
         for s in seqs:
             self.prefixes.release(s)
             self.queued.pop(s, None)
@@ -135,7 +136,12 @@ class EagleProposer:
         tokens = context[start + 1: start + 1 + features.shape[0]]
         return features[: len(tokens)], tokens
 
-    def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: BatchRowCache, left: bool) -> mx.array:
+    @staticmethod
+    def entry_keys(tokens: list[int]) -> list[int]:
+        """What the head's cached entries are keyed by, for a context of ``tokens``."""
+        return pair_keys(tokens)
+
+    def _feed(self, pairs: list[tuple[mx.array, list[int]]], cache: BatchRowCache, left: bool) -> mx.array | None:
         """Feed each row its pairs, padded on the left (a fresh cache) or on the
         right (rolled back after); returns each row's last output (B, H)."""
         width = max(len(t) for _, t in pairs)
@@ -158,17 +164,20 @@ class EagleProposer:
         pairs = [self._pairs(s, n) for s, n in zip(new, starts)]
         for s in new:
             del self.origin[s]
-        cache = BatchRowCache([RowKV([max(len(t) for _, t in pairs) - len(t) for _, t in pairs])])
+        width = max(len(t) for _, t in pairs)
+        cache = BatchRowCache([RowKV([width - len(t) for _, t in pairs]) for _ in range(self.head.cache_layers)])
         if any(origins):
             cache.restore(origins)
         last = self._feed(pairs, cache, left=True)
         for b, (s, n, (f, _)) in enumerate(zip(new, starts, pairs)):
-            self.prefixes.record(s, pair_keys(s.prompt + s.tokens), n + f.shape[0], cache, b, prompt=len(s.prompt) - 1)
+            self.prefixes.record(s, self.entry_keys(s.prompt + s.tokens), n + f.shape[0], cache, b,
+                                 prompt=len(self.entry_keys(s.prompt)))
         self.rows.add([(s, n + f.shape[0]) for s, n, (f, _) in zip(new, starts, pairs)], cache)
-        return {s: last[i] for i, s in enumerate(new)}
+        return {} if last is None else {s: last[i] for i, s in enumerate(new)}
 
-    def _catch_up(self, seqs: list[Sequence]) -> mx.array:
-        """Make the head's rows exactly ``seqs`` and feed everything queued; (B, H) root outputs."""
+    def _catch_up(self, seqs: list[Sequence]) -> mx.array | None:
+        """Make the head's rows exactly ``seqs`` and feed everything queued; (B, H) root outputs
+        (None from a drafter whose feeding outputs nothing)."""
         new = self.rows.follow(seqs)
         rows = self.rows
         # a round feeds a row one step's features, two after a plain step in between; more is a backlog
@@ -180,11 +189,12 @@ class EagleProposer:
                 pairs.append(self._pairs(s, rows.state[s]))
                 rows.state[s] += pairs[-1][0].shape[0]
             last = self._feed(pairs, rows.cache, left=False)
-            outputs.update({s: last[i] for i, s in enumerate(rows.seqs)})
+            if last is not None:
+                outputs.update({s: last[i] for i, s in enumerate(rows.seqs)})
         if new:
             outputs.update(self._start(new))
         rows.order(seqs)
-        return mx.stack([outputs[s] for s in seqs])
+        return mx.stack([outputs[s] for s in seqs]) if outputs else None
 
     def propose(self, round_: Round) -> Drafts:
         """Every EAGLE row the head knows catches up; drafting rows get a

@@ -30,6 +30,7 @@ class MTPHead(nn.Module):
     (``layer``, with the checkpoint's MTP weights) and its final norm."""
 
     feature_layers: tuple[int, ...] = ()  # it reads the target's final, normed hidden state
+    cache_layers = 1  # attention layers in its cache
 
     def __init__(self, layer: nn.Module, hidden_size: int, eps: float):
         super().__init__()
