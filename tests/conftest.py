@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -320,3 +322,39 @@ def head_for(target, version: int, seed: int = 0):
     head = EagleHead(config)
     mx.eval(head.parameters())
     return head
+
+
+async def measure_plain_decoding_best(engine) -> None:
+    """Put ``engine`` under a goodput policy whose measurements say plain decoding pays best at every
+    batch size, with no try of speculating due: its rows decode plainly, and may run ahead."""
+    import asyncio
+
+    from specd.speculation.config import PolicySettings
+    from specd.speculation.exploration import Realised
+
+    speculator = engine.scheduler.speculator
+    for bucket in (1, 2, 4, 8):
+        plain = speculator.realised[bucket] = Realised()
+        plain.baseline_left, plain.next_try[Realised.PLAIN] = 0, 10 ** 9
+    engine.set_policy(PolicySettings(), "goodput")
+    while speculator.controller.mode != "goodput":
+        await asyncio.sleep(0.001)
+
+
+@contextmanager
+def counting_steps_run_ahead() -> Iterator[list[int]]:
+    """Within it, ``[n]``: the decode steps that took a step started ahead of them."""
+    from unittest import mock
+
+    from specd.engine import runner
+
+    taken = [0]
+    original = runner.ModelRunner._ahead_for
+
+    def counted(self, step):
+        launched = original(self, step)
+        taken[0] += launched is not None
+        return launched
+
+    with mock.patch.object(runner.ModelRunner, "_ahead_for", counted):
+        yield taken

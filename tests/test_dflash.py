@@ -13,22 +13,27 @@ caches differ (sliding windows, a hybrid target that drafts chains only).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from conftest import run_engine
-from drafters import NGRAM, assert_sampling_follows_the_target, beside_the_engine, generate, mixed_batch_parity
+from conftest import counting_steps_run_ahead, measure_plain_decoding_best, run_engine
+from drafters import (NGRAM, assert_sampling_follows_the_target, beside_the_engine, generate, mixed_batch_parity,
+                      prompts_for)
 from specd.core.request import SpeculationConfig
 from specd.engine.scheduler import RequestRejected
 from specd.forge.dflash import fresh_drafter, train_dflash
 from specd.speculation.costs import CostModel
 from specd.speculation.dflash.checkpoint import load_dflash, save_dflash
+from specd.speculation.dflash.proposer import DFlashProposer
+from specd.speculation.eagle.capture import FeatureCapture
 
 CHAIN = SpeculationConfig("dflash", 7)
 TREE = SpeculationConfig("dflash", 5, tree_top_k=3, tree_tokens=12)
@@ -86,6 +91,39 @@ def test_dflash_rows_under_a_grammar_with_penalties_and_a_warm_prefix_cache_writ
     assert speculated == plain and plain[0] == plain[1]
     assert drafted > 0
     assert tokenizer.decode(plain[0][2]).startswith('{"n"')
+
+
+def test_rows_decoding_plainly_run_ahead_and_the_drafter_still_reads_each_step_s_own_features(forged, trained):
+    """DFlash rows under a goodput policy that measured plain decoding best start each step before
+    the last one's tokens are read, as spec-off rows do; the drafter's context is still exactly
+    the target's features of each position, as one forward over the whole context gives them."""
+    model, tokenizer = load(str(forged / "target"))
+    drafter = load_dflash(str(trained), model)
+    queued = {}
+    release = DFlashProposer.release
+
+    def keep(self, seqs):  # on the engine thread, whose stream the features are on: evaluated here
+        queued.update({tuple(s.prompt + s.tokens): mx.concatenate(self.queued[s]) for s in seqs if self.queued.get(s)})
+        mx.eval(list(queued.values()))
+        release(self, seqs)
+
+    async def go(engine):
+        await measure_plain_decoding_best(engine)
+        return await asyncio.gather(*(generate(engine, p, CHAIN, max_tokens=24) for p in prompts_for(tokenizer)[:4]))
+
+    with counting_steps_run_ahead() as taken, mock.patch.object(DFlashProposer, "release", keep):
+        run_engine(model, tokenizer, go, draft_model=drafter, max_batch_size=8)
+    assert taken[0] > 10, taken
+    assert len(queued) == 4
+    capture = FeatureCapture(model, drafter.feature_layers)
+    try:
+        for context, features in queued.items():
+            model(mx.array([context[: features.shape[0]]]))
+            expected = drafter.fuse(capture.take())[0]
+            assert features.shape[0] == len(context) - 1  # every position but the last token's
+            assert mx.allclose(features, expected, atol=1e-4).item()
+    finally:
+        capture.remove()
 
 
 def test_sampled_tokens_follow_the_target_with_dflash(forged, trained):

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 
-from conftest import code_sample, run_engine
+from conftest import code_sample, counting_steps_run_ahead, measure_plain_decoding_best, run_engine
 from specd.core import attention
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
@@ -279,38 +279,21 @@ def test_a_goodput_policy_that_measured_plain_decoding_best_runs_ahead(target):
     best (no try due), start each step before the last one's tokens are read, as spec-off rows do,
     and write what stepping whole writes."""
     from specd.core.request import SpeculationConfig
-    from specd.engine import runner as runner_module
-    from specd.speculation.config import PolicySettings
-    from specd.speculation.exploration import Realised
 
     ngram = SpeculationConfig("ngram", 3)
-    taken = 0
-    original = runner_module.ModelRunner._ahead_for
-
-    def counted(self, step):
-        nonlocal taken
-        launched = original(self, step)
-        taken += launched is not None
-        return launched
 
     async def go(engine):
-        speculator = engine.scheduler.speculator
-        for bucket in (1, 2, 4, 8):
-            plain = speculator.realised[bucket] = Realised()
-            plain.baseline_left, plain.next_try[Realised.PLAIN] = 0, 10 ** 9
-        engine.set_policy(PolicySettings(), "goodput")
-        while speculator.controller.mode != "goodput":
-            await asyncio.sleep(0.001)
+        await measure_plain_decoding_best(engine)
 
         async def one(prompt):
             request = GenerationRequest(f"r{next(_ids)}", prompt, GREEDY, 30, speculation=ngram)
             return [t async for out in engine.generate(request) for t in out.tokens]
         return await asyncio.gather(*(one(p) for p in prompts(target[1], 4, 30)))
     whole = with_engine(target, go, decode_ahead=False)
-    with mock.patch.object(runner_module.ModelRunner, "_ahead_for", counted):
+    with counting_steps_run_ahead() as taken:
         ahead = with_engine(target, go, decode_ahead=True)
     assert ahead == whole
-    assert taken > 20, taken
+    assert taken[0] > 20, taken
 
 
 def test_running_ahead_changes_no_token(target):

@@ -19,9 +19,10 @@ so a speculating row and a plain one are decided by the same distribution.
 
 **Running ahead.** A plain step (no row may speculate, or a goodput policy
 measured plain decoding best and has no try due; none has a grammar or a
-penalty that reads its latest token; no EAGLE or MTP head reads the target's
-features) needs nothing from the host between its sampled tokens and the
-next step's inputs. Where ``decode_ahead`` is on, the runner builds and
+penalty that reads its latest token) needs nothing from the host between its
+sampled tokens and the next step's inputs (a drafter that reads the target's
+features, an EAGLE, MTP or DFlash one, takes each step's as its forward is
+built, so the next one built ahead does not replace them). Where ``decode_ahead`` is on, the runner builds and
 starts the next step's forward over the tokens this one is still sampling
 before it waits for them (mlx-lm's generators do the same with
 ``mx.async_eval``), so the host's work for step n+1 (building its graph,
@@ -63,13 +64,14 @@ class Launched:
     tokens: mx.array  # (B,)
     logits: mx.array  # (B, 1, V): what produced each token
     keys: list[mx.array]  # each row's RNG key before the step (given back if it is dropped)
+    features: mx.array | None  # the target features a drafter reads, taken as the forward was built
 
     def rows(self, index: list[int]) -> "Launched":
         if index == list(range(len(self.seqs))):
             return self
         take = mx.array(index)
         return Launched([self.seqs[i] for i in index], self.tokens[take], self.logits[take],
-                        [self.keys[i] for i in index])
+                        [self.keys[i] for i in index], None if self.features is None else self.features[take])
 
 
 class ModelRunner:
@@ -154,12 +156,11 @@ class ModelRunner:
     def _plain(self, batch: RunningBatch, planned: DecodeStep | None = None) -> bool:
         """Whether this step and the next one, for these rows, may run without the host between
         them (see the module's docstring): where ``decode_ahead`` is on, a cache whose rollback is
-        a change of length (no recurrent state), no drafter that reads the target's features (a
-        draft model follows plain rows from their tokens), no row that has a grammar or a penalty
+        a change of length (no recurrent state), no row that has a grammar or a penalty
         or would pass its context window in the next step, and no row that speculates: as
         ``planned`` (a step the scheduler planned), or, for the next step, as the controller
         says it will plan (a goodput policy that measured plain decoding to pay best)."""
-        if not self.decode_ahead or batch.cache.chains_only or self.speculator.reads_target_features:
+        if not self.decode_ahead or batch.cache.chains_only:
             return False
         window = self.max_context()
         if any(s.constraint is not None or s.params.penalized or s.context_length + 2 > window for s in batch.seqs):
@@ -172,6 +173,7 @@ class ModelRunner:
         seqs = list(batch.seqs)  # the rows as they are now: the batch's own list changes as rows join
         keys = [s.key for s in seqs]
         logits = batch.cache.forward(self.model, inputs)
+        features = None
         if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
             mx.async_eval(logits)
         logits = self.process(logits, seqs, inputs)
@@ -179,7 +181,7 @@ class ModelRunner:
         for seq, key in zip(seqs, sampled_keys):
             seq.key = key
         mx.async_eval(tokens, sampled_keys)
-        return Launched(seqs, tokens, logits, keys)
+        return Launched(seqs, tokens, logits, keys, features)
 
     def _ahead_for(self, step: DecodeStep) -> Launched | None:
         """The step started ahead for this plan's rows, if the plan is what it ran: the same rows

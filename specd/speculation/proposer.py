@@ -60,6 +60,9 @@ class Outcome:
     accepted: list[int]  # proposals accepted
     emitted: list[list[int]]  # accepted proposals plus the target's next token
     kept_columns: list[list[int]]  # the verify forward's columns that stay in the cache
+    # a plain step's target features, taken when its forward was built (it may have run ahead of
+    # the step being committed); None: the last forward's
+    features: mx.array | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, ContextManager
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.cache import RowCache, make_row_cache, model_prefixes
@@ -128,11 +129,10 @@ class Speculator:
     def drafter_method(self) -> Method | None:
         return self.drafter.method if self.drafter is not None else None
 
-    @property
-    def reads_target_features(self) -> bool:
-        """Whether the attached drafter reads the features of every target forward as it runs (an
-        EAGLE, MTP or DFlash drafter): each step's must be taken before the next forward is built."""
-        return isinstance(self.drafter, EagleProposer)
+    def take_features(self) -> mx.array | None:
+        """The target features of the forward just built, for a drafter that reads them (an EAGLE,
+        MTP or DFlash drafter): a plain step takes its own before the next one is built ahead."""
+        return self.drafter.take_features() if isinstance(self.drafter, EagleProposer) else None
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """A new controller for the policy; the learned costs, measured rates and acceptance carry over."""

@@ -60,9 +60,13 @@ class EagleProposer:
 
     # -- the target's forwards feed the head ----------------------------------
 
-    def _observe(self, seqs: list[Sequence], columns: list[list[int]]) -> None:
-        """The last target forward kept ``columns[b]`` of row b."""
-        features = self.head.fuse(self.capture.take())
+    def take_features(self) -> mx.array:
+        """The fused features of the target forward built last (B, N, H)."""
+        return self.head.fuse(self.capture.take())
+
+    def _observe(self, seqs: list[Sequence], columns: list[list[int]], features: mx.array | None = None) -> None:
+        """A target forward kept ``columns[b]`` of row b (``features``: its, else the last forward's)."""
+        features = self.take_features() if features is None else features
         for b, (seq, cols) in enumerate(zip(seqs, columns)):
             if cols and seq in self.queued:
                 self.queued[seq].append(features[b, mx.array(cols)])
@@ -84,7 +88,7 @@ class EagleProposer:
         return self.prefixes.match(self.entry_keys(prompt), len(prompt) - 1)
 
     def commit(self, round_: Round, outcome: Outcome) -> None:
-        self._observe(round_.seqs, outcome.kept_columns)
+        self._observe(round_.seqs, outcome.kept_columns, outcome.features)
 
     def settle(self) -> None:
         """The head's cache only ever receives accepted context: nothing to settle."""
