@@ -173,7 +173,7 @@ class ModelRunner:
         seqs = list(batch.seqs)  # the rows as they are now: the batch's own list changes as rows join
         keys = [s.key for s in seqs]
         logits = batch.cache.forward(self.model, inputs)
-        features = None
+        features = self.speculator.take_features()  # before a forward built ahead replaces them
         if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
             mx.async_eval(logits)
         logits = self.process(logits, seqs, inputs)
@@ -209,7 +209,7 @@ class ModelRunner:
             self.ahead = self._launch(batch, launched.tokens[:, None])
         emitted = [[t] for t in launched.tokens.tolist()]
         forward_seconds = time.perf_counter() - step_started
-        outcome = Outcome([0] * len(emitted), emitted, [[0]] * len(emitted))
+        outcome = Outcome([0] * len(emitted), emitted, [[0]] * len(emitted), launched.features)
         self.speculator.commit(proposal, outcome)
         self.speculator.count(batch.seqs, proposal, outcome)
         deliver(batch.seqs, launched.logits, emitted)

@@ -44,6 +44,7 @@ class DraftModelProposer:
         self.rows: FollowedRows[DraftRow] = FollowedRows()
         self._drafted = 0  # k of the current round (0: the proposer did not run)
         self.caught_up = False
+        self.backlog_seconds = 0.0  # its backlog (pending tokens) is fed with the drafting: a caught-up round
 
     def can_draft(self, seq: Sequence) -> bool:
         return True

@@ -51,6 +51,7 @@ class NgramProposer:
 
     method = Method.NGRAM
     caught_up = False  # the index catches up on the host: nothing to bill
+    backlog_seconds = 0.0
 
     def __init__(self) -> None:
         self.indexes: dict[Sequence, NgramIndex] = {}

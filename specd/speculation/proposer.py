@@ -73,6 +73,7 @@ class Proposal:
     drafts: list[list[int]]  # per row, possibly empty (a branching tree row: empty, see ``trees``)
     offered: Drafts
     caught_up: bool = False  # a drafter caught rows up (a prefill or a backlog): a one-off cost in the step
+    backlog_seconds: float = 0.0  # what drafters spent feeding rows a backlog, timed apart: not the step's cost
     tree: TreeLayout | None = None  # set when some row proposes a branching tree
     trees: list[DraftTree] | None = None  # every row's proposal as a tree (chains are linear)
     forced: list[int] | None = None  # per row, tokens its grammar forced at the end of its chain
@@ -114,6 +115,7 @@ class Proposal:
 class Proposer(Protocol):
     method: Method
     caught_up: bool  # the last propose fed a row its whole context or a backlog: a one-off cost
+    backlog_seconds: float  # what the last propose spent feeding a backlog it timed apart (0: none, or not apart)
 
     def can_draft(self, seq: Sequence) -> bool:
         """Whether the proposer holds everything it needs to draft for ``seq`` now."""

@@ -235,17 +235,18 @@ class Speculator:
         """The round's proposals: its proposers' drafts for the k planned per row, grammar-forced
         tokens at their ends, and, when a row proposes a branching tree, every row laid out as a tree."""
         seqs = round_.seqs
-        offered, caught_up = self._collect(round_) if any(round_.ks) else (Drafts(), False)
+        offered, caught_up, backlog = self._collect(round_) if any(round_.ks) else (Drafts(), False, 0.0)
         drafts = [offered.chains.get(i, []) for i in range(len(seqs))]
         forced = cut = None
         if any(s.constraint for s in seqs):
             forced, cut = self._jump_forward(seqs, drafts, offered)
         if not offered.trees:
-            return Proposal(round_, drafts, offered, caught_up, forced=forced, cut=cut)
+            return Proposal(round_, drafts, offered, caught_up, backlog, forced=forced, cut=cut)
         if self.positions is None:
             self.positions = TreePositions(self.target)
         trees = [offered.trees.get(i) or DraftTree.chain(d) for i, d in enumerate(drafts)]
-        return Proposal(round_, drafts, offered, caught_up, layout(trees, round_.last_tokens), trees, forced, cut)
+        return Proposal(round_, drafts, offered, caught_up, backlog, layout(trees, round_.last_tokens), trees, forced,
+                        cut)
 
     def _proposers(self) -> list[Proposer]:
         return [self.ngram] if self.drafter is None else [self.ngram, self.drafter]
@@ -326,24 +327,26 @@ class Speculator:
             return (base + gained) / self.costs.target_seconds(rows, width + 1)
         return max(sorted({floor, *(len(d) for d in drafts if len(d) > floor)}), key=rate)
 
-    def _collect(self, round_: Round) -> tuple[Drafts, bool]:
-        """Every attached proposer's drafts for its rows, and whether one caught rows up."""
-        offered, caught_up = Drafts(chains=dict(round_.lookups)), False
+    def _collect(self, round_: Round) -> tuple[Drafts, bool, float]:
+        """Every attached proposer's drafts for its rows, whether one caught rows up, and the
+        seconds they fed backlogs apart."""
+        offered, caught_up, backlog = Drafts(chains=dict(round_.lookups)), False, 0.0
         ks = round_.model_ks
         for proposer in self._proposers():
             if not any(ks[i] for i in round_.rows(proposer.method)):
                 continue
             started = time.perf_counter()
             drafts = proposer.propose(round_)
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - started - proposer.backlog_seconds
             caught_up |= proposer.caught_up
+            backlog += proposer.backlog_seconds
             offered.chains.update(drafts.chains)
             offered.q.update(drafts.q)
             offered.trees.update(drafts.trees)
             if drafts.shape is not None and not proposer.caught_up:  # a prefill or a backlog would distort it
                 self.costs.observe_draft(*drafts.shape, seconds)
             self.metrics.spec_propose_seconds.labels(self.name, proposer.method).observe(seconds)
-        return offered, caught_up
+        return offered, caught_up, backlog
 
     # -- after the verdict -------------------------------------------------------
 
@@ -376,7 +379,7 @@ class Speculator:
         """What the step cost: its forward with verification and rollback (the cost model's
         input) and the whole step, its tokens handed out (the controller's)."""
         self._observe_step(rows, proposal.width + 1, forward_seconds)
-        self.controller.observe_step(rows, step_seconds, proposal.caught_up)
+        self.controller.observe_step(rows, step_seconds - proposal.backlog_seconds, proposal.caught_up)
 
     def _count_round(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome) -> None:
         verified = proposal.drafted

@@ -24,6 +24,8 @@ and the target restores no more than the head holds (``cached``).
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -53,6 +55,7 @@ class EagleProposer:
         self.rows: FollowedRows[int] = FollowedRows()  # per row: positions in the head's cache
         self.queued: dict[Sequence, list[mx.array]] = {}  # fused features not fed to the head yet
         self.caught_up = False
+        self.backlog_seconds = 0.0
 
     def detach(self) -> None:
         """Unhook the target (the pairing changed)."""
@@ -184,8 +187,12 @@ class EagleProposer:
         (None from a drafter whose feeding outputs nothing)."""
         new = self.rows.follow(seqs)
         rows = self.rows
-        # a round feeds a row one step's features, two after a plain step in between; more is a backlog
-        self.caught_up = bool(new) or any(len(self.queued[s]) > 2 for s in rows.seqs)
+        self.caught_up = bool(new)  # a prefill's features: a one-off cost in the step
+        # a round feeds a row one step's features, two after a plain step in between; more is a
+        # backlog that plain steps left (a controller's try after a run of them): fed and timed
+        # apart, so that neither the draft cost nor the step's stands for it
+        backlog = any(len(self.queued[s]) > 2 for s in rows.seqs)
+        started = time.perf_counter()
         outputs = {}
         if len(rows):
             pairs = []
@@ -195,6 +202,9 @@ class EagleProposer:
             last = self._feed(pairs, rows.cache, left=False)
             if last is not None:
                 outputs.update({s: last[i] for i, s in enumerate(rows.seqs)})
+        if backlog:
+            mx.eval(rows.cache.state, list(outputs.values()))
+        self.backlog_seconds = time.perf_counter() - started if backlog else 0.0
         if new:
             outputs.update(self._start(new))
         rows.order(seqs)
