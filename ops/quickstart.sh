@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install specd, forge the demo model pair, start the daemon on manifests/demo and
-# ask it for a chat completion.  The trained demo pair takes about 20 minutes (once:
+# ask it for a chat completion.  The trained demo pair takes about 21 minutes (once:
 # it is cached); until it exists the daemon first serves the same pair trained for
 # under a minute, and the trained one is swapped in when it is ready, by the control
 # plane's own rollout restart.
@@ -69,7 +69,7 @@ if [ -n "$TRAIN_LATER" ]; then
       && specd rollout restart model demo --server $URL && specd rollout restart model demo-agent --server $URL \
       && echo '==> the trained demo pair is serving'" >state/forge.log 2>&1 &
     echo $! >state/forge.pid
-    echo "==> training the demo pair in the background (about 20 minutes, log state/forge.log);"
+    echo "==> training the demo pair in the background (about 21 minutes, log state/forge.log);"
     echo "    the daemon swaps it in for the quick pair when it is ready (specd describe model demo: its events)"
   fi
 fi
