@@ -155,6 +155,25 @@ def test_measured_losses_turn_speculation_off_with_ever_rarer_retries():
     assert controller.plan(rows([0.9] * 16), 16)[1] == "baseline"
 
 
+def test_rows_whose_estimates_pay_for_nothing_decode_plainly_next_unless_a_probe_is_due():
+    """A plan in which no row's estimate pays for a proposal is the next plan too (estimates learn
+    only from rounds), so the runner may start the next step ahead, even while the measurements
+    still try speculating; never before a step that speculates (a probe, or a measured try)."""
+    controller = GoodputController(PolicySettings(probe_interval=4), "p", costs(0.010, 0.00001))
+    hopeless = rows([0.0] * 4)
+    plans, by_rows = [], 0
+    for _ in range(40):
+        ks, _ = controller.plan(hopeless, 4)
+        plain_next = controller.plain_next(4)
+        by_rows += plain_next and not controller.realised[4].plain_next()
+        plans.append((any(ks), plain_next))
+        controller.observe_step(4, 0.01)
+    assert any(speculates for speculates, _ in plans), plans  # probes and tries still run
+    assert by_rows >= 3, plans  # steps the rows' estimates alone show to be plain
+    assert all(not plans[i + 1][0] for i, (_, plain_next) in enumerate(plans[:-1]) if plain_next), plans
+    assert not controller.plain_next(8)  # another batch is not the rows that were planned
+
+
 def test_the_best_k_is_found_by_climbing_from_neighbour_to_neighbour():
     controller = GoodputController(PolicySettings(max_speculative_tokens=6), "p", costs(0.010, 0.01))  # bets k = 1
     rate = {0: 250.0, 1: 300.0, 2: 350.0, 3: 380.0, 4: 340.0, 5: 200.0, 6: 150.0}

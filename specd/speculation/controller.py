@@ -149,6 +149,7 @@ class GoodputController(StaticController):
     def __init__(self, *args, realised: dict[int, Realised] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.realised = {} if realised is None else realised  # by batch-size bucket
+        self._no_gain_rows: int | None = None  # rows of the last plan, when none of their estimates paid for a proposal
 
     def measured_steps(self) -> dict[str, dict[str, float]]:
         """Measured milliseconds of a whole step at each k and the best k by
@@ -157,11 +158,16 @@ class GoodputController(StaticController):
                 for b, r in sorted(self.realised.items())}
 
     def plain_next(self, batch_size: int) -> bool:
-        """Plain decoding measured best in the batch's bucket, and no try of speculating due next."""
+        """Plain decoding measured best in the batch's bucket, and no try of speculating due next;
+        or the last plan's rows, whose estimates paid for no proposal, with no probe due next (their
+        estimates learn only from rounds, so a plain step leaves them as they were)."""
         if self.policy is not None and not self.policy.enabled:
             return True
         measured = self.realised.get(batch_bucket(batch_size))
-        return measured is not None and measured.plain_next()
+        if measured is not None and measured.plain_next():
+            return True
+        return (self._no_gain_rows == batch_size and self.policy is not None
+                and (self._steps_off + 1) % self.policy.probe_interval != 0)
 
     def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False) -> None:
         """A whole decode step's wall time, proposing to emitting; ``caught_up``:
@@ -182,11 +188,15 @@ class GoodputController(StaticController):
         measured = self._measured(batch_bucket(batch_size))
         k, reason = measured.decide(self._cap(rows), lambda: self.bet(rows),
                                     lambda k: self._expected(rows, self._ks(rows, k, self._worth_it(rows, k))))
+        self._no_gain_rows = None
         if k == 0:
             return [0] * len(rows), reason
         use = self._worth_it(rows, k)
         ks, reason = self._for_rows(rows, k, use)
-        return (self._lookups_alone(rows, ks) if any(use) else ks), reason
+        ks = self._lookups_alone(rows, ks) if any(use) else ks
+        if not any(ks):  # no row's estimate pays for a proposal (a lookup alone finds none)
+            self._no_gain_rows = batch_size
+        return ks, reason
 
     def _measured(self, bucket: int) -> Realised:
         """The bucket's measurements; a new bucket starts from the nearest
