@@ -18,7 +18,8 @@ position with its own context), then its grammar's mask (``mask_logits``),
 so a speculating row and a plain one are decided by the same distribution.
 
 **Running ahead.** A plain step (no row may speculate, or a goodput policy
-measured plain decoding best and has no try due; none has a grammar or a
+measured plain decoding best and has no try due, or its rows' estimates pay
+for no proposal and no probe is due; none has a grammar or a
 penalty that reads its latest token) needs nothing from the host between its
 sampled tokens and the next step's inputs (a drafter that reads the target's
 features, an EAGLE, MTP or DFlash one, takes each step's as its forward is

@@ -95,7 +95,8 @@ def dflash_config(raw: dict, target: nn.Module, path: Path | str) -> DFlashConfi
         is_causal=bool(raw.get("is_causal") or False), num_target_layers=layers)
 
 
-def _weights(drafter: DFlashDrafter, tensors: dict[str, mx.array], target: nn.Module, path: Path) -> dict[str, mx.array]:
+def _weights(drafter: DFlashDrafter, tensors: dict[str, mx.array], target: nn.Module,
+             path: Path) -> dict[str, mx.array]:
     """The checkpoint's tensors, every name and shape checked, in the target's dtype (copies of the
     target's embedding or LM head, which the drafter reads from the target, are dropped)."""
     expected = {name: a.shape for name, a in tree_flatten(drafter.parameters())}

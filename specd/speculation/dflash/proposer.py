@@ -47,7 +47,8 @@ class DFlashProposer(EagleProposer):
         if not width:
             return None
         # what ``_observe`` queued is already fused into the context's hidden states
-        context = mx.stack([mx.pad(f, [(width - len(t), 0) if left else (0, width - len(t)), (0, 0)]) for f, t in pairs])
+        context = mx.stack([mx.pad(f, [(width - len(t), 0) if left else (0, width - len(t)), (0, 0)])
+                            for f, t in pairs])
         offset = cache.layers[0].offset
         for layer, (keys, values) in zip(cache.layers, self.head.context_keys_values(context, offset)):
             layer.update_and_fetch(keys, values)
