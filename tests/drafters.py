@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
+
 from conftest import code_sample, run_engine, two_sample_chi2
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
+from specd.engine.scheduler import RequestRejected
 
 GREEDY = SamplingParams(temperature=0)
 NGRAM = SpeculationConfig("ngram", 3)
@@ -82,3 +85,13 @@ def assert_sampling_follows_the_target(model, tokenizer, drafter, spec: Speculat
                     max_waiting=1000)
     stat, limit, dof = two_sample_chi2(off, on)
     assert stat < limit, (stat, limit, dof)
+
+
+def assert_refused_without_the_drafter(model, tokenizer, spec: SpeculationConfig, reason: str) -> None:
+    """A request asking for ``spec`` of a model with no such drafter is rejected, saying ``reason``."""
+
+    async def ask(engine):
+        with pytest.raises(RequestRejected, match=reason):
+            await generate(engine, [1, 2, 3], spec)
+
+    run_engine(model, tokenizer, ask)

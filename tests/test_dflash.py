@@ -25,10 +25,9 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 
 from conftest import counting_steps_run_ahead, measure_plain_decoding_best, run_engine
-from drafters import (NGRAM, assert_sampling_follows_the_target, beside_the_engine, generate, mixed_batch_parity,
-                      prompts_for)
+from drafters import (NGRAM, assert_refused_without_the_drafter, assert_sampling_follows_the_target, beside_the_engine,
+                      generate, mixed_batch_parity, prompts_for)
 from specd.core.request import SpeculationConfig
-from specd.engine.scheduler import RequestRejected
 from specd.forge.dflash import fresh_drafter, train_dflash
 from specd.speculation.costs import CostModel
 from specd.speculation.dflash.checkpoint import load_dflash, save_dflash
@@ -181,13 +180,7 @@ def test_missing_tensors_are_named(forged, tmp_path):
 
 
 def test_requests_asking_for_dflash_need_a_drafter(forged):
-    model, tokenizer = load(str(forged / "target"))
-
-    async def ask(engine):
-        with pytest.raises(RequestRejected, match="no DFlash drafter"):
-            await generate(engine, [1, 2, 3], CHAIN)
-
-    run_engine(model, tokenizer, ask)
+    assert_refused_without_the_drafter(*load(str(forged / "target")), CHAIN, "no DFlash drafter")
 
 
 def test_a_block_drafter_costs_one_forward_whatever_it_drafts():

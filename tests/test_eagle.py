@@ -16,6 +16,7 @@ import pytest
 from mlx_lm import load
 
 from conftest import code_sample, head_for, run_engine
+from drafters import assert_refused_without_the_drafter
 from specd.core.sampling import SamplingParams
 from specd.core.request import GenerationRequest
 from specd.core.request import SpeculationConfig
@@ -78,14 +79,8 @@ def test_greedy_parity_for_chains_and_trees_in_mixed_batches(target, prompts, ve
     assert drafted > 0 and accepted > 0  # trees were verified and some branches kept
 
 
-def test_requests_asking_for_eagle_need_a_head(target, prompts):
-    model, tokenizer = target
-
-    async def ask(engine):
-        with pytest.raises(ValueError, match="no EAGLE head"):
-            await generate(engine, prompts[0], CHAIN)
-
-    run_engine(model, tokenizer, ask)
+def test_requests_asking_for_eagle_need_a_head(target):
+    assert_refused_without_the_drafter(*target, CHAIN, "no EAGLE head")
 
 
 @pytest.mark.parametrize("version", [1, 3])

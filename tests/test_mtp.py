@@ -20,10 +20,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 
-from conftest import run_engine
-from drafters import NGRAM, assert_sampling_follows_the_target, beside_the_engine, generate, mixed_batch_parity
+from drafters import (NGRAM, assert_refused_without_the_drafter, assert_sampling_follows_the_target, beside_the_engine,
+                      mixed_batch_parity)
 from specd.core.request import SpeculationConfig
-from specd.engine.scheduler import RequestRejected
 from specd.forge.mtp import WEIGHTS_FILE, fresh_head, save_mtp_head, train_mtp
 from specd.speculation.mtp.checkpoint import MIMO, NEXTN, QWEN3_NEXT, Layout, NoMTPHead, load_mtp_head
 
@@ -141,10 +140,4 @@ def test_checkpoints_without_a_head_are_refused_with_the_reason(forged, family_m
 
 
 def test_requests_asking_for_mtp_need_a_head(forged):
-    model, tokenizer = load(str(forged / "target"))
-
-    async def ask(engine):
-        with pytest.raises(RequestRejected, match="no MTP head"):
-            await generate(engine, [1, 2, 3], MTP)
-
-    run_engine(model, tokenizer, ask)
+    assert_refused_without_the_drafter(*load(str(forged / "target")), MTP, "no MTP head")

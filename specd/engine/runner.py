@@ -19,14 +19,14 @@ so a speculating row and a plain one are decided by the same distribution.
 
 **Running ahead.** A plain step (no row may speculate, or a goodput policy
 measured plain decoding best and has no try due, or its rows' estimates pay
-for no proposal and no probe is due; none has a grammar or a
-penalty that reads its latest token) needs nothing from the host between its
-sampled tokens and the next step's inputs (a drafter that reads the target's
+for no proposal and no probe is due; none has a grammar or a penalty that
+reads its latest token) needs nothing from the host between its sampled
+tokens and the next step's inputs (a drafter that reads the target's
 features, an EAGLE, MTP or DFlash one, takes each step's as its forward is
-built, so the next one built ahead does not replace them). Where ``decode_ahead`` is on, the runner builds and
-starts the next step's forward over the tokens this one is still sampling
-before it waits for them (mlx-lm's generators do the same with
-``mx.async_eval``), so the host's work for step n+1 (building its graph,
+built, so the next one built ahead does not replace them). Where
+``decode_ahead`` is on, the runner builds and starts the next step's forward
+over the tokens this one is still sampling before it waits for them (mlx-lm's
+generators do the same with ``mx.async_eval``), so the host's work for step n+1 (building its graph,
 handing out step n's tokens) overlaps the device's work. The scheduler's next
 plan then takes that step as it is (rows that finished meanwhile drop out of
 it); a plan it does not fit (a row joined, a row speculates) drops it: each

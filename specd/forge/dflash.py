@@ -98,11 +98,12 @@ def block_logits(drafter: DFlashDrafter, features: mx.array, first: mx.array, an
     mask = np.concatenate([np.broadcast_to(visible, (A, n, T)), np.broadcast_to(own, (A, n, n))], axis=-1)
     mask = mx.array(np.tile(mask, (B, 1, 1))[:, None])  # (B * A, 1, n, T + n)
     attends = []
-    for keys, values in drafter.context_keys_values(drafter.fuse(features), 0):
+    for layer, (keys, values) in zip(drafter.layers, drafter.context_keys_values(drafter.fuse(features), 0)):
         keys, values = mx.repeat(keys, A, axis=0), mx.repeat(values, A, axis=0)
-        attends.append(lambda q, k, v, keys=keys, values=values: mx.fast.scaled_dot_product_attention(
-            q, mx.concatenate([keys, k], axis=2), mx.concatenate([values, v], axis=2),
-            scale=q.shape[-1] ** -0.5, mask=mask))
+        attends.append(lambda q, k, v, keys=keys, values=values, scale=layer.self_attn.scale:
+                       mx.fast.scaled_dot_product_attention(q, mx.concatenate([keys, k], axis=2),
+                                                            mx.concatenate([values, v], axis=2), scale=scale,
+                                                            mask=mask))
     out = drafter(block, offset, attends)[:, 1:]
     return drafter.logits(out, lm_head).reshape(B, A, n - 1, -1)
 

@@ -12,8 +12,8 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
@@ -178,6 +178,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, defaults: dict, inte
     for name in integers:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name],
                             help=f"(default {defaults[name]})")
-    parser.add_argument("--lr", type=float, default=defaults["lr"], help=f"peak learning rate (default {defaults['lr']})")
+    parser.add_argument("--lr", type=float, default=defaults["lr"],
+                        help=f"peak learning rate (default {defaults['lr']})")
     parser.add_argument("--budget-s", type=float, default=None, help="stop when this many seconds are spent")
     parser.add_argument("--seed", type=int, default=0)

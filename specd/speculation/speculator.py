@@ -98,13 +98,12 @@ class Speculator:
             self.drafter.detach()
         store = self.prefix_store
         store.drop("drafter")  # what the old drafter cached
+        proposer = next((p for kind, p in FEATURE_DRAFTERS if isinstance(drafter, kind)), None)
         if drafter is None:
             self.drafter = None
-        elif isinstance(drafter, (EagleHead, MTPHead, DFlashDrafter)):
+        elif proposer is not None:
             tree = store.tree("drafter", stateful=False) if store.enabled else None
-            head = RowPrefixes(tree, [None] * drafter.cache_layers)
-            proposer = next(p for kind, p in FEATURE_DRAFTERS if isinstance(drafter, kind))
-            self.drafter = proposer(drafter, self.target, head)
+            self.drafter = proposer(drafter, self.target, RowPrefixes(tree, [None] * drafter.cache_layers))
         else:
             self.drafter = DraftModelProposer(drafter, model_prefixes(drafter, store, "drafter"))
         self.costs.block_drafts = isinstance(self.drafter, DFlashProposer)
