@@ -65,10 +65,10 @@ if [ -n "$TRAIN_LATER" ]; then
     echo "==> the demo pair is still training from an earlier run (pid $TRAINER, log state/forge.log)"
   else
     URL="http://127.0.0.1:$PORT"
-    nohup bash -c "specd forge models/demo --preset demo \
+    # the trainer writes its pid file and removes it when it ends, however it ends
+    nohup bash -c "echo \$\$ >state/forge.pid; trap 'rm -f state/forge.pid' EXIT; specd forge models/demo --preset demo \
       && specd rollout restart model demo --server $URL && specd rollout restart model demo-agent --server $URL \
       && echo '==> the trained demo pair is serving'" >state/forge.log 2>&1 &
-    echo $! >state/forge.pid
     echo "==> training the demo pair in the background (about 21 minutes, log state/forge.log);"
     echo "    the daemon swaps it in for the quick pair when it is ready (specd describe model demo: its events)"
   fi

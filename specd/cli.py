@@ -12,7 +12,7 @@ from typing import Callable
 import structlog
 
 from . import logs
-from .control.routing import POLICIES
+from .serving.routing import POLICIES
 
 log = structlog.get_logger("specd")
 
@@ -80,7 +80,8 @@ def _serve_model(args: argparse.Namespace) -> int:
     name, url = docs[0]["metadata"]["name"], f"http://{args.host}:{args.port}"
     print(f"specd serve: {name} ({docs[0]['spec']['source']}) on {url}/v1, state in {args.state_dir}\n"
           f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
+          f"-d '{{\"model\": \"{name}\", \"max_tokens\": 64, "
+          f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
           file=sys.stderr, flush=True)
     return _daemon(args)
 
@@ -90,20 +91,21 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from aiohttp import web
 
     from .control.agent import NodeAgent
-    from .control.cluster import Cluster
+    from .serving.cluster import Cluster
     from .control.node import Node
     from .control.plane import ControlPlane
-    from .control.registry import ModelRegistry
-    from .control.store import Store
+    from .serving.registry import ModelRegistry
+    from .store import Store
     from . import serve
     from .api.manifest import parse_documents
     from .control.watcher import ManifestDirectory, sync_owned
     from .core.memory import reuse_freed_memory
     from .metrics import Metrics
-    from .server.app import create_app
+    from .daemon import daemon_app
     from .server.response_store import ResponseStore
 
     reuse_freed_memory()
+    _warn_without_fast_blas()
     manifests = None
     args.state_dir.mkdir(parents=True, exist_ok=True)
     store = Store(args.state_dir / "specd.db")
@@ -123,12 +125,25 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
                           control.models.reserved_by_head)
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
-    app = create_app(control, manifests, token, drain_grace=args.drain_grace, api_keys=args.api_keys,
+    app = daemon_app(control, manifests, token, drain_grace=args.drain_grace, agent=agent, api_keys=args.api_keys,
                      cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
                      stored_responses=ResponseStore(args.state_dir / "responses.db"),
-                     drop_hosted_tools=args.drop_hosted_tools, agent=agent)
+                     drop_hosted_tools=args.drop_hosted_tools)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
+
+
+def _warn_without_fast_blas() -> None:
+    """On Linux, say at start when MLX's float32 matmul falls back to its bundled reference BLAS
+    (no OpenBLAS preloaded), as ``specd doctor`` does: every model runs many times slower."""
+    if sys.platform != "linux":
+        return
+    from .doctor import blas_fix_hint, global_sgemm_provider
+
+    provider = global_sgemm_provider()
+    if provider is None or "openblas" not in provider.lower():
+        log.warning("no OpenBLAS preloaded: MLX's float32 matmul uses its reference BLAS, many times slower",
+                    fix=blas_fix_hint())
 
 
 def _write_pid_file(path: Path) -> None:
@@ -166,7 +181,7 @@ def _pull(args: argparse.Namespace) -> int:
     from huggingface_hub.utils import disable_progress_bars
     from tqdm import tqdm
 
-    from .control.download import DownloadProgress, download
+    from .core.download import DownloadProgress, download
     from .core.memory import gib
     from .serve import REPO_ID_RE, split_revision
 

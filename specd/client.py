@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from .api.manifest import SERVER_ANNOTATIONS, SOURCE_ANNOTATION, ManifestError, parse_documents, read_manifest_file
+from .api.paths import ADMIN_PREFIX as PREFIX, GROUP
 
 KIND_NAMES = {
     "Model": ("model", "models", "mo"),
@@ -25,7 +26,6 @@ KIND_NAMES = {
     "Node": ("node", "nodes", "no"),
 }
 PLURAL = {kind: names[1] for kind, names in KIND_NAMES.items()}
-PREFIX = "/apis/specd.dev/v1alpha1"
 
 
 class CommandError(Exception):
@@ -115,10 +115,10 @@ def cmd_apply(client: Client, args) -> int:
     for warning in result.get("warnings", []):
         print(f"Warning: {warning}", file=sys.stderr)
     for item in result["items"]:
-        print(f"{item['kind'].lower()}.specd.dev/{item['name']} {item['action']}{suffix}")
+        print(f"{item['kind'].lower()}.{GROUP}/{item['name']} {item['action']}{suffix}")
         owner = item["object"]["metadata"].get("annotations", {}).get(SOURCE_ANNOTATION)
         if owner and item["action"] == "configured":
-            print(f"warning: {item['kind'].lower()}.specd.dev/{item['name']} comes from the watched file "
+            print(f"warning: {item['kind'].lower()}.{GROUP}/{item['name']} comes from the watched file "
                   f"{owner}; the daemon applies that file again when it changes or the daemon restarts",
                   file=sys.stderr)
     return 0
@@ -275,7 +275,7 @@ def cmd_rollout(client: Client, args) -> int:
     if resolve_kind(args.kind) != "Model":
         raise CommandError("rollout restart applies to models")
     client.request("POST", f"{PREFIX}/models/{args.name}/restart")
-    print(f"model.specd.dev/{args.name} restarted")
+    print(f"model.{GROUP}/{args.name} restarted")
     return 0
 
 
@@ -296,7 +296,7 @@ def cmd_delete(client: Client, args) -> int:
             print(f"error: {err}", file=sys.stderr)
             failed += 1
             continue
-        print(f"{kind.lower()}.specd.dev/{name} deleted")
+        print(f"{kind.lower()}.{GROUP}/{name} deleted")
     return 1 if failed else 0
 
 

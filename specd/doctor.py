@@ -334,7 +334,7 @@ def check_memory(resources: list | None, state_dir: Path | None) -> Check:
 def declared_requests(resources: list, allocatable: int) -> list[dict[str, Any]]:
     """The memory each declared Model would request of a node of ``allocatable`` bytes (``control.resources``), where
     its checkpoint is on this machine already; Models served by a Topology are placed elsewhere."""
-    from .control.resources import memory_request
+    from .engine.resources import memory_request
 
     pairings = {r.spec.target_ref: r.spec for r in resources if r.kind == "DraftPairing"}
     out = []

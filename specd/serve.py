@@ -19,9 +19,9 @@ from pathlib import Path
 import yaml
 
 from .api.manifest import NAME_RE, parse_documents
+from .api.paths import API_VERSION
 
 OWNER = "specd serve"  # the owner annotation of what ``specd serve`` declares
-API_VERSION = "specd.dev/v1alpha1"
 REPO_ID_RE = re.compile(r"[\w.-]+/[\w.-]+")  # a Hugging Face repo id: owner/name
 
 

@@ -19,11 +19,11 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import code_sample, model_manifest, start_daemon
-from specd.control.cluster import versions
-from specd.control.placement import Candidate, place_group, place_remote_groups
+from specd.serving.cluster import versions
+from specd.control.placement import Candidate, place, place_group, place_remote_groups
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
-from specd.engine.remote import output_from_json, output_to_json, request_from_json, request_to_json
+from specd.serving.remote import output_from_json, output_to_json, request_from_json, request_to_json
 from test_control_plane import get, ready, specd, wait_for
 from test_serve_and_pull import model_status
 from test_tensor_parallel import topology
@@ -497,6 +497,22 @@ def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_p
             d.stop(signal.SIGKILL)
 
 
+def test_unschedulable_replicas_name_the_constraint_that_failed():
+    """Each message names what left replicas without a Node, with the numbers: one replica per
+    Node (every Ready Node runs one already), memory, and the Nodes that are NotReady."""
+    gib = 1 << 30
+    two = [Candidate("head", 5 * gib, True), Candidate("w1", 5 * gib, True)]
+    assert place(3, gib // 2, ["head", "w1"], two) == (
+        ["head", "w1"], "1 of 3 replicas fit no Node: one replica per Node, and each of the 2 Ready Node(s) runs one")
+    small = two + [Candidate("w2", gib // 8, True)]
+    assert place(3, gib // 2, ["head", "w1"], small)[1] == (
+        "1 of 3 replicas fit no Node: each needs 0.5 GiB; the most a Ready Node without one has free is 128.0 MiB")
+    down = [Candidate("head", 5 * gib, True), Candidate("w1", 5 * gib, False)]
+    assert place(2, gib // 2, ["head", "w1"], down) == (
+        ["head"], "1 of 2 replicas fit no Node: one replica per Node, and each of the 1 Ready Node(s) runs one; "
+        "NotReady: w1")
+
+
 def test_a_group_s_ranks_go_to_its_nodes_with_room_first():
     mib = 2**20
     nodes = [Candidate("a", 100 * mib, True), Candidate("b", 300 * mib, True), Candidate("c", 500 * mib, False),
@@ -528,7 +544,7 @@ def test_a_group_models_further_groups_start_on_nodes_and_move_when_one_is_lost(
 
 
 def test_the_router_keeps_conversations_with_their_prefix_and_spreads_the_rest():
-    from specd.control.routing import Router
+    from specd.serving.routing import Router
 
     router, nodes = Router(), ["a", "b"]
     system = list(range(1000, 1800))  # one system prompt for every conversation

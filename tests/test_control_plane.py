@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 import yaml
 from mlx_lm import load
@@ -287,6 +288,23 @@ def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(
     apply_broken_copy(d, pairing, tmp_path / "head", f'"hidden_size": {a.hidden_size}', '"hidden_size": 8')
     assert "hidden" in pairing_failure(d, "tree")["message"]
     assert client.completions.create(model="eg", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
+    # another broken head, from another directory: the condition only ever describes the generation it names
+    wrong_fc = tmp_path / "head-fc"
+    shutil.copytree(tmp_path / "head", wrong_fc)
+    weights = mx.load(str(wrong_fc / "model.safetensors"))
+    weights["fc.weight"] = mx.zeros((a.hidden_size, 3))
+    mx.save_safetensors(str(wrong_fc / "model.safetensors"), weights)
+    specd(d, "apply", "-f", "-", stdin=pairing.replace(str(tmp_path / "head"), str(wrong_fc)))
+    generation = get(d, "dp", "tree")["metadata"]["generation"]
+    seen = []
+
+    def failed_anew():
+        cond = get(d, "dp", "tree")["status"]["conditions"][0]
+        seen.append(cond)
+        return cond["reason"] == "DraftLoadFailed" and cond["observedGeneration"] == generation and cond
+    assert "fc" in wait_for(failed_anew, what="the new generation's DraftLoadFailed")["message"]
+    stale = [c for c in seen if c["observedGeneration"] == generation and "hidden" in c["message"]]
+    assert stale == []  # never the older head's problem under the new generation
 
 
 def test_an_mtp_pairing_drafts_with_the_checkpoints_own_head_and_one_without_fails_only_the_pairing(
@@ -505,3 +523,29 @@ def test_kill_9_during_applies_loses_nothing_acknowledged(tmp_path):
         for o in items:
             assert o["spec"]["hosts"][0]["address"].startswith("h")
         assert acknowledged, "the writer never got an answer"
+
+
+def test_scaling_places_or_removes_replicas_and_leaves_the_running_engine_alone(forged, empty_daemon):
+    """Editing only ``replicas`` or ``scaling`` bumps the Model's generation but reloads nothing:
+    the engine that serves keeps its load and its prefix cache, and status agrees with itself."""
+    d = empty_daemon
+    specd(d, "apply", "-f", "-", stdin=model_manifest("sc", forged / "target"))
+    wait_for(lambda: ready(d, "model", "sc"), what="the Model serving")
+    client = OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0)
+    client.completions.create(model="sc", prompt="def fib(n):\n    return", max_tokens=8)
+    before = wait_for(lambda: (s := get(d, "model", "sc")["status"])["prefixCache"]["bytes"] > 0 and s,
+                      what="the prefix cache recorded in status (the next resync)")
+    assert before["readyReplicas"] == before["scaling"]["replicas"] == 1
+    for extra in ({"replicas": 2}, {"replicas": 2, "scaling": "{idleSeconds: 600, priority: high}"}, {}):
+        specd(d, "apply", "-f", "-", stdin=model_manifest("sc", forged / "target", **extra))
+        generation = get(d, "model", "sc")["metadata"]["generation"]
+        status = wait_for(lambda: (s := get(d, "model", "sc")["status"])["observedGeneration"] == generation and s,
+                          what=f"generation {generation} observed")
+        assert status["servedGeneration"] == generation and status["loadSeconds"] == before["loadSeconds"]
+        assert status["prefixCache"] == before["prefixCache"]  # the same engine, its cache kept
+        assert status["readyReplicas"] == status["scaling"]["replicas"] == 1
+    loads = {s.name: s.value for f in text_string_to_metric_families(d.get("/metrics")[1].decode())
+             for s in f.samples if s.name == "specd_model_load_seconds_count" and s.labels.get("model_name") == "sc"}
+    assert loads == {"specd_model_load_seconds_count": 1.0}
+    events = json.loads(d.get("/apis/specd.dev/v1alpha1/models/sc/events")[1])["items"]
+    assert [e["reason"] for e in events].count("Ready") == 1

@@ -217,11 +217,11 @@ def in_process_daemon(tmp: Path, manifests: str):
     from aiohttp import web
 
     from specd.control.plane import ControlPlane
-    from specd.control.registry import ModelRegistry
-    from specd.control.store import Store
+    from specd.serving.registry import ModelRegistry
+    from specd.store import Store
     from specd.control.watcher import ManifestDirectory
     from specd.metrics import Metrics
-    from specd.server.app import create_app
+    from specd.daemon import daemon_app
 
     (tmp / "manifests").mkdir()
     (tmp / "manifests" / "models.yaml").write_text(manifests)
@@ -229,7 +229,7 @@ def in_process_daemon(tmp: Path, manifests: str):
     directory = ManifestDirectory(tmp / "manifests", store)
     directory.sync_all()
     control = ControlPlane(store, ModelRegistry(Metrics()), drain_grace=1)
-    runner = web.AppRunner(create_app(control, directory, drain_grace=1))
+    runner = web.AppRunner(daemon_app(control, directory, drain_grace=1))
     loop = asyncio.new_event_loop()
     port = free_port()
     loop.run_until_complete(runner.setup())

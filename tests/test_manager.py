@@ -15,7 +15,7 @@ import pytest
 
 from specd.control import manager as manager_module
 from specd.control.manager import Manager, Result
-from specd.control.store import Store
+from specd.store import Store
 
 
 class Recording:
@@ -112,3 +112,31 @@ def test_requeue_after_and_backoff_on_failure(tmp_path: Path):
     looks = asyncio.run(running(manager, scenario))
     assert looks.count("t") == 3 and looks.count("u") == 3
     assert store.get("Topology", "u").status == {"looks": 3}
+
+
+def test_resync_runs_while_heartbeats_flow(tmp_path: Path, monkeypatch):
+    """A head's Nodes heartbeat every 2 s, more often than the resync interval: the resync
+    still runs on its clock, so an object no event names (an event that was missed) is looked at."""
+    monkeypatch.setattr(manager_module, "RESYNC_SECONDS", 0.3)
+    store = Store(tmp_path / "specd.db")
+    store.apply(objects(("Model", "quiet", {}), ("Topology", "busy", {})))
+    models, nodes = Recording("Model", store), Recording("Topology", store)
+    manager = Manager(store)
+    manager.add(models)
+    manager.add(nodes)
+
+    async def heartbeats(stop: asyncio.Event) -> None:
+        while not stop.is_set():  # an event every 20 ms, a tenth of the resync interval and less
+            manager.enqueue("Topology", "busy")
+            await asyncio.sleep(0.02)
+
+    async def scenario():
+        stop = asyncio.Event()
+        beating = asyncio.create_task(heartbeats(stop))
+        await settle(lambda: models.looks.count("quiet") >= 4)
+        stop.set()
+        await beating
+        return manager.resyncs, nodes.looks.count("busy")
+
+    resyncs, busy = asyncio.run(running(manager, scenario))
+    assert resyncs >= 4 and busy > 4 * resyncs  # the events flowed faster than the resyncs, and never stopped them

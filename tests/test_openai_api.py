@@ -242,7 +242,8 @@ def test_speculation_per_request_and_by_pairing(client, daemon):
     assert stats["acceptance_rate"] == round(stats["accepted_tokens"] / stats["draft_tokens"], 4)
     off = client.completions.create(model="tiny-spec", prompt=PROMPTS[6], max_tokens=64, temperature=0,
                                     extra_body={"speculation": {"method": "none"}})
-    assert getattr(off.usage, "speculation", None) is None
+    report = off.usage.speculation  # the request set speculation, so its usage reports it, "none" too
+    assert (report["method"], report["source"], report["rounds"]) == ("none", "request", 0)
     after = scrape(daemon)
     # the pairing's rows also propose n-gram lookups where the context repeats: counted under ngram,
     # in the request's usage as in the metrics

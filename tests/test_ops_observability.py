@@ -145,8 +145,10 @@ def ops_daemon(forged, tmp_path_factory):
 def drive(client: openai.OpenAI) -> None:
     """Plain, streaming and speculative requests (draft and n-gram), and an
     n-gram request to the policy-disabled model."""
-    client.completions.create(model="spec", prompt=PROMPT, max_tokens=24, temperature=0,
-                              extra_body={"speculation": {"method": "none"}})
+    none = client.completions.create(model="spec", prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"speculation": {"method": "none"}})
+    report = none.usage.speculation  # present whenever the request set speculation, "none" too
+    assert (report["method"], report["source"], report["rounds"]) == ("none", "request", 0)
     stream = client.chat.completions.create(model="spec", messages=[{"role": "user", "content": PROMPT}],
                                             max_tokens=24, stream=True, stream_options={"include_usage": True})
     assert any(chunk.usage for chunk in stream)

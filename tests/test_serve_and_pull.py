@@ -20,7 +20,7 @@ import yaml
 from conftest import ROOT, free_port, start_daemon
 from hub_mirror import HubMirror
 from specd.api.manifest import parse_documents
-from specd.control.resources import safetensors_bytes
+from specd.engine.resources import safetensors_bytes
 from test_control_plane import wait_for
 from test_openai_api import scrape
 

@@ -37,7 +37,7 @@ import aiohttp
 from kv_memory import PeakRSS, complete, rss_of_tree
 from serve_vs_mlx_lm import ServerSpec, child_env, free_port, running, wait_ready
 from spec_decode import machine_info, write_result
-from specd.control.resources import ENGINE_OVERHEAD, safetensors_bytes
+from specd.engine.resources import ENGINE_OVERHEAD, safetensors_bytes
 from specd.forge.families import build
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

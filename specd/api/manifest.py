@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import yaml
 
+from .paths import API_VERSION
 from .text import LONE_SURROGATE, lone_surrogate_path, shown
 
-API_VERSION = "specd.dev/v1alpha1"
 NAME_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a DNS-1123 label, matched whole
 MAX_ALIASES = 64  # YAML aliases one manifest may use: enough for shared blocks, never a "billion laughs"
 MAX_EXPANDED_NODES = 100_000  # nodes one document may stand for, aliases expanded (a real one has hundreds)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import aiohttp
 import structlog
 
-from .cluster import HEARTBEAT_SECONDS, versions
+from ..serving.cluster import HEARTBEAT_SECONDS, versions
 
 log = structlog.get_logger(__name__)
 REJOIN_SECONDS = 5.0  # after a refusal or an unreachable head

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .store import now_iso
+from ..store import now_iso
 
 
 def condition(type_: str, ok: bool, reason: str, message: str, generation: int,

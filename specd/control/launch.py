@@ -21,7 +21,7 @@ from ..engine.scheduler import EngineConfig
 from ..metrics import Metrics
 from ..parallel.group import start_group
 from .placement import Placement
-from .registry import Pairing
+from .state import Pairing
 
 
 @dataclass

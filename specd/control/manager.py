@@ -4,9 +4,10 @@ Each reconciler looks at one object by name and returns a ``Result`` saying when
 look again (``requeue_after``). The manager keeps the work queue: the names that
 changed in the store, those a watch maps a change of another kind to (a
 DraftPairing's change to its target Model), those whose requeue came due, and,
-every ``RESYNC_SECONDS``, every name (a resync catches what no event announced:
-memory freed by another Model's drain, a clock). A name is queued once however
-often it is asked for, and one that fails is retried with backoff.
+every ``RESYNC_SECONDS`` by the clock, every name (a resync catches what no event
+announced, or an event that was missed: memory freed by another Model's drain, a
+clock); no rate of events delays it. A name is queued once however often it is asked
+for, and one that fails is retried with backoff.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Callable, Iterable, Protocol
 
 import structlog
 
-from .store import Store
+from ..store import Store
 
 log = structlog.get_logger(__name__)
 RESYNC_SECONDS = 5.0
@@ -55,6 +56,7 @@ class Manager:
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
         self._failures: dict[Key, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.resyncs = 0  # how many resyncs ran
         store.watch(lambda kind, name: self._changed(kind, name, False))
         store.watch_status(lambda kind, name: self._changed(kind, name, True))
 
@@ -83,12 +85,22 @@ class Manager:
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.resync()
+        resyncing = asyncio.create_task(self._resync_every(RESYNC_SECONDS))
+        try:
+            await self._work()
+        finally:
+            resyncing.cancel()
+
+    async def _resync_every(self, seconds: float) -> None:
+        """Queue every name now and every ``seconds`` after, whatever else is queued meanwhile."""
         while True:
-            try:
-                await asyncio.wait_for(self._ready.wait(), RESYNC_SECONDS)
-            except asyncio.TimeoutError:
-                self.resync()
+            self.resync()
+            self.resyncs += 1
+            await asyncio.sleep(seconds)
+
+    async def _work(self) -> None:
+        while True:
+            await self._ready.wait()
             self._ready.clear()
             while self._queue:
                 key = next(iter(self._queue))

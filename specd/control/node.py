@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..core.memory import gib, host_memory_bytes
-from .resources import MemoryRequest
+from ..engine.resources import MemoryRequest
 
 DEFAULT_RESERVE_FRACTION = 0.1  # of the host's memory, kept for the system when --memory-reserve is not given
 MIN_RESERVE = 2 << 30

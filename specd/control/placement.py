@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..api.manifest import TopologySpec
 from ..core.memory import gib
-from .resources import MemoryRequest
+from ..engine.resources import MemoryRequest
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,21 @@ def place(replicas: int, need: int, current: list[str], candidates: list[Candida
     chosen += [c.node for c in room[:replicas - len(chosen)]]
     if len(chosen) == replicas:
         return chosen, ""
-    largest = max((c.free for c in ready.values() if c.node not in chosen), default=0)
-    return chosen, (f"{replicas - len(chosen)} of {replicas} replicas fit no Node: each needs {gib(need)}; "
-                    f"the most any other Ready Node has free is {gib(largest)}")
+    return chosen, f"{replicas - len(chosen)} of {replicas} replicas fit no Node: " + _why_short(need, chosen, candidates)
+
+
+def _why_short(need: int, chosen: list[str], candidates: list[Candidate]) -> str:
+    """The constraints that left replicas without a Node, each with its numbers."""
+    ready = [c for c in candidates if c.ready]
+    free = [c for c in ready if c.node not in chosen]
+    if free:
+        why = [f"each needs {gib(need)}; the most a Ready Node without one has free is {gib(max(c.free for c in free))}"]
+    else:
+        why = [f"one replica per Node, and each of the {len(ready)} Ready Node(s) runs one"]
+    not_ready = sorted(c.node for c in candidates if not c.ready)
+    if not_ready:
+        why.append(f"NotReady: {', '.join(not_ready)}")
+    return "; ".join(why)
 
 
 def place_group(pool: list[str], ranks: int, share: int, candidates: list[Candidate]) -> tuple[list[str], str]:

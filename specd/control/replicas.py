@@ -16,12 +16,11 @@ from typing import Any, Callable
 import aiohttp
 import structlog
 
-from ..api.manifest import API_VERSION
-from .cluster import Member
-from .store import StoredObject
+from ..api.paths import ADMIN_PREFIX as ADMIN, API_VERSION
+from ..serving.cluster import Member
+from ..store import StoredObject
 
 log = structlog.get_logger(__name__)
-ADMIN = "/apis/specd.dev/v1alpha1"
 
 
 def _chosen(obj: StoredObject | None) -> tuple[str, int] | None:

@@ -18,7 +18,7 @@ import structlog
 from watchfiles import awatch
 
 from ..api.manifest import SOURCE_ANNOTATION, ManifestError, Resource, parse_documents, read_manifest_file
-from .store import Conflict, Store
+from ..store import Conflict, Store
 
 log = structlog.get_logger(__name__)
 MANIFEST_SUFFIXES = (".yaml", ".yml")

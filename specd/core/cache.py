@@ -28,12 +28,17 @@ window, compressor and indexer; its ``LayerCache`` cannot be trimmed, so a
 row rolls back by restoring its caches and running its kept tokens again),
 and any model whose rows, decoded together, are found at its first cache to
 differ from each row alone (``runs_row_by_row``).
+
+A fresh row may start from a cached prefix (``RowPrefix``, what the prefix
+cache in ``core.prefix`` restores), and what a row holds (``row_columns``,
+``row_snapshot``) is what that cache records.
 """
 
 from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import mlx.core as mx
@@ -42,9 +47,22 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.deepseek_v41 import LayerCache as CompressedLayerCache
 
-from .columns import KVQuantization
+from .columns import Columns, KVQuantization, Pieces
 from .kv import RowKV, route_attention
-from .prefix import Columns, PrefixStore, RowPrefix, RowPrefixes, Snapshot
+
+Snapshot = list[list]  # per recurrent layer: its state arrays, batch of 1
+
+
+@dataclass
+class RowPrefix:
+    """A cached prefix a new batch row starts from: ``length`` tokens, each
+    attention layer's columns for the positions it will still attend to
+    (in the nodes' pieces), and the recurrent layers' state after them."""
+
+    length: int
+    columns: list[Pieces]
+    snapshot: Snapshot | None = None
+    in_place: int = 0  # the row reads the columns of positions before this in place, and copies the others
 
 
 class RowCache(Protocol):
@@ -501,13 +519,3 @@ def side_token_bytes(heads: int, dims: int, itemsize: int, quantization: KVQuant
     if quantization is None:
         return heads * dims * itemsize
     return heads * (dims * quantization.bits // 8 + 2 * (dims // quantization.group_size) * itemsize)
-
-
-def model_prefixes(model: nn.Module, store: PrefixStore, name: str) -> RowPrefixes:
-    """A model's rows in the prefix cache, its tree called ``name`` (none
-    when the budget is 0, or for a row-by-row cache, which cannot start
-    from a prefix)."""
-    layout = make_row_cache(model, [0])
-    if not store.enabled or not isinstance(layout, BatchRowCache):
-        return RowPrefixes(None, [])
-    return RowPrefixes(store.tree(name, stateful=bool(layout.recurrent)), layout.windows)

@@ -94,6 +94,7 @@ def regrown(kept: Side | None, shape_of: Side, need: int, rows: int = 1) -> Side
     return like(shape_of, fresh)
 
 
+Columns = list[tuple[Side, Side]]  # per attention layer: (1, H, n, D) keys and values (or their quantized parts)
 Pieces = list[tuple[Side, Side]]  # one layer's columns of a row in consecutive pieces (read in place, not copied)
 
 

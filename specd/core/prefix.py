@@ -34,20 +34,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
-from .columns import Side, pair_concat, pair_slice, side_bytes, side_copy
+from .cache import BatchRowCache, RowPrefix, Snapshot, make_row_cache
+from .columns import Columns, Pieces, pair_concat, pair_slice, side_bytes, side_copy
 from .memory import host_memory_bytes
-
-if TYPE_CHECKING:
-    from .cache import BatchRowCache
-
-Columns = list[tuple[Side, Side]]  # per attention layer: (1, H, n, D) keys and values (or their quantized parts)
-Pieces = list[tuple[Side, Side]]  # one layer's columns in consecutive pieces (the nodes' own arrays, not copied)
-Snapshot = list[list]  # per recurrent layer: its state arrays, batch of 1
 
 # What a piece a row reads in place is worth in tokens copied. Reading a cached prefix in place saves
 # the memory of a copy (many rows on one system prompt hold it once), but each piece a row reads costs
@@ -89,18 +84,6 @@ def _joined(sources: list[Columns]) -> Columns:
 def _nbytes(columns: Columns, snapshot: Snapshot | None) -> int:
     n = sum(side_bytes(k) + side_bytes(v) for k, v in columns)
     return n + sum(a.nbytes for state in snapshot or [] for a in state if a is not None)
-
-
-@dataclass
-class RowPrefix:
-    """A cached prefix a new batch row starts from: ``length`` tokens, each
-    attention layer's columns for the positions it will still attend to
-    (in the nodes' pieces), and the recurrent layers' state after them."""
-
-    length: int
-    columns: list[Pieces]
-    snapshot: Snapshot | None = None
-    in_place: int = 0  # the row reads the columns of positions before this in place, and copies the others
 
 
 @dataclass(eq=False)
@@ -625,7 +608,7 @@ class RowPrefixes:
         columns, snapshot = self.tree.restore(tokens, starts, length)
         return RowPrefix(length, columns, snapshot, self.in_place(tokens, length))
 
-    def record(self, key: object, known: Sequence[int], held: int, cache: "BatchRowCache", b: int, *,
+    def record(self, key: object, known: Sequence[int], held: int, cache: BatchRowCache, b: int, *,
                prompt: int) -> None:
         """Row b of ``cache`` holds ``held`` positions, whose tokens begin
         with ``known`` (its request's prompt's first ``prompt``, then what it
@@ -644,3 +627,13 @@ class RowPrefixes:
         if lease is not None:
             lease.release()
             self.tree.store.evict()  # what only this lease kept may be due
+
+
+def model_prefixes(model: nn.Module, store: PrefixStore, name: str) -> RowPrefixes:
+    """A model's rows in the prefix cache, its tree called ``name`` (none
+    when the budget is 0, or for a row-by-row cache, which cannot start
+    from a prefix)."""
+    layout = make_row_cache(model, [0])
+    if not store.enabled or not isinstance(layout, BatchRowCache):
+        return RowPrefixes(None, [])
+    return RowPrefixes(store.tree(name, stateful=bool(layout.recurrent)), layout.windows)

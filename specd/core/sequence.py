@@ -77,7 +77,7 @@ class Sequence:
         self.stops = StopMatcher(self.request.stop)
         self.detokenizer.reset()
         asked = self.request.speculation
-        if asked is not None and asked.enabled:  # reported even if it ends before a decode step
+        if asked is not None:  # reported even if it ends before a decode step, or asked for none
             self.stats.method, self.stats.source = asked.method, "request"
 
     @property
@@ -105,7 +105,8 @@ class Sequence:
         return len(self.prompt) + len(self.tokens)
 
     def _speculated(self) -> bool:
-        return self.stats.method != Method.NONE
+        """Whether the final output reports speculation: the request set it, or the model speculated."""
+        return self.request.speculation is not None or self.stats.method != Method.NONE
 
     def accept(self, new_tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         """Append tokens in order, stopping at EOS, a stop string or a limit.

@@ -84,3 +84,11 @@ class SwappableDrafter(Protocol):
 
     def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
         """Attach, change or detach the pairing between steps."""
+
+
+@runtime_checkable
+class RankGroup(Protocol):
+    """An engine whose ranks run on several hosts: losing one host's rank fails the whole group."""
+
+    def fail(self, reason: str) -> None:
+        """End every request with the reason and stop the ranks (``failure`` says why from then on)."""

@@ -27,11 +27,11 @@ import mlx.nn as nn
 import structlog
 
 from ..core.batch import RunningBatch
-from ..core.cache import kv_bytes, make_row_cache, model_prefixes, padding_leaks
+from ..core.cache import kv_bytes, make_row_cache, padding_leaks
 from ..core.columns import KVQuantization
 from ..core.loader import context_window, vocab_size, weight_bytes
 from ..core.memory import host_memory_bytes
-from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure
+from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure, model_prefixes
 from ..core.grammar import Constraint, grammar_tokenizer
 from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob

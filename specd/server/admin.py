@@ -7,6 +7,8 @@ from ``--admin-token-file``; without one it answers loopback clients only.
 
 from __future__ import annotations
 
+import asyncio
+
 import hmac
 import ipaddress
 from typing import Any
@@ -14,33 +16,20 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from ..api.manifest import API_VERSION, ManifestError, ModelSpec, Resource, parse_resource
+from ..api.manifest import ManifestError, ModelSpec, Resource, parse_resource
+from ..api.paths import ADMIN_PREFIX as PREFIX, API_VERSION
 from ..core.memory import gib
-from ..control.resources import memory_request
-from ..control.store import Conflict, NotFound, Store, now_iso
+from ..engine.resources import memory_request
+from ..store import Conflict, NotFound, Store
 from .bodies import BodyError, json_body
-from .keys import ADMIN_TOKEN, MODELS, STORE
+from .errors import StatusError, status_error
+from .keys import ADMIN_TOKEN, CONTROL, STORE
 
-PREFIX = "/apis/specd.dev/v1alpha1"
 KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "SpecPolicy",
          "topologies": "Topology"}
 PLURALS = {v: k for k, v in KINDS.items()}
 routes = web.RouteTableDef()
 log = structlog.get_logger(__name__)
-REASONS = {400: "BadRequest", 413: "RequestEntityTooLarge", 415: "UnsupportedMediaType"}
-
-
-class StatusError(Exception):
-    def __init__(self, code: int, reason: str, message: str, field: str | None = None):
-        super().__init__(message)
-        self.code, self.reason, self.message, self.field = code, reason, message, field
-
-    def response(self) -> web.Response:
-        body: dict[str, Any] = {"apiVersion": "v1", "kind": "Status", "status": "Failure",
-                                "message": self.message, "reason": self.reason, "code": self.code}
-        if self.field:
-            body["details"] = {"causes": [{"field": self.field, "message": self.message}]}
-        return web.json_response(body, status=self.code)
 
 
 @web.middleware
@@ -94,7 +83,7 @@ async def _json(request: web.Request) -> Any:
     try:
         return await json_body(request)
     except BodyError as err:
-        raise StatusError(err.status, REASONS.get(err.status, "BadRequest"), err.message, err.param) from None
+        raise status_error(err) from None
 
 
 def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[str]:
@@ -102,14 +91,14 @@ def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[st
     this node, and a ``resources.memory`` below what the weights alone take. Read from
     checkpoints already on this machine only (a hub checkpoint not yet downloaded is checked
     when it loads)."""
-    node = request.app[MODELS].node
+    control = request.app[CONTROL]
     warnings = []
     for i, resource in enumerate(resources):
         spec = resource.spec
         if resource.kind != "Model" or not isinstance(spec, ModelSpec) or spec.topology_ref is not None:
             continue
         try:
-            request = memory_request(spec, None, node.allocatable, local_only=True)
+            request = memory_request(spec, None, control.allocatable, local_only=True)
         except Exception:  # not on this machine yet, or not a checkpoint: the load says why
             continue
         if spec.memory is not None and spec.memory < request.weights:
@@ -117,9 +106,9 @@ def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[st
             raise StatusError(422, "Invalid", f"{path}: {gib(spec.memory)} is less than the weights alone take "
                                               f"({gib(request.weights)})", path)
         need = request.total
-        if need > node.allocatable:
-            warnings.append(f'Model "{resource.name}" requests {gib(need)} but the node {node.name} has '
-                            f"{gib(node.allocatable)} allocatable: it will stay Unschedulable")
+        if need > control.allocatable:
+            warnings.append(f'Model "{resource.name}" requests {gib(need)} but the node {control.node_name} has '
+                            f"{gib(control.allocatable)} allocatable: it will stay Unschedulable")
     return warnings
 
 
@@ -132,7 +121,7 @@ def _apply(request: web.Request, docs: list[Any]) -> tuple[list[dict[str, Any]],
             resource = parse_resource(doc)
         except ManifestError as err:
             path = f"items[{i}]" + (f".{err.path}" if err.path else "")
-            raise StatusError(422, "Invalid", f"{path}: {err.reason}", path) from None
+            raise status_error(err, f"{path}: {err.reason}", path) from None
         if (resource.kind, resource.name) in seen:
             raise StatusError(422, "Invalid", f'items[{i}]: duplicate {resource.kind} "{resource.name}"',
                               f"items[{i}].metadata.name")
@@ -142,7 +131,7 @@ def _apply(request: web.Request, docs: list[Any]) -> tuple[list[dict[str, Any]],
     try:
         results = _store(request).apply([r.store_item() for r in resources], dry_run=_dry_run(request))
     except Conflict as err:
-        raise StatusError(409, "Conflict", str(err)) from None
+        raise status_error(err) from None
     return [{"kind": o.kind, "name": o.name, "action": action, "object": o.manifest(API_VERSION)}
             for o, action in results], warnings
 
@@ -161,33 +150,15 @@ async def apply(request: web.Request) -> web.Response:
     body = await _json(request)
     if not isinstance(body, dict) or not isinstance(body.get("items"), list):
         raise StatusError(400, "BadRequest", 'body must be {"items": [manifest, ...]}')
-    items, warnings = _apply(request, body["items"])
+    items, warnings = await asyncio.to_thread(_apply, request, body["items"])  # file reads and a commit: off the loop
     return _warned({"items": items, "warnings": warnings}, warnings)
 
 
 def _node_objects(request: web.Request) -> list[dict[str, Any]]:
     """This daemon's node and, on a head, the Nodes that joined it, as ``get nodes`` shows them."""
-    models = request.app[MODELS]
-    status = models.node.status(models.holdings(), models.in_use())
-    name = status.pop("name")
-    status["conditions"] = [{"type": "Ready", "status": "True", "reason": "DaemonRunning",
-                             "message": "this daemon serves the node", "lastTransitionTime": STARTED_AT}]
-    out = [{"apiVersion": API_VERSION, "kind": "Node", "metadata": {"name": name, "creationTimestamp": STARTED_AT},
-            "spec": {"role": "head" if models.cluster else "standalone"}, "status": status}]
-    if models.cluster is not None:
-        stored = {o.name: o for o in _store(request).list("Node")}
-        for member in models.cluster.members.values():
-            reported = {k: v for k, v in member.status.items() if k not in ("name", "served")}
-            obj = stored.get(member.name)
-            out.append({"apiVersion": API_VERSION, "kind": "Node",
-                        "metadata": {"name": member.name, "creationTimestamp": obj.created if obj else None},
-                        "spec": {"role": "worker", "address": member.address},
-                        "status": {**reported, "chip": member.chip, "allocatable": member.allocatable,
-                                   "conditions": [models.cluster.condition(member)]}})
-    return out
+    return request.app[CONTROL].nodes()
 
 
-STARTED_AT = now_iso()
 
 
 @routes.get(PREFIX + "/nodes")
@@ -209,9 +180,9 @@ async def restart_model(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     try:
         _store(request).get("Model", name)
-        request.app[MODELS].restart(name)
+        request.app[CONTROL].restart(name)
     except (NotFound, KeyError):
-        raise StatusError(404, "NotFound", f'Model "{name}" not found') from None
+        raise status_error(NotFound(name), f'Model "{name}" not found') from None
     return web.json_response({"kind": "Model", "name": name, "action": "restarted"})
 
 
@@ -228,7 +199,7 @@ async def get_object(request: web.Request) -> web.Response:
     try:
         return web.json_response(_store(request).get(kind, request.match_info["name"]).manifest(API_VERSION))
     except NotFound as err:
-        raise StatusError(404, "NotFound", err.args[0]) from None
+        raise status_error(err) from None
 
 
 @routes.get(PREFIX + "/{plural}/{name}/events")
@@ -244,7 +215,7 @@ async def put_object(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or body.get("kind") != kind or \
             not isinstance(body.get("metadata"), dict) or body["metadata"].get("name") != name:
         raise StatusError(400, "BadRequest", f'body must be a {kind} named "{name}"')
-    results, warnings = _apply(request, [body])
+    results, warnings = await asyncio.to_thread(_apply, request, [body])
     return _warned(results[0]["object"], warnings, 201 if results[0]["action"] == "created" else 200)
 
 
@@ -254,5 +225,5 @@ async def delete_object(request: web.Request) -> web.Response:
     try:
         obj = _store(request).delete(kind, request.match_info["name"], dry_run=_dry_run(request))
     except NotFound as err:
-        raise StatusError(404, "NotFound", err.args[0]) from None
+        raise status_error(err) from None
     return web.json_response(obj.manifest(API_VERSION))

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
-from .chat import ChatTurn, Delta, Tool, render_chat
+from .chat import ChatTurn, Conversation, Delta, Tool
 from .errors import APIError, bad_request
 from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, event_stream, integer_field,
                          model_request, number_field, off_loop, read_json, stream_error)
@@ -212,11 +213,20 @@ def _tools(body: dict) -> list[Tool]:
     return tools
 
 
-def _turn(engine, body: dict) -> tuple[ChatTurn, dict | None]:
-    """The prompt and what its output may hold: ``tool_choice`` auto (the
-    default), none, any (some call) or tool (that one); and, when the request
-    asked for context management, the edits applied (the thinking turns left
-    out and the prompt tokens that saved)."""
+@dataclass(frozen=True)
+class _Read:
+    """A Messages request's conversation, checked; and, when it asked for context
+    management, the thinking turns its edit cleared and the conversation that kept them."""
+
+    conversation: Conversation
+    managed: bool  # the request has context_management
+    cleared: int = 0  # assistant turns whose thinking the clear_thinking edit left out
+    whole: list[dict] | None = None  # the messages with every turn's thinking (when some was cleared)
+
+
+def _read(body: dict) -> _Read:
+    """The conversation and what its output may hold: ``tool_choice`` auto (the
+    default), none, any (some call) or tool (that one); checked without an engine."""
     tools = _tools(body)
     choice = body.get("tool_choice") or {"type": "auto"}
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -231,15 +241,26 @@ def _turn(engine, body: dict) -> tuple[ChatTurn, dict | None]:
             raise bad_request(f"tool_choice.name: no tool named {choice.get('name')!r}", "tool_choice.name")
     kwargs, keep = _template_kwargs(body), _thinking_kept(body)
     messages, cleared = _chat(body, keep or 0)
-    prompt = render_chat(engine.tokenizer, engine.name, messages, tools, kwargs)
-    turn = ChatTurn(prompt, callable_tools, kind in ("any", "tool"), not choice.get("disable_parallel_tool_use"))
+    conversation = Conversation(messages, tools, callable_tools, kind in ("any", "tool"),
+                                not choice.get("disable_parallel_tool_use"), kwargs)
     if body.get("context_management") is None:
-        return turn, None
+        return _Read(conversation, False)
     if keep is None or not cleared:
+        return _Read(conversation, True)
+    return _Read(conversation, True, cleared, _chat(body, len(body["messages"]))[0])
+
+
+def _turn(engine, read: _Read) -> tuple[ChatTurn, dict | None]:
+    """The prompt; and, when the request asked for context management, the edits
+    applied (the thinking turns left out and the prompt tokens that saved)."""
+    turn = read.conversation.turn(engine)
+    if not read.managed:
+        return turn, None
+    if read.whole is None:
         return turn, {"applied_edits": []}
-    whole = render_chat(engine.tokenizer, engine.name, _chat(body, len(body["messages"]))[0], tools, kwargs)
-    return turn, {"applied_edits": [{"type": CLEAR_THINKING, "cleared_thinking_turns": cleared,
-                                     "cleared_input_tokens": len(whole) - len(prompt)}]}
+    whole = replace(read.conversation, messages=read.whole).turn(engine).prompt
+    return turn, {"applied_edits": [{"type": CLEAR_THINKING, "cleared_thinking_turns": read.cleared,
+                                     "cleared_input_tokens": len(whole) - len(turn.prompt)}]}
 
 
 def _parse(body: dict) -> ParsedRequest:
@@ -292,9 +313,9 @@ def _tool_use(call) -> dict:
 @routes.post("/v1/messages")
 async def messages(request: web.Request) -> web.StreamResponse:
     body = model_request(await read_json(request), FIELDS, ANTHROPIC_WORDING)
-    parsed = _parse(body)
+    parsed, read = _parse(body), _read(body)  # the whole request, checked before its Model is asked for
     engine = await engine_named(request, parsed.model, parsed.stream)
-    turn, edits = await off_loop(lambda: _turn(engine, body))
+    turn, edits = await off_loop(lambda: _turn(engine, read))
     completion = await off_loop(lambda: EngineRun(engine, parsed, turn.prompt, turn, "msg_" + uuid.uuid4().hex))
     message = {"id": completion.id, "type": "message", "role": "assistant", "model": engine.name}
     managed = {} if edits is None else {"context_management": edits}
@@ -384,7 +405,8 @@ async def _stream(request: web.Request, completion: EngineRun, message: dict, pr
 @routes.post("/v1/messages/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
     body = model_request(await read_json(request), COUNT_FIELDS, ANTHROPIC_WORDING)
+    read = _read(body)
     engine = await engine_named(request, body["model"])
-    turn, edits = await off_loop(lambda: _turn(engine, body))
+    turn, edits = await off_loop(lambda: _turn(engine, read))
     return web.json_response({"input_tokens": len(turn.prompt), **({} if edits is None else
                                                                    {"context_management": edits})})

@@ -10,23 +10,21 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..control.plane import ControlPlane
-from ..control.watcher import ManifestDirectory
 from ..parallel.group import with_engine_metrics
-from ..core.memory import return_freed_memory
-from ..control.agent import NodeAgent
+from ..serving.cluster import Cluster
+from ..serving.registry import ModelRegistry
+from ..store import Store
 from . import admin, anthropic, cluster_api, embeddings, openai, replica_api, responses
 from .access import api_access, cors_headers
 from .completion import WAITING_STREAM, stream_error
 from .errors import APIError
-from .keys import (ADMIN_TOKEN, API_KEYS, CLUSTER, CORS_ORIGINS, DROP_HOSTED_TOOLS, MODELS, REGISTRY,
-                   RESPONSES, STARTED, STORE)
+from .keys import (ADMIN_TOKEN, API_KEYS, CLUSTER, CONTROL, CORS_ORIGINS, DROP_HOSTED_TOOLS, REGISTRY,
+                   RESPONSES, STARTED, STORE, ControlView)
 from .response_store import ResponseStore
 
 log = structlog.get_logger(__name__)
 routes = web.RouteTableDef()
 MAX_BODY_BYTES = 16 * 1024 * 1024  # --max-body-bytes; larger bodies get a 413
-HEAP_TRIM_SECONDS = 30.0
 PROBES = ("/healthz", "/readyz", "/metrics")  # polled by orchestrators: a 503 while loading is not news for the log
 
 
@@ -107,33 +105,23 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def return_freed_memory_every(seconds: float) -> None:
-    """Under steady load glibc's heap keeps what MLX and the engines free
-    (fragments of it no later allocation fits), and the daemon's RSS creeps
-    up; handing it back now and then keeps RSS at what is actually in use."""
-    while True:
-        await asyncio.sleep(seconds)
-        await asyncio.to_thread(return_freed_memory)
-
-
-def create_app(control: ControlPlane, manifests: ManifestDirectory | None = None,
-               admin_token: str | None = None, drain_grace: float = 30.0, api_keys: tuple[bytes, ...] = (),
+def create_app(registry: ModelRegistry, store: Store, control: ControlView, cluster: Cluster | None = None,
+               admin_token: str | None = None, api_keys: tuple[bytes, ...] = (),
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
-               stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False,
-               agent: NodeAgent | None = None) -> web.Application:
-    """App factory.  The control plane starts after the server listens, so
-    ``/healthz`` and ``/readyz`` answer while weights load.  Stored Responses
-    live in ``stored_responses`` (the daemon's is in its state directory;
-    without one they last as long as the app). ``drop_hosted_tools`` leaves
-    hosted tools (web search, ...) out of Responses requests instead of refusing them. A head
-    (``control.cluster``) takes Nodes on its cluster API; a worker's ``agent`` joins its head."""
+               stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False) -> web.Application:
+    """The routes over the serving registry (requests), the store (desired state) and what the
+    admin API asks of the control plane; ``daemon.py`` runs the control plane beside them.
+    Stored Responses live in ``stored_responses`` (the daemon's is in its state directory;
+    without one they last as long as the app). ``drop_hosted_tools`` leaves hosted tools
+    (web search, ...) out of Responses requests instead of refusing them. A head (``cluster``)
+    takes Nodes on its cluster API."""
     app = web.Application(middlewares=[request_context, api_access, admin.admin_guard],
                           client_max_size=max_body_bytes)
-    app[REGISTRY] = control.registry
-    app[STORE] = control.store
-    app[MODELS] = control.models
-    if control.cluster is not None:
-        app[CLUSTER] = control.cluster
+    app[REGISTRY] = registry
+    app[STORE] = store
+    app[CONTROL] = control
+    if cluster is not None:
+        app[CLUSTER] = cluster
     app[RESPONSES] = stored_responses if stored_responses is not None else ResponseStore()
     app[API_KEYS] = api_keys
     app[CORS_ORIGINS] = cors_origins
@@ -141,7 +129,7 @@ def create_app(control: ControlPlane, manifests: ManifestDirectory | None = None
     app.on_response_prepare.append(cors_headers)
     if admin_token is not None:
         app[ADMIN_TOKEN] = admin_token
-    app[STARTED] = asyncio.Event()
+    app[STARTED] = asyncio.Event()  # set by whoever runs the control plane, once it runs
     app.add_routes(routes)
     app.add_routes(openai.routes)
     app.add_routes(anthropic.routes)
@@ -151,23 +139,7 @@ def create_app(control: ControlPlane, manifests: ManifestDirectory | None = None
     app.add_routes(cluster_api.routes)
     app.add_routes(replica_api.routes)
 
-    async def control_plane(app: web.Application):
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(control.run()),
-                 asyncio.create_task(return_freed_memory_every(HEAP_TRIM_SECONDS))]
-        if manifests is not None:
-            tasks.append(asyncio.create_task(manifests.watch(stop)))
-        if agent is not None:
-            tasks.append(asyncio.create_task(agent.run()))
-        app[STARTED].set()
-        yield
-        stop.set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await control.registry.shutdown(drain_grace)
-        control.store.close()
+    async def close_responses(app: web.Application) -> None:
         app[RESPONSES].close()
-
-    app.cleanup_ctx.append(control_plane)
+    app.on_cleanup.append(close_responses)
     return app

@@ -61,6 +61,26 @@ class ChatTurn:
     parallel: bool  # several calls may be made at once
 
 
+@dataclass(frozen=True)
+class Conversation:
+    """A chat request as read and checked, before any model is asked for: what
+    every API's parse step returns (so a malformed request is refused without
+    waiting for a Model to load), and what ``turn`` renders once the engine is
+    known."""
+
+    messages: list[dict]  # chat-template messages
+    tools: list[Tool]  # the tools the template renders
+    callable_tools: list[Tool]  # the tools a call may use (none: calls are not parsed)
+    forced: bool  # a call is required
+    parallel: bool  # several calls may be made at once
+    kwargs: dict  # chat-template variables
+
+    def turn(self, engine) -> ChatTurn:
+        """The prompt, through ``engine``'s chat template (a 400 if the template refuses it)."""
+        prompt = render_chat(engine.tokenizer, engine.name, self.messages, self.tools, self.kwargs)
+        return ChatTurn(prompt, self.callable_tools, self.forced, self.parallel)
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..control.cluster import Refused
+from ..serving.cluster import Refused
 from .bodies import BodyError, json_body
+from .errors import status_error
 from .keys import CLUSTER
 
 routes = web.RouteTableDef()
@@ -25,8 +26,7 @@ async def _body(request: web.Request) -> dict:
 
 
 def _refusal(refused: Refused) -> web.Response:
-    return web.json_response({"kind": "Status", "status": "Failure", "reason": refused.reason,
-                              "message": refused.message, "code": refused.status}, status=refused.status)
+    return status_error(refused).response()
 
 
 def _cluster(request: web.Request):

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Collection, TypeVar
 
 from aiohttp import web
 
-from ..control.registry import ModelNotFound, ModelNotReady, WrongTask
+from ..serving.registry import ModelNotFound, ModelNotReady, WrongTask
 from ..core.grammar import GrammarError, check_grammar, grammar_tokenizer, json_schema_grammar
 from ..core.request import GenerationRequest, SpeculationConfig, StepOutput
 from ..core.sampling import SamplingParams
@@ -26,8 +26,8 @@ from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
 from ..engine.scheduler import RequestRejected
 from .bodies import BodyError, json_body
-from .chat import ChatTurn, call_grammar, splitter
-from .errors import APIError, bad_request, model_not_found, overloaded, unavailable
+from .chat import ChatTurn, Conversation, call_grammar, splitter
+from .errors import APIError, api_error, bad_request, model_not_found
 from .keys import REGISTRY
 
 T = TypeVar("T")
@@ -103,11 +103,16 @@ def speculation_for(engine: ServingEngine, asked: dict | None) -> SpeculationCon
                              default.tree_tokens)
 
 
-def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn | None) -> str | None:
-    """The grammar the output must match: a forced tool call, or the requested JSON (``response_format``)."""
-    forced = turn is not None and turn.forced
-    if forced and parsed.response_format is not None:
+def check_constraints(parsed: ParsedRequest, conversation: Conversation | None) -> None:
+    """Refuse a request whose output two things would constrain: a required tool call and ``response_format``."""
+    if conversation is not None and conversation.forced and parsed.response_format is not None:
         raise bad_request(f"'{parsed.format_field}' cannot constrain a required tool call", parsed.format_field)
+
+
+def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn | None) -> str | None:
+    """The grammar the output must match: a forced tool call, or the requested JSON (``response_format``);
+    ``check_constraints`` refused a request that asked for both, before its engine was looked up."""
+    forced = turn is not None and turn.forced
     if not forced and parsed.response_format is None:
         return None
     where = "tools" if forced else parsed.schema_field
@@ -151,10 +156,8 @@ async def _serving(request: web.Request, lookup: Awaitable[T], name: str, stream
         return await waiting
     except ModelNotFound:
         raise model_not_found(name) from None
-    except ModelNotReady as err:
-        raise unavailable(str(err), err.retry_after) from None
-    except WrongTask as err:
-        raise bad_request(str(err), "model") from None
+    except (ModelNotReady, WrongTask) as err:
+        raise api_error(err) from None
     finally:
         waiting.cancel()
 
@@ -185,8 +188,7 @@ async def read_json(request: web.Request) -> Any:
     try:
         return await json_body(request)
     except BodyError as err:
-        raise APIError(err.status, err.message, "invalid_request_error", err.param,
-                       "invalid_value" if err.param else None) from None
+        raise api_error(err) from None
 
 
 class EngineRun:
@@ -212,8 +214,7 @@ class EngineRun:
         try:
             engine.check_prompt(self.requests[0])
         except RequestRejected as err:
-            field = "messages" if chat and err.field == "prompt" else err.field
-            raise bad_request(str(err), field) from None
+            raise api_error(err, param="messages" if chat and err.field == "prompt" else None) from None
         self.splitters = [splitter(engine.tokenizer, prompt, turn.tools, turn.forced)
                           for _ in range(parsed.n)] if chat else []
 
@@ -223,12 +224,9 @@ class EngineRun:
                 if out.error:
                     raise APIError(500, out.error, "server_error", None, "engine_error")
                 yield out
-        except RequestRejected as err:  # a replica on another Node checked it against its own engine
-            raise bad_request(str(err), err.field) from None
-        except EngineOverloaded as err:
-            raise overloaded(str(err)) from None
-        except EngineUnavailable as err:
-            raise unavailable(str(err)) from None
+        except (RequestRejected,  # a replica on another Node checked it against its own engine
+                EngineOverloaded, EngineUnavailable) as err:
+            raise api_error(err) from None
 
     async def merged(self) -> AsyncIterator[tuple[int, StepOutput]]:
         """Every choice's outputs as they come, tagged with the choice's index."""

@@ -21,7 +21,7 @@ from ..engine.embedder import Embedder, EmbeddingFailed
 from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.scheduler import RequestRejected
 from .completion import embedder_named, integer_field, model_request, off_loop, read_json
-from .errors import APIError, bad_request, overloaded, unavailable
+from .errors import api_error, bad_request
 
 routes = web.RouteTableDef()
 FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
@@ -36,8 +36,14 @@ def _is_tokens(value: Any) -> bool:
 
 def _inputs(value: Any) -> list[str | list[int]]:
     """The request's inputs, each a string or a list of token ids."""
-    if isinstance(value, str) or _is_tokens(value):
-        return [value]
+    inputs = [value] if isinstance(value, str) or _is_tokens(value) else _listed(value)
+    for i, item in enumerate(inputs):
+        if item == "":
+            raise bad_request(f"input[{i}] is an empty string", f"input[{i}]")
+    return inputs
+
+
+def _listed(value: Any) -> list[str | list[int]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'input' must be a string, a list of strings, a list of token ids or a list of "
                           "such lists, and not empty", "input")
@@ -50,12 +56,7 @@ def _inputs(value: Any) -> list[str | list[int]]:
 
 
 def _tokenized(embedder: Embedder, inputs: list[str | list[int]]) -> list[list[int]]:
-    rows = []
-    for i, item in enumerate(inputs):
-        if item == "":
-            raise bad_request(f"input[{i}] is an empty string", f"input[{i}]")
-        rows.append(embedder.tokenizer.encode(item) if isinstance(item, str) else item)
-    return rows
+    return [embedder.tokenizer.encode(item) if isinstance(item, str) else item for item in inputs]
 
 
 def _checked(body: Any) -> dict:
@@ -85,14 +86,8 @@ async def create(request: web.Request) -> web.Response:
     rows = await off_loop(lambda: _tokenized(embedder, inputs))
     try:
         vectors = await embedder.embed(rows)
-    except RequestRejected as err:
-        raise bad_request(str(err), err.field) from None
-    except EngineOverloaded as err:
-        raise overloaded(str(err)) from None
-    except EngineUnavailable as err:
-        raise unavailable(str(err)) from None
-    except EmbeddingFailed as err:
-        raise APIError(500, str(err), "server_error", None, "engine_error") from None
+    except (RequestRejected, EngineOverloaded, EngineUnavailable, EmbeddingFailed) as err:
+        raise api_error(err) from None
     vectors = _shaped(vectors, dimensions, embedder.pooling.normalize)
     if body.get("encoding_format", "float") == "base64":
         encoded = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]

@@ -1,8 +1,28 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors as the APIs answer them, and the one table of what each failure answers.
+
+``APIError`` is OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``),
+which the Anthropic routes reshape (``anthropic_body``); ``StatusError`` is the
+admin API's (a Kubernetes ``Status``), built from an APIError (``StatusError.of``).
+``ERRORS`` says, for each exception the routes meet, the status, type and code it
+answers with, and ``api_error`` turns one into its APIError (``status_error`` into
+its Status), so a failure means the same status under every API.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from aiohttp import web
+
+from ..api.manifest import ManifestError
+from ..engine.embedder import EmbeddingFailed
+from ..engine.engine import EngineOverloaded, EngineUnavailable
+from ..engine.scheduler import RequestRejected
+from ..serving.cluster import Refused
+from ..serving.registry import ModelNotFound, ModelNotReady, WrongTask
+from ..store import Conflict, NotFound
+from .bodies import BodyError
 
 
 class APIError(Exception):
@@ -39,18 +59,84 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    503: "overloaded_error"}
 
 
+INVALID_VALUE = "invalid_value"  # the code of a 400 that names its field (none without one)
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    status: int | None  # None: the exception's own (``status``)
+    type: str = "invalid_request_error"  # OpenAI's error type
+    code: str | None = None  # OpenAI's error code
+    param: str | None = None  # the field at fault, unless the exception names one
+
+
+# What each failure answers, under every API (the admin API's reason follows the status: REASONS)
+ERRORS: dict[type[Exception], ErrorKind] = {
+    BodyError: ErrorKind(None, code=INVALID_VALUE),  # 400, 413 or 415
+    ModelNotFound: ErrorKind(404, code="model_not_found"),
+    WrongTask: ErrorKind(400, code=INVALID_VALUE, param="model"),
+    ModelNotReady: ErrorKind(503, "service_unavailable", "model_not_ready"),  # with its Retry-After
+    RequestRejected: ErrorKind(400, code=INVALID_VALUE),
+    EngineOverloaded: ErrorKind(429, "rate_limit_error", "queue_full"),
+    EngineUnavailable: ErrorKind(503, "service_unavailable", "model_not_ready"),
+    EmbeddingFailed: ErrorKind(500, "server_error", "engine_error"),
+    ManifestError: ErrorKind(422, code=INVALID_VALUE),
+    NotFound: ErrorKind(404),  # a stored object
+    Conflict: ErrorKind(409),
+    Refused: ErrorKind(None),  # by the cluster API, with its own reason
+}
+# The admin API's Status reason for each status
+REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
+           413: "RequestEntityTooLarge", 415: "UnsupportedMediaType", 422: "Invalid", 429: "TooManyRequests",
+           500: "InternalError", 503: "ServiceUnavailable"}
+
+
+def api_error(err: Exception, message: str | None = None, param: str | None = None) -> APIError:
+    """``err`` as the APIError that answers it (``ERRORS`` gives its status, type and code):
+    ``message`` if given, else the exception's; ``param`` if given, else the field it names."""
+    kind = next((k for cls, k in ERRORS.items() if isinstance(err, cls)), None)
+    if kind is None:
+        raise TypeError(f"ERRORS does not say what {type(err).__name__} answers") from err
+    status = kind.status if kind.status is not None else err.status
+    if message is None:  # a KeyError's str() quotes it
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+    param = param or getattr(err, "field", None) or getattr(err, "param", None) or kind.param
+    code = None if kind.code == INVALID_VALUE and not param else kind.code
+    return APIError(status, message, kind.type, param, code, getattr(err, "retry_after", None))
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
+    return APIError(400, message, "invalid_request_error", param, INVALID_VALUE if param else None)
 
 
 def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model '{name}' does not exist", "invalid_request_error", "model",
-                    "model_not_found")
+    return api_error(ModelNotFound(name), f"The model '{name}' does not exist", "model")
 
 
-def overloaded(message: str) -> APIError:
-    return APIError(429, message, "rate_limit_error", None, "queue_full")
+class StatusError(Exception):
+    """An error the admin API answers with: a Kubernetes ``Status`` (the field at fault in ``details.causes``)."""
+
+    def __init__(self, code: int, reason: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.code, self.reason, self.message, self.field = code, reason, message, field
+
+    @classmethod
+    def of(cls, err: APIError, reason: str | None = None) -> StatusError:
+        """The same error as the admin API shapes it (``reason``: else the status's)."""
+        return cls(err.status, reason or REASONS.get(err.status, "InternalError"), err.message, err.param)
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                                "message": self.message, "reason": self.reason, "code": self.code}
+        if self.field:
+            body["details"] = {"causes": [{"field": self.field, "message": self.message}]}
+        return body
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.code)
 
 
-def unavailable(message: str, retry_after: int | None = None) -> APIError:
-    return APIError(503, message, "service_unavailable", None, "model_not_ready", retry_after)
+def status_error(err: Exception, message: str | None = None, field: str | None = None) -> StatusError:
+    """``err`` as the admin API's Status (``api_error``, then ``StatusError.of``; a cluster
+    API refusal keeps its own reason)."""
+    return StatusError.of(api_error(err, message, field), err.reason if isinstance(err, Refused) else None)

@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from ..control.cluster import Cluster
-from ..control.reconcilers.model import ModelReconciler
-from ..control.registry import ModelRegistry
-from ..control.store import Store
+from ..serving.cluster import Cluster
+from ..serving.registry import ModelRegistry
+from ..store import Store
 from .response_store import ResponseStore
+
+
+class ControlView(Protocol):
+    """What the admin routes ask of the control plane (the daemon hands them its ``ControlPlane``):
+    the routes read and write desired state in the store and never reach into reconcilers."""
+
+    node_name: str
+    allocatable: int  # bytes of this node's memory Models may request
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """This node and, on a head, the Nodes that joined it, as ``get nodes`` shows them."""
+
+    def restart(self, model: str) -> None:
+        """``rollout restart``: load the Model again now (KeyError: no such Model runs)."""
+
 
 REGISTRY = web.AppKey("registry", ModelRegistry)
 STORE = web.AppKey("store", Store)
-MODELS = web.AppKey("models", ModelReconciler)  # where each Model runs: its engine, replicas, memory
+CONTROL = web.AppKey("control", ControlView)
 CLUSTER = web.AppKey("cluster", Cluster)  # absent: this daemon is no head
 ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configured
 API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open

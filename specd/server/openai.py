@@ -10,13 +10,13 @@ from typing import Any
 from aiohttp import web
 
 from ..api.manifest import MAX_SPECULATIVE_TOKENS
-from ..control.registry import ServedModel
+from ..serving.registry import ServedModel
 from ..engine.interface import ServingEngine
 from ..core.sampling import SamplingParams
 from ..core.request import Method, StepOutput, TokenLogprob
-from .chat import ChatTurn, Delta, parse_tool_choice, parse_tools, render_chat, template_kwargs, template_tool_calls
-from .completion import (EngineRun, ParsedRequest, engine_named, event_stream, integer_field, model_request,
-                         number_field, off_loop, read_json, stream_error)
+from .chat import ChatTurn, Conversation, Delta, parse_tool_choice, parse_tools, template_kwargs, template_tool_calls
+from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, integer_field,
+                         model_request, number_field, off_loop, read_json, stream_error)
 from .errors import APIError, bad_request, model_not_found
 from .keys import REGISTRY
 
@@ -173,7 +173,8 @@ def _message_text(content: Any, index: int) -> str:
     raise bad_request("message content must be a string or a list of text parts", f"messages[{index}].content")
 
 
-def chat_turn(engine: ServingEngine, body: dict) -> ChatTurn:
+def chat_conversation(body: dict) -> Conversation:
+    """A chat completion's messages, tools and template variables, checked (no engine needed)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -203,19 +204,23 @@ def chat_turn(engine: ServingEngine, body: dict) -> ChatTurn:
         if effort not in ("low", "medium", "high"):
             raise bad_request("'reasoning_effort' must be low, medium or high", "reasoning_effort")
         kwargs.setdefault("reasoning_effort", effort)
-    prompt = render_chat(engine.tokenizer, engine.name, clean, tools, kwargs)
-    return ChatTurn(prompt, callable_tools if mode != "none" else [], mode == "required", parallel)
+    return Conversation(clean, tools, callable_tools if mode != "none" else [], mode == "required", parallel, kwargs)
 
 
-def completion_prompt(engine: ServingEngine, body: dict) -> list[int]:
+def completion_prompt(body: dict) -> str | list[int]:
+    """A text completion's prompt, checked: its text, or its token ids (no engine needed)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return engine.tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)  # each id is checked against the model's vocabulary with the rest of the request
     raise bad_request("'prompt' must be a string, a list with one string, or a list of token ids", "prompt")
+
+
+def prompt_tokens(engine: ServingEngine, prompt: str | list[int]) -> list[int]:
+    return engine.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
 
 
 def _token_text(engine: ServingEngine, token: int) -> tuple[str, list[int]]:
@@ -368,13 +373,17 @@ class Completion(EngineRun):
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await read_json(request)
     parsed = parse_common(body, chat)
+    # the whole request is checked before its Model is asked for: a malformed one loads nothing
+    conversation = chat_conversation(body) if chat else None
+    prompt = None if chat else completion_prompt(body)
+    check_constraints(parsed, conversation)
     engine = await engine_named(request, parsed.model, parsed.stream)
 
     def prepare() -> Completion:
-        if chat:
-            turn = chat_turn(engine, body)
+        if conversation is not None:
+            turn = conversation.turn(engine)
             return Completion(engine, parsed, turn.prompt, turn)
-        return Completion(engine, parsed, completion_prompt(engine, body), None)
+        return Completion(engine, parsed, prompt_tokens(engine, prompt), None)
     completion = await off_loop(prepare)
     if parsed.stream:
         return await completion.stream(request)
@@ -400,7 +409,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 def _model_entry(m: ServedModel) -> dict:
     return {"id": m.name, "object": "model", "created": m.created, "owned_by": "specd", "status": m.phase.value,
-            "task": m.spec.task}
+            "task": m.task}
 
 
 @routes.get("/v1/models/{name}")

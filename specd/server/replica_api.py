@@ -8,7 +8,7 @@ without an admin token:
 - ``models/{name}/generate``: the body is a ``GenerationRequest``, the answer one JSON
   ``StepOutput`` per line; a head that closes the connection cancels the request;
 - ``models/{name}/embed``: token rows in, their vectors out.
-``engine/remote.py`` is the other end.
+``serving/remote.py`` is the other end.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import json
 
 from aiohttp import web
 
-from ..control.registry import ModelNotFound, ModelNotReady, WrongTask
+from ..api.paths import MODEL_EMBED, MODEL_ENGINE, MODEL_GENERATE
+from ..serving.registry import ModelNotFound, ModelNotReady, WrongTask
 from ..core.request import merge_outputs
 from ..engine.embedder import Embedder, EmbeddingFailed
 from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
-from ..engine.remote import EMBED, ENGINE, GENERATE, engine_report, output_to_json, request_from_json
+from ..serving.remote import engine_report, output_to_json, request_from_json
 from ..engine.scheduler import RequestRejected
-from .admin import StatusError
 from .bodies import BodyError, json_body
+from .errors import StatusError, status_error
 from .keys import REGISTRY
 
 routes = web.RouteTableDef()
@@ -37,42 +38,38 @@ async def _engine(request: web.Request, task: str | None = None) -> ServingEngin
     name = request.match_info["name"]
     registry = request.app[REGISTRY]
     served = registry.models.get(name)
-    task = task or (served.spec.task if served is not None else "generate")
+    task = task or (served.task if served is not None else "generate")
     try:
         return await (registry.embedder(name) if task == "embed" else registry.engine(name))
-    except ModelNotFound:
-        raise StatusError(404, "NotFound", f'models "{name}" not found') from None
-    except ModelNotReady as err:
-        raise StatusError(503, "ServiceUnavailable", str(err)) from None
-    except WrongTask as err:
-        raise StatusError(400, "BadRequest", str(err), "model") from None
+    except ModelNotFound as err:
+        raise status_error(err, f'models "{name}" not found') from None
+    except (ModelNotReady, WrongTask) as err:
+        raise status_error(err) from None
 
 
-@routes.get(ENGINE.format("{name}"))
+@routes.get(MODEL_ENGINE.format("{name}"))
 async def engine(request: web.Request) -> web.Response:
     return web.json_response(engine_report(await _engine(request)))
 
 
-@routes.post(GENERATE.format("{name}"))
+@routes.post(MODEL_GENERATE.format("{name}"))
 async def generate(request: web.Request) -> web.StreamResponse:
     try:
         asked = request_from_json(await json_body(request))
     except BodyError as err:
-        raise StatusError(err.status, "BadRequest", err.message) from None
+        raise status_error(err) from None
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise StatusError(400, "BadRequest", f"not a generation request: {type(err).__name__}: {err}") from None
     engine = await _engine(request, "generate")
     try:
         engine.check_prompt(asked)
     except RequestRejected as err:
-        raise StatusError(400, "BadRequest", str(err), err.field) from None
+        raise status_error(err) from None
     outputs = engine.generate(asked)
     try:
         out = await anext(outputs)
-    except EngineOverloaded as err:
-        raise StatusError(429, "TooManyRequests", str(err)) from None
-    except EngineUnavailable as err:
-        raise StatusError(503, "ServiceUnavailable", str(err)) from None
+    except (EngineOverloaded, EngineUnavailable) as err:
+        raise status_error(err) from None
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     try:
@@ -94,22 +91,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return response
 
 
-@routes.post(EMBED.format("{name}"))
+@routes.post(MODEL_EMBED.format("{name}"))
 async def embed(request: web.Request) -> web.Response:
     try:
         body = await json_body(request)
         rows = [[int(t) for t in row] for row in body["rows"]]
     except BodyError as err:
-        raise StatusError(err.status, "BadRequest", err.message) from None
+        raise status_error(err) from None
     except (KeyError, TypeError, ValueError) as err:
         raise StatusError(400, "BadRequest", f"not an embedding request: {type(err).__name__}: {err}") from None
     embedder = await _engine(request, "embed")
     try:
         vectors = await embedder.embed(rows)
-    except RequestRejected as err:
-        raise StatusError(400, "BadRequest", str(err), err.field) from None
-    except EngineOverloaded as err:
-        raise StatusError(429, "TooManyRequests", str(err)) from None
-    except (EngineUnavailable, EmbeddingFailed) as err:
-        raise StatusError(503, "ServiceUnavailable", str(err)) from None
+    except (RequestRejected, EngineOverloaded, EngineUnavailable, EmbeddingFailed) as err:
+        raise status_error(err) from None
     return web.json_response({"vectors": vectors.tolist()})

@@ -33,9 +33,9 @@ from aiohttp import web
 
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
-from .chat import NAMESPACE_SEPARATOR, ChatTurn, Delta, Tool, parse_tools, render_chat
-from .completion import (EngineRun, ParsedRequest, engine_named, event_stream, integer_field, model_request,
-                         number_field, off_loop, read_json)
+from .chat import NAMESPACE_SEPARATOR, ChatTurn, Conversation, Delta, Tool, parse_tools
+from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, integer_field,
+                         model_request, number_field, off_loop, read_json)
 from .errors import APIError, bad_request
 from .keys import DROP_HOSTED_TOOLS, RESPONSES
 
@@ -245,8 +245,8 @@ def _parse(body: dict) -> ParsedRequest:
                          (), params, None, 1, _text_format(body), "text.format", "text.format.schema")
 
 
-def _turn(engine, body: dict, earlier: list[dict], drop_hosted: bool) -> tuple[ChatTurn, list[dict]]:
-    """The prompt, and every input item it renders (``earlier`` ones first)."""
+def _conversation(body: dict, earlier: list[dict], drop_hosted: bool) -> tuple[Conversation, list[dict]]:
+    """The conversation, checked (no engine needed), and every input item it holds (``earlier`` ones first)."""
     items = earlier + _items(body)
     if not items:
         raise bad_request("'input' must hold at least one item", "input")
@@ -255,8 +255,8 @@ def _turn(engine, body: dict, earlier: list[dict], drop_hosted: bool) -> tuple[C
     messages = conversation(body.get("instructions"), items)
     if not messages:  # reasoning items alone: nothing to answer
         raise bad_request("'input' must hold a message or a function call", "input")
-    prompt = render_chat(engine.tokenizer, engine.name, messages, tools, _template_kwargs(body))
-    return ChatTurn(prompt, callable_tools, forced, body.get("parallel_tool_calls", True)), items
+    return Conversation(messages, tools, callable_tools, forced, body.get("parallel_tool_calls", True),
+                        _template_kwargs(body)), items
 
 
 # -- answering ------------------------------------------------------------------
@@ -425,7 +425,6 @@ async def _stream(request: web.Request, run: EngineRun, response: _Response,
 async def create(request: web.Request) -> web.StreamResponse:
     body = _checked(await read_json(request))
     parsed = _parse(body)
-    engine = await engine_named(request, parsed.model, parsed.stream)
     store = request.app[RESPONSES]
     previous = body.get("previous_response_id")
     earlier: list[dict] = []
@@ -435,8 +434,11 @@ async def create(request: web.Request) -> web.StreamResponse:
             raise APIError(404, f"no stored response with id {str(previous)[:80]!r} (it may have expired, or been "
                            "created with store: false)", "invalid_request_error", "previous_response_id")
         earlier = found[1] + found[0]["output"]
-    drop_hosted = request.app[DROP_HOSTED_TOOLS]
-    turn, items = await off_loop(lambda: _turn(engine, body, earlier, drop_hosted))
+    # the whole request is checked before its Model is asked for: a malformed one loads nothing
+    chat, items = _conversation(body, earlier, request.app[DROP_HOSTED_TOOLS])
+    check_constraints(parsed, chat)
+    engine = await engine_named(request, parsed.model, parsed.stream)
+    turn = await off_loop(lambda: chat.turn(engine))
     run = await off_loop(lambda: EngineRun(engine, parsed, turn.prompt, turn, _new_id("resp")))
     response = _Response(run, body, turn, previous)
     if parsed.stream:

@@ -24,8 +24,8 @@ from typing import Callable, ContextManager
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.cache import RowCache, make_row_cache, model_prefixes
-from ..core.prefix import PrefixStore, RowPrefixes
+from ..core.cache import RowCache, make_row_cache
+from ..core.prefix import PrefixStore, RowPrefixes, model_prefixes
 from ..core.sequence import Sequence
 from ..metrics import Metrics
 from .acceptance import AcceptanceEstimate, AcceptanceHistory

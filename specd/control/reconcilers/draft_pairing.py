@@ -12,8 +12,8 @@ from typing import Any
 from ...api.manifest import SPEC_PARSERS, DraftPairingSpec
 from ..conditions import condition
 from ..manager import Result
-from ..registry import ModelRegistry, Pairing
-from ..store import Store, StoredObject
+from ..state import ModelState, Pairing
+from ...store import Store, StoredObject
 
 KIND = "DraftPairing"
 
@@ -30,8 +30,8 @@ def chosen_pairings(store: Store) -> dict[str, Pairing]:
 class DraftPairingReconciler:
     kind = KIND
 
-    def __init__(self, store: Store, registry: ModelRegistry):
-        self.store, self.registry = store, registry
+    def __init__(self, store: Store, states: dict[str, ModelState]):
+        self.store, self.states = store, states  # states: the Model reconciler's
 
     def names(self) -> list[str]:
         return self.store.names(KIND)
@@ -49,23 +49,25 @@ class DraftPairingReconciler:
 
     def _status(self, obj: StoredObject, by_target: dict[str, Pairing]) -> dict[str, Any]:
         spec: DraftPairingSpec = SPEC_PARSERS[KIND](obj.spec)
-        served = self.registry.models.get(spec.target_ref)
+        state = self.states.get(spec.target_ref)
+        applied = state.running.pairing if state is not None else None
+        ours = applied is not None and applied.name == obj.name and applied.generation == obj.generation
         chosen = by_target.get(spec.target_ref)
         status: dict[str, Any] = {"observedGeneration": obj.generation}
         if chosen is not None and chosen.name != obj.name:
             ok, reason, message = False, "Conflict", f'Model "{spec.target_ref}" already has DraftPairing "{chosen.name}"'
-        elif served is None:
+        elif state is None:
             ok, reason, message = False, "TargetNotFound", f'Model "{spec.target_ref}" does not exist (yet)'
-        elif served.spec.task == "embed":
+        elif state.running.spec.task == "embed":
             ok, reason = False, "TargetServesEmbeddings"
             message = f'Model "{spec.target_ref}" generates nothing to speculate on'
-        elif served.engine is None:
-            ok, reason, message = False, "TargetNotReady", f'Model "{spec.target_ref}" is {served.phase.value}'
-        elif served.pairing_error and served.pairing and served.pairing.name == obj.name:
-            ok, reason, message = False, "DraftLoadFailed", served.pairing_error
-        elif served.pairing is not None and served.pairing.name == obj.name and served.pairing.generation == obj.generation:
+        elif state.serving.engine is None:
+            ok, reason, message = False, "TargetNotReady", f'Model "{spec.target_ref}" is {state.serving.phase.value}'
+        elif ours and state.running.pairing_error:  # this generation's outcome, never an older one's
+            ok, reason, message = False, "DraftLoadFailed", state.running.pairing_error
+        elif ours:
             ok, reason, message = True, "Attached", f"{spec.method} speculation for {spec.target_ref}"
-            rate = served.engine.speculation_status().get("acceptanceRate")
+            rate = state.serving.engine.speculation_status().get("acceptanceRate")
             if rate is not None:
                 status["acceptanceRate"] = rate
         else:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..cluster import Cluster, Member
+from ...serving.cluster import Cluster, Member
 from ..manager import Result
-from ..registry import ModelRegistry
 from ..replicas import RemoteReplicas
-from ..store import Store
+from ..state import ModelState
+from ...store import Store
 
 KIND = "Node"
 
@@ -31,9 +31,9 @@ def _reported(member: Member) -> tuple:
 class NodeReconciler:
     kind = KIND
 
-    def __init__(self, store: Store, cluster: Cluster, registry: ModelRegistry, remote: RemoteReplicas,
+    def __init__(self, store: Store, cluster: Cluster, states: dict[str, ModelState], remote: RemoteReplicas,
                  look_at_models: Callable[[], None]):
-        self.store, self.cluster, self.registry, self.remote = store, cluster, registry, remote
+        self.store, self.cluster, self.states, self.remote = store, cluster, states, remote
         self.look_at_models = look_at_models
         self._seen: dict[str, tuple] = {}
 
@@ -57,8 +57,8 @@ class NodeReconciler:
 
     def _remove_strays(self, member: Member) -> None:
         for model in member.status.get("served", {}):
-            served = self.registry.models.get(model)
-            if served is None and self.store.find("Model", model) is not None:
+            state = self.states.get(model)
+            if state is None and self.store.find("Model", model) is not None:
                 continue  # stored but not looked at yet (a head that just started)
-            if served is None or member.name not in served.replica_nodes:
+            if state is None or member.name not in state.placed.replica_nodes:
                 self.remote.remove(member, model)

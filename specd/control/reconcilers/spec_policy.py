@@ -9,8 +9,8 @@ from __future__ import annotations
 from ...api.manifest import SPEC_PARSERS
 from ..conditions import condition
 from ..manager import Result
-from ..registry import ModelRegistry, Policy, ServedModel
-from ..store import Store
+from ..state import ModelState, Policy
+from ...store import Store
 
 KIND = "SpecPolicy"
 
@@ -24,19 +24,20 @@ def policy_for(policies: list[Policy], labels: dict[str, str]) -> Policy | None:
     return next((p for p in policies if p.spec.selects(labels)), None)
 
 
-def _runs(served: ServedModel, policy: str) -> bool:
+def _runs(state: ModelState, policy: str) -> bool:
     """Whether every replica of the Model runs the policy: its engine here, if loaded, and each
     ready one on another Node (as its Node reports)."""
-    here = [served.policy.name if served.policy else None] if served.engine is not None else []
-    there = list(served.replica_set.policies().values()) if served.replica_set is not None else []
+    applied, served = state.running.policy, state.serving
+    here = [applied.name if applied else None] if served.engine is not None else []
+    there = list(served.replica_set.replicas.policies().values()) if served.replica_set is not None else []
     return bool(here + there) and all(p == policy for p in here + there)
 
 
 class SpecPolicyReconciler:
     kind = KIND
 
-    def __init__(self, store: Store, registry: ModelRegistry):
-        self.store, self.registry = store, registry
+    def __init__(self, store: Store, states: dict[str, ModelState]):
+        self.store, self.states = store, states  # states: the Model reconciler's
 
     def names(self) -> list[str]:
         return self.store.names(KIND)
@@ -48,7 +49,7 @@ class SpecPolicyReconciler:
         spec = SPEC_PARSERS[KIND](obj.spec)
         selected = sorted(m.name for m in self.store.list("Model")
                           if spec.selects(m.labels) and m.spec.get("task", "generate") == "generate")
-        applied = sorted(n for n, s in self.registry.models.items() if _runs(s, name))
+        applied = sorted(n for n, s in self.states.items() if _runs(s, name))
         ok = applied == selected
         self.store.set_status(KIND, name, {
             "observedGeneration": obj.generation, "selectedModels": selected, "appliedModels": applied,

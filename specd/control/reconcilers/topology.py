@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..conditions import condition
 from ..manager import Result
-from ..store import Store
+from ...store import Store
 
 KIND = "Topology"
 

@@ -29,9 +29,9 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...core.cache import BatchRowCache
+from ...core.cache import BatchRowCache, RowPrefix
 from ...core.kv import RowKV
-from ...core.prefix import RowPrefix, RowPrefixes
+from ...core.prefix import RowPrefixes
 from ...core.sequence import Sequence
 from ...core.request import Method, SpeculationConfig
 from ..proposer import Drafts, FollowedRows, Outcome, Round

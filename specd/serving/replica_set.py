@@ -26,7 +26,8 @@ from ..core.request import GenerationRequest, Method, SpeculationConfig, StepOut
 from ..engine.embedder import Embedder, check_rows
 from ..engine.engine import EngineUnavailable
 from ..engine.interface import ServingEngine
-from ..engine.remote import ENGINE, RemoteEmbedder, RemoteEngine
+from ..api.paths import MODEL_ENGINE
+from .remote import RemoteEmbedder, RemoteEngine
 from ..engine.scheduler import check_request
 from ..metrics import Metrics
 from ..speculation.config import PolicySettings
@@ -39,23 +40,20 @@ WOKEN_SECONDS = 3 * HEARTBEAT_SECONDS  # a woken replica counts as ready until i
 Replica = ServingEngine | Embedder | RemoteEngine | RemoteEmbedder
 
 
-class ReplicaSet:
+class Replicas:
+    """A Model's replicas by Node: which are ready now (the head's own engine while it is loaded, a
+    worker's as its heartbeats report it), waking one at zero, and the one a request goes to."""
+
     def __init__(self, name: str, task: str, here: str, cluster: Cluster, router: Router, metrics: Metrics,
-                 local: Callable[[], ServingEngine | Embedder | None]):
+                 local: Callable[[], ServingEngine | Embedder | None], tokenizer: Callable[[], Any]):
         self.name, self.task, self.here = name, task, here
         self.cluster, self.router, self.metrics = cluster, router, metrics
         self._local = local  # the head's own replica's engine, while it is loaded
+        self._tokenizer = tokenizer  # what the head tokenizes the Model's requests with (None: not yet)
         self.nodes: list[str] = []  # where the Model's replicas are placed (the Model reconciler keeps it)
-        self.loaded_tokenizer = None  # the Model's tokenizer, loaded on this node
-        self.tokenizer_source: tuple[str, str | None] | None = None  # what it is (being) loaded from
-        self.failure: str | None = None
-        self.fault: str | None = None
-        self.faults = 0
         self._remote: dict[str, tuple[tuple, RemoteEngine | RemoteEmbedder]] = {}  # node -> ((address, instance), it)
         self._woken: dict[str, float] = {}  # node -> when its replica at zero answered that it loaded
         self._last: Replica | None = None
-
-    # -- the replicas ------------------------------------------------------
 
     def ready_nodes(self) -> list[str]:
         """The Nodes whose replica is loaded and reachable now."""
@@ -63,7 +61,7 @@ class ReplicaSet:
 
     def ready(self) -> dict[str, Replica]:
         """The replicas a request may go to now, by Node."""
-        if self.tokenizer is None:
+        if self._tokenizer() is None:
             return {}
         out: dict[str, Replica] = {}
         for node in self.nodes:
@@ -115,7 +113,8 @@ class ReplicaSet:
             asyncio.ensure_future(held[1].shutdown(0))  # its daemon is gone: so are its streams
         kind = RemoteEngine if self.task == "generate" else RemoteEmbedder
         lost = (lambda m=member: None if m.ready else f"NotReady ({m.reason})")
-        remote = kind(self.name, member.name, member.address, self.cluster.token, self.tokenizer, engine, lost)
+        remote = kind(self.name, member.name, member.address, self.cluster.token, self._tokenizer(), engine,
+                      lost)
         self._remote[member.name] = (key, remote)
         return remote
 
@@ -125,11 +124,11 @@ class ReplicaSet:
             return True
         for node in self.nodes:
             member = self.cluster.members.get(node)
-            if node == self.here or member is None or not member.ready or self.tokenizer is None:
+            if node == self.here or member is None or not member.ready or self._tokenizer() is None:
                 continue
             try:
                 async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cluster.token}"}) as s:
-                    async with s.get(member.address + ENGINE.format(self.name)) as r:
+                    async with s.get(member.address + MODEL_ENGINE.format(self.name)) as r:
                         if r.status == 200:
                             self._remote_engine(member, await r.json())
                             self._woken[node] = time.monotonic()
@@ -140,7 +139,7 @@ class ReplicaSet:
                 log.warning("worker unreachable", node=node, error=str(exc))
         return False
 
-    def _any(self) -> Replica:
+    def any(self) -> Replica:
         """A ready replica, else the last one seen ready (a request checked against it then finds
         none to go to, and fails as unavailable)."""
         ready = self.ready()
@@ -150,7 +149,8 @@ class ReplicaSet:
             raise EngineUnavailable(f"model {self.name!r} has no ready replica")
         return self._last
 
-    def _pick(self, tokens: list[int]) -> tuple[str, Replica]:
+    def pick(self, tokens: list[int]) -> tuple[str, Replica]:
+        """The ready replica a request of these tokens goes to (``Router``), counted by its Node."""
         ready = self.ready()
         if not ready:
             raise EngineUnavailable(f"model {self.name!r} has no ready replica")
@@ -159,7 +159,7 @@ class ReplicaSet:
         return node, ready[node]
 
     @contextmanager
-    def _serving(self, node: str) -> Iterator[None]:
+    def serving(self, node: str) -> Iterator[None]:
         """A request on the replica at ``node``: in flight (for the router and ``/metrics``) until it
         ends, and failed if it raises (a client going away is neither)."""
         self.router.started(self.name, node)
@@ -174,6 +174,32 @@ class ReplicaSet:
             running.dec()
             self.router.finished(self.name, node)
 
+    async def shutdown(self, grace: float) -> None:
+        """Let requests to the remote replicas finish; the head's own engine is the reconciler's to stop."""
+        await asyncio.gather(*(engine.shutdown(grace) for _, engine in self._remote.values()))
+        for node in self.nodes:
+            with suppress(KeyError):  # never served a request
+                self.metrics.replica_requests_running.remove(self.name, node)
+
+
+class ReplicaSet:
+    """A Model's replicas served as one engine (a ``ServingEngine``, or what the embeddings route
+    reads of an ``Embedder``): checked and tokenized here, each request run on one replica."""
+
+    def __init__(self, name: str, task: str, here: str, cluster: Cluster, router: Router, metrics: Metrics,
+                 local: Callable[[], ServingEngine | Embedder | None]):
+        self.name, self.metrics, self._local = name, metrics, local
+        self.replicas = Replicas(name, task, here, cluster, router, metrics, local, lambda: self.tokenizer)
+        self.loaded_tokenizer = None  # the Model's tokenizer, loaded on this node
+        self.tokenizer_source: tuple[str, str | None] | None = None  # what it is (being) loaded from
+        self.failure: str | None = None
+        self.fault: str | None = None
+        self.faults = 0
+
+    async def wake(self) -> bool:
+        """Whether some replica is ready, after waking one at zero on a Ready worker if none was."""
+        return await self.replicas.wake()
+
     # -- what every engine has ---------------------------------------------
 
     @property
@@ -186,25 +212,22 @@ class ReplicaSet:
     @property
     def max_context(self) -> int:
         """The smallest of the replicas' (each sizes its own from its KV budget)."""
-        return min((e.max_context for e in self.ready().values()), default=self._any().max_context)
+        return min((e.max_context for e in self.replicas.ready().values()), default=self.replicas.any().max_context)
 
     @property
     def vocab_size(self) -> int:
-        return self._any().vocab_size
+        return self.replicas.any().vocab_size
 
     @property
     def in_flight(self) -> int:
-        return sum(self.router.in_flight.get((self.name, node), 0) for node in self.nodes)
+        replicas = self.replicas
+        return sum(replicas.router.in_flight.get((self.name, node), 0) for node in replicas.nodes)
 
     def start(self) -> None:
         """Nothing to start: each replica's engine is started where it runs."""
 
     async def shutdown(self, grace: float = 30.0) -> None:
-        """Let requests to the remote replicas finish; the head's own engine is the reconciler's to stop."""
-        await asyncio.gather(*(engine.shutdown(grace) for _, engine in self._remote.values()))
-        for node in self.nodes:
-            with suppress(KeyError):  # never served a request
-                self.metrics.replica_requests_running.remove(self.name, node)
+        await self.replicas.shutdown(grace)
 
     def group_status(self) -> dict | None:
         return None
@@ -216,22 +239,22 @@ class ReplicaSet:
 
     @property
     def speculation(self) -> SpeculationConfig:
-        return self._any().speculation
+        return self.replicas.any().speculation
 
     @property
     def drafter(self) -> Method | None:
         """The drafter every ready replica has (None unless all have the same)."""
-        drafters = {e.drafter for e in self.ready().values()} or {self._any().drafter}
+        drafters = {e.drafter for e in self.replicas.ready().values()} or {self.replicas.any().drafter}
         return drafters.pop() if len(drafters) == 1 else None
 
     def check_prompt(self, request: GenerationRequest) -> None:
         check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
-        node, replica = self._pick(request.prompt_tokens)
+        node, replica = self.replicas.pick(request.prompt_tokens)
         tokens = self.metrics.replica_tokens
         generated = tokens.labels(self.name, node, "generation")  # looked up once, not at every step
-        with self._serving(node):
+        with self.replicas.serving(node):
             async for out in replica.generate(request):
                 generated.inc(len(out.tokens))
                 if out.error is not None:
@@ -257,18 +280,18 @@ class ReplicaSet:
 
     @property
     def dimensions(self) -> int:
-        return self._any().dimensions
+        return self.replicas.any().dimensions
 
     @property
     def pooling(self):
-        return self._any().pooling
+        return self.replicas.any().pooling
 
     def check_rows(self, rows: list[list[int]]) -> None:
         check_rows(rows, self.name, self.max_context, self.vocab_size)
 
     async def embed(self, rows: list[list[int]]) -> np.ndarray:
-        node, replica = self._pick(rows[0] if rows else [])
-        with self._serving(node):
+        node, replica = self.replicas.pick(rows[0] if rows else [])
+        with self.replicas.serving(node):
             vectors = await replica.embed(rows)
         self.metrics.replica_tokens.labels(self.name, node, "prompt").inc(sum(map(len, rows)))
         return vectors

@@ -20,7 +20,7 @@ from typing import Callable
 
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-from ..core.memory import gib
+from .memory import gib
 
 MODEL_FILES = list(DEFAULT_ALLOW_PATTERNS)  # what mlx_lm.load reads: weights, configs, tokenizer, template
 DRAFTER_FILES = [*MODEL_FILES, "*.safetensors"]  # an EAGLE head's weights need not be named model*.safetensors

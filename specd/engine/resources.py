@@ -22,8 +22,8 @@ from ..api.manifest import ModelSpec
 from ..core.cache import side_token_bytes
 from ..core.columns import KVQuantization
 from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, resolve_source, with_text_config
-from ..engine.kv_manager import KVManager, default_max_bytes as default_kv_bytes
-from .download import DRAFTER_FILES, MODEL_FILES, DownloadProgress, download
+from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
+from ..core.download import DRAFTER_FILES, MODEL_FILES, DownloadProgress, download
 
 ENGINE_OVERHEAD = 64 << 20  # an engine's threads and MLX's working buffers for a step's activations, beyond its budgets
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -27,14 +27,12 @@ from ..core.embedding import Pooling
 from ..core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from ..core.sampling import SamplingParams
 from ..speculation.config import PolicySettings
-from .embedder import Embedder, EmbeddingFailed, check_rows
-from .engine import EngineOverloaded, EngineUnavailable
-from .interface import ServingEngine
-from .scheduler import RequestRejected, check_request
+from ..engine.embedder import Embedder, EmbeddingFailed, check_rows
+from ..engine.engine import EngineOverloaded, EngineUnavailable
+from ..engine.interface import ServingEngine
+from ..engine.scheduler import RequestRejected, check_request
+from ..api.paths import MODEL_EMBED as EMBED, MODEL_GENERATE as GENERATE
 
-GENERATE = "/apis/specd.dev/v1alpha1/models/{}/generate"
-EMBED = "/apis/specd.dev/v1alpha1/models/{}/embed"
-ENGINE = "/apis/specd.dev/v1alpha1/models/{}/engine"  # a worker's engine_report, once it is loaded
 WATCH_SECONDS = 2.0  # how often a replica with answers open looks at its Node's health
 
 

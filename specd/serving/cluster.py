@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from .store import NotFound, Store
+from ..store import NotFound, Store
 
 HEARTBEAT_SECONDS = 2.0
 MISSED_HEARTBEATS = 3

@@ -1,0 +1,5 @@
+"""The Model reconciler, split along its concerns (``reconciler`` ties the parts together)."""
+
+from .reconciler import ModelReconciler
+
+__all__ = ["ModelReconciler"]
