@@ -12,7 +12,7 @@ float KV and with quantized KV, and reports, side by side:
 * ``bytes``: KV bytes per token against float KV.
 
 Speculation is not involved: it is lossless with respect to whichever KV the
-model runs (``tests/test_kv_quantization.py``). The models are random-weight
+model runs (``tests/core/test_kv_quantization.py``). The models are random-weight
 ones of each family's shape with 64-dimension heads (MLX quantizes groups of
 32, 64 or 128 dimensions), so these figures bound the drift of a model that
 has learned nothing; a trained checkpoint's logits are sharper.

@@ -18,11 +18,10 @@ import pytest
 import yaml
 
 from conftest import ROOT, free_port, start_daemon
+from daemons import model_status, scrape, wait_for
 from hub_mirror import HubMirror
 from specd.api.manifest import parse_documents
 from specd.engine.resources import safetensors_bytes
-from test_control_plane import wait_for
-from test_openai_api import scrape
 
 REPO = "specd/tiny"
 
@@ -30,11 +29,6 @@ REPO = "specd/tiny"
 def specd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **(env or {})}, timeout=timeout)
-
-
-def model_status(daemon, name: str) -> dict:
-    status, body = daemon.get(f"/apis/specd.dev/v1alpha1/models/{name}")
-    return json.loads(body).get("status", {}) if status == 200 else {}
 
 
 def ready_reason(daemon, name: str) -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specd.store import MAX_EVENTS_PER_OBJECT, Store
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def item(kind: str, name: str, **spec) -> dict:

@@ -21,7 +21,7 @@ import pytest
 
 from specd import service
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPECD = str(Path(sys.executable).parent / "specd")  # what `service install` picks by default
 LINUX_FILES = {service.LINUX_SYSUSERS_PATH, service.LINUX_TMPFILES_PATH, service.LINUX_ENV_FILE,
                service.LINUX_UNIT_PATH}

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 from conftest import model_manifest, start_daemon
-from test_tensor_parallel import (METHODS, PROMPTS, assert_speculates_as_single, client_for, complete, model_status,
-                                  pairing, topology, wait_ready)
+from daemons import model_status, topology
+from test_tensor_parallel import METHODS, PROMPTS, assert_speculates_as_single, client_for, complete, pairing, wait_ready
 
 from specd.api.manifest import ManifestError, parse_documents
 from specd.parallel.pipeline import layer_range

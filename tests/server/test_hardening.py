@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import model_manifest, start_daemon
 from specd.api.text import lone_surrogate_path
-from test_control_plane import specd, wait_for
+from daemons import specd, wait_for
 
 ADMIN = "/apis/specd.dev/v1alpha1"
 FUZZ = settings(max_examples=250, deadline=None, derandomize=True, database=None,

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import urllib.request
-from prometheus_client.parser import text_string_to_metric_families
+
+from daemons import scrape
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -26,16 +27,6 @@ PROMPTS = [
 def greedy(client, prompt: str, max_tokens: int = 48, **kw):
     return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
                                      temperature=0, **kw)
-
-
-def scrape(daemon) -> dict[tuple[str, tuple], float]:
-    status, body = daemon.get("/metrics")
-    assert status == 200
-    samples = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
 
 
 def metric(samples, name: str, **labels) -> float:

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import model_manifest, start_daemon
 from specd.api.manifest import parse_resource
 from specd.engine.resources import ENGINE_OVERHEAD, memory_request, safetensors_bytes
-from test_control_plane import get, specd, wait_for
+from daemons import get, specd, wait_for
 
 KV = 8 << 20
 PREFIX = 4 << 20

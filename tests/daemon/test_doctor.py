@@ -14,7 +14,7 @@ from conftest import model_manifest
 
 from specd import service
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = ["platform", "mlx", "blas", "manifests", "memory", "state-dir", "service", "rdma"]
 OPENBLAS = service.openblas_path()
 

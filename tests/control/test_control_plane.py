@@ -19,41 +19,12 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, model_manifest, start_daemon
+from daemons import get, ready, scrape, specd, wait_for
 from specd.speculation.eagle.checkpoint import save_head
 from specd.forge.mtp import fresh_head, save_mtp_head
 from specd.forge.dflash import fresh_drafter
 from specd.speculation.dflash.checkpoint import save_dflash
 from specd.speculation.eagle.head import EagleConfig, EagleHead
-
-
-def specd(daemon, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "specd.cli", *args, "--server", daemon.url], input=stdin,
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"specd {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def wait_for(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def get(daemon, kind: str, name: str) -> dict:
-    return json.loads(specd(daemon, "get", kind, name, "-o", "json").stdout)
-
-
-def ready(daemon, kind: str, name: str) -> bool:
-    proc = specd(daemon, "get", kind, name, "-o", "json", check=False)
-    if proc.returncode:
-        return False
-    conds = json.loads(proc.stdout).get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
 @pytest.fixture()
@@ -544,8 +515,6 @@ def test_scaling_places_or_removes_replicas_and_leaves_the_running_engine_alone(
         assert status["servedGeneration"] == generation and status["loadSeconds"] == before["loadSeconds"]
         assert status["prefixCache"] == before["prefixCache"]  # the same engine, its cache kept
         assert status["readyReplicas"] == status["scaling"]["replicas"] == 1
-    loads = {s.name: s.value for f in text_string_to_metric_families(d.get("/metrics")[1].decode())
-             for s in f.samples if s.name == "specd_model_load_seconds_count" and s.labels.get("model_name") == "sc"}
-    assert loads == {"specd_model_load_seconds_count": 1.0}
+    assert scrape(d)[("specd_model_load_seconds_count", (("model_name", "sc"),))] == 1.0  # loaded once
     events = json.loads(d.get("/apis/specd.dev/v1alpha1/models/sc/events")[1])["items"]
     assert [e["reason"] for e in events].count("Ready") == 1

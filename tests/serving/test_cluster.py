@@ -24,9 +24,7 @@ from specd.control.placement import Candidate, place, place_group, place_remote_
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
 from specd.serving.remote import output_from_json, output_to_json, request_from_json, request_to_json
-from test_control_plane import get, ready, specd, wait_for
-from test_serve_and_pull import model_status
-from test_tensor_parallel import topology
+from daemons import get, model_status, ready, specd, topology, wait_for
 
 BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
 NO_END = {"0": -100, "2": -100}  # the forged tokenizer's end-of-text ids: a sampled reply runs its whole length

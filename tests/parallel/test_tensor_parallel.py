@@ -25,7 +25,7 @@ import mlx_lm
 import openai
 import pytest
 from conftest import model_manifest, run_engine, start_daemon
-from test_control_plane import wait_for
+from daemons import model_status, topology, wait_for
 
 from specd.api.manifest import SPEC_PARSERS
 from specd.core.grammar import json_schema_grammar
@@ -41,22 +41,6 @@ METHODS = ["none", "ngram", "draft"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "size": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["name", "size"], "additionalProperties": False}
-
-
-def topology(name: str = "loopback", hosts: tuple[str, ...] = ("rank0", "rank1"), **extra) -> str:
-    """Hosts on this machine, named ``hosts`` (a cluster Node's name puts a rank's memory there)."""
-    fields = "".join(f"\n  {k}: {v}" for k, v in extra.items())
-    listed = "".join(f"\n    - {{name: {h}, address: 127.0.0.1}}" for h in hosts)
-    return textwrap.dedent(f"""\
-        apiVersion: specd.dev/v1alpha1
-        kind: Topology
-        metadata:
-          name: {name}
-        spec:
-          backend: ring
-          launcher: local
-          threadsPerRank: 1
-          hosts:""") + listed + fields + "\n"
 
 
 def pairing(target: str, draft) -> str:
@@ -119,11 +103,6 @@ def _alive(pid: int) -> bool:
 
 def client_for(daemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def model_status(daemon, name: str) -> dict:
-    with urllib.request.urlopen(f"{daemon.url}/apis/specd.dev/v1alpha1/models/{name}", timeout=10) as r:
-        return json.loads(r.read())["status"]
 
 
 def complete(client, model: str, prompt: str, method: str, max_tokens: int = 40):

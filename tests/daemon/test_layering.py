@@ -18,7 +18,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-SPECD = Path(__file__).resolve().parents[1] / "specd"
+SPECD = Path(__file__).resolve().parents[2] / "specd"
 
 # Lowest first; a unit may import only units of earlier layers, none of its own layer.
 LAYERS = [
