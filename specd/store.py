@@ -126,6 +126,56 @@ class _Event:
     row_id: int | None = None
 
 
+def _row(row: tuple) -> StoredObject:
+    """An ``objects`` row as the object it stores."""
+    kind, name, uid, gen, rv, created, labels, annotations, spec, status = row
+    return StoredObject(kind, name, uid, gen, rv, created, json.loads(labels), json.loads(annotations),
+                        json.loads(spec), json.loads(status))
+
+
+def _values(o: StoredObject) -> tuple:
+    """An object as its ``objects`` row."""
+    return (o.kind, o.name, o.uid, o.generation, o.resource_version, o.created, json.dumps(o.labels),
+            json.dumps(o.annotations), json.dumps(o.spec), json.dumps(o.status))
+
+
+def _next_version(cur: sqlite3.Cursor) -> int:
+    cur.execute("UPDATE counters SET value = value + 1 WHERE name='resourceVersion'")
+    return cur.execute("SELECT value FROM counters WHERE name='resourceVersion'").fetchone()[0]
+
+
+def _apply_one(cur: sqlite3.Cursor, obj: dict[str, Any], server: bool) -> tuple[StoredObject, str]:
+    """One object of an apply, in its transaction: created, configured or unchanged (``Store.apply``)."""
+    kind, name = obj["kind"], obj["name"]
+    rows = cur.execute("SELECT * FROM objects WHERE kind=? AND name=?", (kind, name)).fetchall()
+    current = _row(rows[0]) if rows else None
+    if not server:
+        kept = with_server_annotations(obj["annotations"], current.annotations if current else {})
+        obj = {**obj, "annotations": kept}
+    expected = obj.get("resourceVersion")
+    if current is None:
+        if expected:
+            raise Conflict(f'{kind} "{name}" does not exist (resourceVersion {expected} given)')
+        stored = StoredObject(kind, name, str(uuid.uuid4()), 1, _next_version(cur), now_iso(),
+                              obj["labels"], obj["annotations"], obj["spec"], {})
+        cur.execute("INSERT INTO objects VALUES (?,?,?,?,?,?,?,?,?,?)", _values(stored))
+        return stored, "created"
+    if expected and str(expected) != str(current.resource_version):
+        raise Conflict(f'{kind} "{name}" was modified (resourceVersion {current.resource_version}, '
+                       f"you sent {expected}); read it again and retry")
+    if (current.spec, current.labels, current.annotations) == (obj["spec"], obj["labels"], obj["annotations"]):
+        return current, "unchanged"
+    if current.spec != obj["spec"]:
+        current.generation += 1
+    current.spec, current.labels, current.annotations = obj["spec"], obj["labels"], obj["annotations"]
+    current.resource_version = _next_version(cur)
+    cur.execute("UPDATE objects SET generation=?, resource_version=?, labels=?, annotations=?, spec=? "
+                "WHERE kind=? AND name=?",
+                (current.generation, current.resource_version, json.dumps(current.labels),
+                 json.dumps(current.annotations), json.dumps(current.spec), kind, name))
+    return current, "configured"
+
+
 class Store:
     """Reads and acknowledged writes on the caller's thread; status and events by a writer thread.
 
@@ -201,12 +251,6 @@ class Store:
 
     # ------------------------------------------------------------------ reads
 
-    @staticmethod
-    def _row(row: tuple) -> StoredObject:
-        kind, name, uid, gen, rv, created, labels, annotations, spec, status = row
-        return StoredObject(kind, name, uid, gen, rv, created, json.loads(labels), json.loads(annotations),
-                            json.loads(spec), json.loads(status))
-
     def _current(self, row: tuple) -> tuple:
         """A stored row with its queued status, if one is queued for this very object (``_lock`` held)."""
         queued = self._statuses.get((row[0], row[1]))
@@ -222,7 +266,7 @@ class Store:
             row = self._current(rows[0]) if rows else None
         if row is None:
             raise NotFound(f'{kind} "{name}" not found')
-        return self._row(row)
+        return _row(row)
 
     def find(self, kind: str, name: str) -> StoredObject | None:
         try:
@@ -240,7 +284,7 @@ class Store:
             else:
                 rows = self._db.execute("SELECT * FROM objects WHERE kind=? ORDER BY name", (kind,)).fetchall()
             rows = [self._current(r) for r in rows]
-        return [self._row(r) for r in rows]
+        return [_row(r) for r in rows]
 
     def events(self, kind: str, name: str) -> list[dict[str, str]]:
         with self._lock:
@@ -301,7 +345,7 @@ class Store:
         keep the stored ones, so applying a watched file by hand is a no-op.
         """
         results: list[tuple[StoredObject, str]] = self._transaction(
-            lambda cur: [self._apply_one(cur, obj, server) for obj in objects], keep=not dry_run)
+            lambda cur: [_apply_one(cur, obj, server) for obj in objects], keep=not dry_run)
         with self._lock:  # a status queued meanwhile (by another thread) is the current one
             for obj, _ in results:
                 queued = self._statuses.get((obj.kind, obj.name))
@@ -311,44 +355,7 @@ class Store:
             self._notify([(o.kind, o.name) for o, action in results if action != "unchanged"])
         return results
 
-    def _next_version(self, cur: sqlite3.Cursor) -> int:
-        cur.execute("UPDATE counters SET value = value + 1 WHERE name='resourceVersion'")
-        return cur.execute("SELECT value FROM counters WHERE name='resourceVersion'").fetchone()[0]
 
-    def _apply_one(self, cur: sqlite3.Cursor, obj: dict[str, Any], server: bool) -> tuple[StoredObject, str]:
-        kind, name = obj["kind"], obj["name"]
-        rows = cur.execute("SELECT * FROM objects WHERE kind=? AND name=?", (kind, name)).fetchall()
-        current = self._row(rows[0]) if rows else None
-        if not server:
-            kept = with_server_annotations(obj["annotations"], current.annotations if current else {})
-            obj = {**obj, "annotations": kept}
-        expected = obj.get("resourceVersion")
-        if current is None:
-            if expected:
-                raise Conflict(f'{kind} "{name}" does not exist (resourceVersion {expected} given)')
-            stored = StoredObject(kind, name, str(uuid.uuid4()), 1, self._next_version(cur), now_iso(),
-                                  obj["labels"], obj["annotations"], obj["spec"], {})
-            cur.execute("INSERT INTO objects VALUES (?,?,?,?,?,?,?,?,?,?)", self._values(stored))
-            return stored, "created"
-        if expected and str(expected) != str(current.resource_version):
-            raise Conflict(f'{kind} "{name}" was modified (resourceVersion {current.resource_version}, '
-                           f"you sent {expected}); read it again and retry")
-        if (current.spec, current.labels, current.annotations) == (obj["spec"], obj["labels"], obj["annotations"]):
-            return current, "unchanged"
-        if current.spec != obj["spec"]:
-            current.generation += 1
-        current.spec, current.labels, current.annotations = obj["spec"], obj["labels"], obj["annotations"]
-        current.resource_version = self._next_version(cur)
-        cur.execute("UPDATE objects SET generation=?, resource_version=?, labels=?, annotations=?, spec=? "
-                    "WHERE kind=? AND name=?",
-                    (current.generation, current.resource_version, json.dumps(current.labels),
-                     json.dumps(current.annotations), json.dumps(current.spec), kind, name))
-        return current, "configured"
-
-    @staticmethod
-    def _values(o: StoredObject) -> tuple:
-        return (o.kind, o.name, o.uid, o.generation, o.resource_version, o.created, json.dumps(o.labels),
-                json.dumps(o.annotations), json.dumps(o.spec), json.dumps(o.status))
 
     def delete(self, kind: str, name: str, dry_run: bool = False) -> StoredObject:
         def delete_one(cur: sqlite3.Cursor) -> StoredObject:
@@ -356,7 +363,7 @@ class Store:
             if not rows:
                 raise NotFound(f'{kind} "{name}" not found')
             cur.execute("DELETE FROM objects WHERE kind=? AND name=?", (kind, name))
-            return self._row(rows[0])
+            return _row(rows[0])
 
         obj = self._transaction(delete_one, keep=not dry_run)
         if not dry_run:

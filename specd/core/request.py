@@ -59,6 +59,7 @@ class GenerationRequest:
     speculation: SpeculationConfig | None = None  # None: the model's default
     grammar: str | None = None  # an llguidance grammar the output must match (core/grammar.py)
     stream: bool = True  # False: the client reads only the whole answer (a replica on another Node sends one piece)
+    checked: bool = False  # the route checked it against this engine (``check_prompt``): the engine trusts it
 
 
 @dataclass(frozen=True)

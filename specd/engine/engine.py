@@ -234,8 +234,10 @@ class Engine:
         self.inbox.between_steps(lambda: self.scheduler.speculator.set_policy(policy, name))
 
     def submit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
-        """Queue a request; ``emit(StepOutput)`` is called from the engine thread."""
-        self.check_prompt(request)
+        """Queue a request; ``emit(StepOutput)`` is called from the engine thread. One the route
+        checked already is trusted; any other caller's is checked here."""
+        if not request.checked:
+            self.check_prompt(request)
         try:
             self.inbox.submit(request, emit, self._room)
         except EngineUnavailable:

@@ -209,9 +209,10 @@ class EngineRun:
         self.requests = [GenerationRequest(request_id if parsed.n == 1 else f"{request_id}-{i}", prompt,
                                            parsed.params if seed is None else replace(parsed.params,
                                                                                       seed=(seed + i) % 2**63),
-                                           max_tokens, parsed.stop, speculation, grammar, parsed.stream)
+                                           max_tokens, parsed.stop, speculation, grammar, parsed.stream,
+                                           checked=True)
                          for i in range(parsed.n)]
-        try:
+        try:  # once, for every choice: the engine trusts a checked request
             engine.check_prompt(self.requests[0])
         except RequestRejected as err:
             raise api_error(err, param="messages" if chat and err.field == "prompt" else None) from None

@@ -47,7 +47,11 @@ def engine_report(engine: ServingEngine | Embedder) -> dict[str, Any]:
 
 
 def request_to_json(request: GenerationRequest) -> dict[str, Any]:
-    return asdict(request)
+    """The request as a worker reads it (whether the head checked it is the head's business: a
+    worker checks what it is sent against its own engine)."""
+    body = asdict(request)
+    del body["checked"]
+    return body
 
 
 def request_from_json(body: dict[str, Any]) -> GenerationRequest:
