@@ -194,7 +194,14 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
     workers[home].stop(signal.SIGKILL)
     status = wait_for(lambda: (s := get(h, "model", "m")["status"]) and s["readyReplicas"] == 1 and s, 30,
                       "one replica left")
-    assert any(c["type"] == "Scheduled" and c["status"] == "False" for c in status["conditions"]), status
+    scheduled = next(c for c in status["conditions"] if c["type"] == "Scheduled")
+    assert scheduled["status"] == "False" and f"NotReady: {home}" in scheduled["message"], scheduled
+    # nothing moved (no Node had room), so no event says it did
+    events = json.loads(h.get("/apis/specd.dev/v1alpha1/models/m/events")[1])["items"]
+    assert [e for e in events if e["reason"] == "Rescheduled"] == [], events
+    # the lost Node is listed NotReady, without the Models and memory its last report claimed
+    lost = get(h, "node", home)["status"]
+    assert lost["conditions"][0]["status"] == "False" and not {"models", "requested", "inUse"} & set(lost), lost
     before = routed(h)
     for p in prompts[:4]:
         chat(h.url, p)
