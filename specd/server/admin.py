@@ -8,10 +8,10 @@ from ``--admin-token-file``; without one it answers loopback clients only.
 from __future__ import annotations
 
 import asyncio
-
 import hmac
 import ipaddress
-from typing import Any
+import json
+from typing import Any, Callable
 
 import structlog
 from aiohttp import web
@@ -186,18 +186,25 @@ async def restart_model(request: web.Request) -> web.Response:
     return web.json_response({"kind": "Model", "name": name, "action": "restarted"})
 
 
+async def _stored(build: Callable[[], Any]) -> web.Response:
+    """``build()``'s object as JSON, read from the store and encoded off the event loop: a list of
+    hundreds of objects, or a delete's commit, holds up no stream."""
+    body = await asyncio.to_thread(lambda: json.dumps(build()))
+    return web.Response(text=body, content_type="application/json")
+
+
 @routes.get(PREFIX + "/{plural}")
 async def list_objects(request: web.Request) -> web.Response:
     kind = _kind(request)
-    items = [o.manifest(API_VERSION) for o in _store(request).list(kind)]
-    return web.json_response({"apiVersion": API_VERSION, "kind": f"{kind}List", "items": items})
+    return await _stored(lambda: {"apiVersion": API_VERSION, "kind": f"{kind}List",
+                                  "items": [o.manifest(API_VERSION) for o in _store(request).list(kind)]})
 
 
 @routes.get(PREFIX + "/{plural}/{name}")
 async def get_object(request: web.Request) -> web.Response:
     kind = _kind(request)
     try:
-        return web.json_response(_store(request).get(kind, request.match_info["name"]).manifest(API_VERSION))
+        return await _stored(lambda: _store(request).get(kind, request.match_info["name"]).manifest(API_VERSION))
     except NotFound as err:
         raise status_error(err) from None
 
@@ -205,7 +212,7 @@ async def get_object(request: web.Request) -> web.Response:
 @routes.get(PREFIX + "/{plural}/{name}/events")
 async def get_events(request: web.Request) -> web.Response:
     kind = "Node" if request.match_info["plural"] == "nodes" else _kind(request)
-    return web.json_response({"items": _store(request).events(kind, request.match_info["name"])})
+    return await _stored(lambda: {"items": _store(request).events(kind, request.match_info["name"])})
 
 
 @routes.put(PREFIX + "/{plural}/{name}")
@@ -221,9 +228,9 @@ async def put_object(request: web.Request) -> web.Response:
 
 @routes.delete(PREFIX + "/{plural}/{name}")
 async def delete_object(request: web.Request) -> web.Response:
-    kind = _kind(request)
+    kind, dry_run = _kind(request), _dry_run(request)
     try:
-        obj = _store(request).delete(kind, request.match_info["name"], dry_run=_dry_run(request))
+        return await _stored(lambda: _store(request).delete(kind, request.match_info["name"], dry_run=dry_run)
+                             .manifest(API_VERSION))
     except NotFound as err:
         raise status_error(err) from None
-    return web.json_response(obj.manifest(API_VERSION))
