@@ -55,8 +55,9 @@ def grammar_tokenizer(tokenizer, vocab: int, eos_ids: Seq[int]) -> llguidance.LL
     return built
 
 
-def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer) -> None:
-    """Raise GrammarError if ``grammar`` cannot be served."""
+def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None) -> None:
+    """Raise GrammarError if ``grammar`` cannot be served by ``tokenizer`` (None: the grammar alone,
+    as a request is checked before its model's tokenizer is at hand)."""
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if failed:
         raise GrammarError(messages[0] if messages else "invalid grammar")

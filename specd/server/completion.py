@@ -104,9 +104,16 @@ def speculation_for(engine: ServingEngine, asked: dict | None) -> SpeculationCon
 
 
 def check_constraints(parsed: ParsedRequest, conversation: Conversation | None) -> None:
-    """Refuse a request whose output two things would constrain: a required tool call and ``response_format``."""
+    """Before any engine is asked for: refuse a request whose output two things would constrain (a
+    required tool call and ``response_format``), and a JSON schema no grammar can be made of (checked
+    again against the model's tokenizer once the engine is known)."""
     if conversation is not None and conversation.forced and parsed.response_format is not None:
         raise bad_request(f"'{parsed.format_field}' cannot constrain a required tool call", parsed.format_field)
+    if parsed.response_format is not None:
+        try:
+            check_grammar(json_schema_grammar(parsed.response_format), None)
+        except GrammarError as err:
+            raise bad_request(f"cannot enforce this schema: {err}", parsed.schema_field) from None
 
 
 def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn | None) -> str | None:

@@ -12,13 +12,13 @@ counted no load; then one good request loads it, so the same checks see a load.
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import model_manifest, start_daemon
+from daemons import wait_for
 
 MODEL = "lazy"
 ADMIN = "/apis/specd.dev/v1alpha1"
@@ -57,6 +57,10 @@ MALFORMED = [
     ("/v1/responses", {"input": "hi", "stream": True, "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
                        "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}}, "response_format.json_schema.schema"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                          "schema": {"$ref": "#/nowhere"}}}}, "text.format.schema"),
 ]
 
 
@@ -65,7 +69,7 @@ def idle_daemon(forged, tmp_path_factory):
     """A daemon whose one Model is at zero replicas (it loads on demand)."""
     manifest = model_manifest(MODEL, forged / "target", scaling="{minReplicas: 0}")
     daemon = start_daemon(tmp_path_factory.mktemp("idle"), {"models.yaml": manifest})
-    wait_for(lambda: phase(daemon) == "Idle", "the Model at zero")
+    wait_for(lambda: phase(daemon) == "Idle", what="the Model at zero")
     yield daemon
     daemon.stop()
 
@@ -88,14 +92,6 @@ def loads_counted(daemon) -> float:
     return sum(s.value for family in text_string_to_metric_families(body.decode())
                if family.name == "specd_model_load_seconds" for s in family.samples
                if s.name == "specd_model_load_seconds_count" and s.labels.get("model_name") == MODEL)
-
-
-def wait_for(predicate, what: str, seconds: float = 60):
-    deadline = time.monotonic() + seconds
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 @pytest.mark.parametrize("route,body,field", MALFORMED, ids=[f"{r}:{f}" for r, _, f in MALFORMED])
@@ -122,6 +118,6 @@ def test_a_good_request_then_loads_the_model(idle_daemon):
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:  # it waits for the load
         assert json.loads(response.read())["input_tokens"] > 0
-    assert len(wait_for(lambda: loading_events(idle_daemon), "the Loading event")) == 1
+    assert len(wait_for(lambda: loading_events(idle_daemon), what="the Loading event")) == 1
     assert loads_counted(idle_daemon) == 1
     assert phase(idle_daemon) == "Ready"
