@@ -2,10 +2,11 @@
 
 A local ``Engine`` (one process), a tensor- or pipeline-parallel group's client
 (``parallel.group.GroupClient``, whose engine runs in rank processes), a replica
-on another Node (``remote.RemoteEngine``) and, on a cluster head, a Model's
-replicas together (``control.replica_set.ReplicaSet``) all implement
-``ServingEngine``; the registry, the reconcilers and the server use nothing else. Only a local engine changes its drafter while it serves
-(``SwappableDrafter``); a group is restarted with its new DraftPairing.
+on another Node (``serving.remote.RemoteEngine``) and, on a cluster head, a Model's
+replicas together (``serving.replica_set.ReplicaSet``) all implement
+``ServingEngine``; the registry, the reconcilers and the server use nothing else. Only a
+local engine changes its drafter while it serves (``SwappableDrafter``); a group is restarted
+with its new DraftPairing, and fails whole when a host of its ranks is lost (``RankGroup``).
 """
 
 from __future__ import annotations

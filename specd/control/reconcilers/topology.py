@@ -1,5 +1,5 @@
 """The Topology reconciler: a Topology is validated when applied, so its status says so.
-The groups that run on it are their Models' (``reconcilers/model.py``)."""
+The groups that run on it are their Models' (``reconcilers/model/``)."""
 
 from __future__ import annotations
 
