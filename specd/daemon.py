@@ -12,7 +12,7 @@ from .control.agent import NodeAgent
 from .control.plane import ControlPlane
 from .control.watcher import ManifestDirectory
 from .core.memory import return_freed_memory
-from .server.app import create_app
+from .server.app import MAX_BODY_BYTES, create_app
 from .server.keys import STARTED
 from .server.response_store import ResponseStore
 
@@ -30,13 +30,12 @@ async def return_freed_memory_every(seconds: float) -> None:
 
 def daemon_app(control: ControlPlane, manifests: ManifestDirectory | None = None, admin_token: str | None = None,
                drain_grace: float = 30.0, agent: NodeAgent | None = None, api_keys: tuple[bytes, ...] = (),
-               cors_origins: tuple[str, ...] = (), max_body_bytes: int | None = None,
+               cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
                stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False) -> web.Application:
     """The daemon's application. The control plane starts after the server listens, so
     ``/healthz`` and ``/readyz`` answer while weights load; a worker's ``agent`` joins its head."""
     app = create_app(control.registry, control.store, control, control.cluster, admin_token, api_keys, cors_origins,
-                     **({"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}),
-                     stored_responses=stored_responses, drop_hosted_tools=drop_hosted_tools)
+                     max_body_bytes, stored_responses, drop_hosted_tools)
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()

@@ -50,6 +50,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from serve_vs_mlx_lm import (ForeignLoad, ServerSpec, child_env, forge_info, free_port, host_info, log_tail,
                              package_version, running)
 
@@ -225,14 +227,8 @@ class Stream(threading.Thread):
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile, linearly interpolated between the closest ranks."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    """The ``q``-th percentile, linearly interpolated between the closest ranks (numpy's default)."""
+    return float(np.percentile(values, q)) if values else None
 
 
 def window(gaps: list[float], foreign: float | None, seconds: float) -> dict[str, Any]:

@@ -15,10 +15,8 @@ import json
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import model_manifest, start_daemon
-from daemons import wait_for
+from daemons import scrape, wait_for
 
 MODEL = "lazy"
 ADMIN = "/apis/specd.dev/v1alpha1"
@@ -87,11 +85,7 @@ def loading_events(daemon) -> list[dict]:
 
 
 def loads_counted(daemon) -> float:
-    status, body = daemon.get("/metrics")
-    assert status == 200
-    return sum(s.value for family in text_string_to_metric_families(body.decode())
-               if family.name == "specd_model_load_seconds" for s in family.samples
-               if s.name == "specd_model_load_seconds_count" and s.labels.get("model_name") == MODEL)
+    return scrape(daemon).get(("specd_model_load_seconds_count", (("model_name", MODEL),)), 0.0)
 
 
 @pytest.mark.parametrize("route,body,field", MALFORMED, ids=[f"{r}:{f}" for r, _, f in MALFORMED])

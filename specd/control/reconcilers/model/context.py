@@ -29,9 +29,13 @@ class ModelContext:
         """Look at the Model soon (callable from any thread: an engine's fault, a request's demand)."""
         self.enqueue(KIND, name)
 
+    def names(self) -> set[str]:
+        """Every Model stored, and every one still running after its deletion."""
+        return set(self.store.names(KIND)) | set(self.states)
+
     def look_at_all(self) -> None:
         """Memory was freed, or the cluster changed: every Model may place differently now."""
-        for name in set(self.store.names(KIND)) | set(self.states):
+        for name in self.names():
             self.look(name)
 
     def spawn(self, coro: Coroutine, model: str) -> asyncio.Task:

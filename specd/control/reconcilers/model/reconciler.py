@@ -69,7 +69,7 @@ class ModelReconciler:
         return self.ctx.node
 
     def names(self) -> set[str]:
-        return set(self.ctx.store.names(KIND)) | set(self.ctx.states)
+        return self.ctx.names()
 
     def look(self, name: str) -> None:
         self.ctx.look(name)
