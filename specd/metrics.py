@@ -6,6 +6,7 @@ Dashboards written for vLLM translate 1:1 by swapping ``vllm:`` for
 
 from __future__ import annotations
 
+import threading
 from contextlib import suppress
 
 import mlx.core as mx
@@ -38,6 +39,8 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.node = "localhost"  # named by node_info
+        self._disk_lock = threading.Lock()
+        self._disk_seen: dict[str, dict[str, int]] = {}  # per model, the disk tier's counters as last mirrored
         self.requests_running = Gauge(
             "specd_num_requests_running", "Requests in the running batch.", m, registry=r)
         self.requests_waiting = Gauge(
@@ -61,6 +64,35 @@ class Metrics:
             m, registry=r)
         self.prefix_cache_max_bytes = Gauge(
             "specd_prefix_cache_max_bytes", "The prefix cache's budget (prefixCache.maxBytes).", m, registry=r)
+        self.prefix_disk_hit_tokens = Counter(
+            "specd_prefix_disk_hit_tokens", "Prompt tokens read from the prefix cache's disk tier into RAM.",
+            m, registry=r)
+        self.prefix_disk_read_bytes = Counter(
+            "specd_prefix_disk_read_bytes", "Bytes of blocks read from the prefix cache's disk tier.", m, registry=r)
+        self.prefix_disk_written_bytes = Counter(
+            "specd_prefix_disk_written_bytes", "Bytes of blocks written to the prefix cache's disk tier.",
+            m, registry=r)
+        self.prefix_disk_evicted_blocks = Counter(
+            "specd_prefix_disk_evicted_blocks", "Blocks deleted from the disk tier to stay within its maxBytes.",
+            m, registry=r)
+        self.prefix_disk_dropped_blocks = Counter(
+            "specd_prefix_disk_dropped_blocks",
+            "Blocks not written: the writer's queue was full or the disk refused writes.", m, registry=r)
+        self.prefix_disk_refused_blocks = Counter(
+            "specd_prefix_disk_refused_blocks",
+            "Block files refused and deleted, by kind (corrupt, truncated, foreign, mismatched).",
+            m + ["kind"], registry=r)
+        self.prefix_disk_restore_seconds = Histogram(
+            "specd_prefix_disk_restore_seconds",
+            "From a request's disk read starting to its blocks being in the RAM tree.", m,
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_disk_bytes = Gauge(
+            "specd_prefix_disk_bytes", "Bytes the disk tier's directory holds.", m, registry=r)
+        self.prefix_disk_max_bytes = Gauge(
+            "specd_prefix_disk_max_bytes", "The disk tier's budget (prefixCache.disk.maxBytes).", m, registry=r)
+        self.prefix_disk_available = Gauge(
+            "specd_prefix_disk_available",
+            "1 while the disk tier writes blocks, 0 while the disk refuses them (full, read-only).", m, registry=r)
         self.kv_cache_bytes = Gauge(
             "specd_kv_cache_bytes", "Bytes the running rows' KV caches hold (target and drafter).", m, registry=r)
         self.kv_cache_max_bytes = Gauge(
@@ -203,12 +235,34 @@ class Metrics:
         self.node_memory_bytes.labels(self.node, "in_use").set(in_use)
         self.models_loaded.set(loaded)
 
+    def prefix_disk_status(self, name: str, status: dict, fresh: bool = False) -> None:
+        """Mirror a disk tier's status (``DiskTier.status``: its counters only grow; called from
+        its threads); ``fresh``: a new engine's tier, counting from 0."""
+        with self._disk_lock:
+            seen = self._disk_seen.setdefault(name, {})
+            if fresh:
+                seen.clear()
+            for key, counter in (("hitTokens", self.prefix_disk_hit_tokens), ("readBytes", self.prefix_disk_read_bytes),
+                                 ("writtenBytes", self.prefix_disk_written_bytes),
+                                 ("evictedBlocks", self.prefix_disk_evicted_blocks),
+                                 ("droppedBlocks", self.prefix_disk_dropped_blocks)):
+                if status[key] > seen.get(key, 0):
+                    counter.labels(name).inc(status[key] - seen.get(key, 0))
+                seen[key] = status[key]
+            for kind, count in status["refusedBlocks"].items():
+                if count > seen.get(kind, 0):
+                    self.prefix_disk_refused_blocks.labels(name, kind).inc(count - seen.get(kind, 0))
+                seen[kind] = count
+        self.prefix_disk_bytes.labels(name).set(status["bytes"])
+        self.prefix_disk_available.labels(name).set(1 if status["available"] else 0)
+
     def forget_model(self, name: str) -> None:
         """A deleted model leaves no readiness or weight series behind (its
         counters and histograms stay, as Prometheus expects of counters)."""
         for gauge in (self.model_ready, self.model_weight_bytes, self.model_memory_request, self.prefix_cache_bytes,
                       self.prefix_cache_max_bytes, self.kv_cache_bytes, self.kv_cache_max_bytes,
-                      self.kv_cache_shared_tokens):
+                      self.kv_cache_shared_tokens, self.prefix_disk_bytes, self.prefix_disk_max_bytes,
+                      self.prefix_disk_available):
             with suppress(KeyError):  # older prometheus_client versions raise for unknown labels
                 gauge.remove(name)
         for kind in ("done", "total"):

@@ -165,10 +165,12 @@ class Daemon:
 
 def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, *extra: str,
                  port: int | None = None, serve: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 host: str = "127.0.0.1", netns: str | None = None, admin_token: str | None = None) -> Daemon:
+                 host: str = "127.0.0.1", netns: str | None = None, admin_token: str | None = None,
+                 wrap: tuple[str, ...] = ()) -> Daemon:
     """Start ``specd daemon`` (or ``specd serve SERVE...``) as its own process on a free
     port (or ``port``) of ``host`` (in network namespace ``netns``), with ``env`` added to
-    the environment, and ``admin_token`` as its admin token (needed off loopback)."""
+    the environment, and ``admin_token`` as its admin token (needed off loopback); ``wrap``:
+    a command that runs the daemon's (``... "$@"``)."""
     mdir = tmp / "manifests"
     mdir.mkdir(parents=True, exist_ok=True)
     for fname, text in manifests.items():
@@ -179,7 +181,7 @@ def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, 
         (tmp / "admin-token").write_text(admin_token)
         extra += ("--admin-token-file", str(tmp / "admin-token"))
     command = ["serve", *serve] if serve else ["daemon", "--manifests", str(mdir)]
-    cmd = ([] if netns is None else ["ip", "netns", "exec", netns]) + [
+    cmd = list(wrap) + ([] if netns is None else ["ip", "netns", "exec", netns]) + [
         sys.executable, "-m", "specd.cli", *command,
         "--state-dir", str(tmp / "state"), "--host", host, "--port", str(port), *extra]
     proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,

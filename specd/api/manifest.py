@@ -35,6 +35,14 @@ class ManifestError(ValueError):
 
 
 @dataclass(frozen=True)
+class PrefixDisk:
+    """``prefixCache.disk``: the prefix cache's disk tier (``core/prefix_disk.py``)."""
+
+    path: str | None = None  # None: the daemon's state directory's prefix-cache/
+    max_bytes: int | None = None  # None: a quarter of the free space there
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What a served model should be: where its weights are and its limits."""
 
@@ -46,6 +54,7 @@ class ModelSpec:
     max_context: int | None = None
     prefill_step_tokens: int = 512
     prefix_cache_max_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
+    prefix_cache_disk: PrefixDisk | None = None  # the disk tier under it, or none
     kv_cache_max_bytes: int | None = None  # None: engine.kv_manager.default_max_bytes
     kv_cache_bits: int | None = None  # keys and values stored quantized (4 or 8 bits), or in the model's dtype
     kv_cache_group_size: int = 64
@@ -136,7 +145,8 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         raise ManifestError(f"must be one of {', '.join(TASKS)}, got {shown(task)}", f"{path}.task")
     if task == "embed" and "topologyRef" in spec:
         raise ManifestError("an embedding model runs on one host: it takes no topologyRef", f"{path}.topologyRef")
-    prefix_cache = _fields(spec.get("prefixCache", {}), f"{path}.prefixCache", {"maxBytes"})
+    prefix_cache = _fields(spec.get("prefixCache", {}), f"{path}.prefixCache", {"maxBytes", "disk"})
+    prefix_disk = _prefix_disk(prefix_cache, spec, f"{path}.prefixCache")
     kv_cache = _fields(spec.get("kvCache", {}), f"{path}.kvCache", {"maxBytes", "bits", "groupSize"})
     kv_bits = _choice(kv_cache, "bits", f"{path}.kvCache", KV_BITS, None)
     kv_group_size = _choice(kv_cache, "groupSize", f"{path}.kvCache", KV_GROUP_SIZES, 64)
@@ -171,6 +181,7 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         max_context=_positive_int(spec, "maxContext", path, None),
         prefill_step_tokens=_positive_int(spec, "prefillStepTokens", path, defaults.prefill_step_tokens),
         prefix_cache_max_bytes=_byte_size(prefix_cache, "maxBytes", f"{path}.prefixCache"),
+        prefix_cache_disk=prefix_disk,
         kv_cache_max_bytes=_byte_size(kv_cache, "maxBytes", f"{path}.kvCache"),
         kv_cache_bits=kv_bits,
         kv_cache_group_size=kv_group_size,
@@ -181,6 +192,28 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         priority=priority,
         replicas=replicas,
     )
+
+
+def _prefix_disk(prefix_cache: dict, spec: dict, path: str) -> PrefixDisk | None:
+    """``prefixCache.disk``: what the RAM tree records, kept on disk for one engine on this host."""
+    if "disk" not in prefix_cache:
+        return None
+    disk = _fields(prefix_cache["disk"] if prefix_cache["disk"] is not None else {}, f"{path}.disk",
+                   {"path", "maxBytes"})
+    if _byte_size(prefix_cache, "maxBytes", path) == 0:
+        raise ManifestError("the disk tier keeps what the RAM prefix cache records: maxBytes 0 turns that off",
+                            f"{path}.disk")
+    if spec.get("task") == "embed":
+        raise ManifestError("an embedding model keeps no prefix cache", f"{path}.disk")
+    if "topologyRef" in spec:
+        raise ManifestError("a tensor- or pipeline-parallel group keeps its prefix cache in RAM only", f"{path}.disk")
+    directory = _optional_str(disk, "path", f"{path}.disk")
+    if directory is not None and not directory.startswith(("/", "~")):
+        raise ManifestError(f"must be an absolute path, got {shown(directory)}", f"{path}.disk.path")
+    max_bytes = _byte_size(disk, "maxBytes", f"{path}.disk")
+    if max_bytes == 0:
+        raise ManifestError("must be positive (leave out disk for no disk tier)", f"{path}.disk.maxBytes")
+    return PrefixDisk(directory, max_bytes)
 
 
 BYTE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from ..api.manifest import ModelSpec
 from ..core.loader import checkpoint_directory, context_window, load_embedding_model, load_model, weight_bytes
+from ..core.prefix_disk import DiskConfig, checkpoint_identity, default_max_bytes
 from ..core.request import DRAFTERS, Method, NO_SPECULATION
 from ..engine.embedder import Embedder, EmbedderConfig
 from ..engine.engine import Engine, load_drafter
@@ -32,27 +34,29 @@ class Started:
 
 
 async def launch(name: str, spec: ModelSpec, pairing: Pairing | None, placed: Placement, metrics: Metrics,
-                 on_fault: Callable[[], None]) -> Started:
+                 on_fault: Callable[[], None], prefix_disk_root: Path) -> Started:
     """Start the Model's engine as ``placed`` says, not yet serving (``engine.start()`` does).
 
     A local engine loads its weights (and the pairing's drafter) off the event loop, with the KV
     and prefix budgets its memory request counted. A group's ranks load their own shards; the
-    pairing's draft model is replicated on every rank. An embedding model takes no pairing."""
+    pairing's draft model is replicated on every rank. An embedding model takes no pairing.
+    ``prefix_disk_root``: where a Model's disk tier goes unless its spec names a path."""
     if placed.topology is not None:
         return await _group(name, spec, placed, pairing, on_fault)
     if spec.task == "embed":
         return await asyncio.to_thread(_embedder, name, spec, metrics, on_fault)
-    return await asyncio.to_thread(_engine, name, spec, metrics, pairing, placed, on_fault)
+    return await asyncio.to_thread(_engine, name, spec, metrics, pairing, placed, on_fault, prefix_disk_root)
 
 
 def _engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | None, placed: Placement,
-            on_fault: Callable[[], None]) -> Started:
+            on_fault: Callable[[], None], prefix_disk_root: Path) -> Started:
     """A drafter that fails to load or does not match fails the pairing, not the model."""
     model, tokenizer = load_model(spec.source, spec.revision)
     config = EngineConfig(max_batch_size=spec.max_batch_size, max_waiting=spec.max_waiting,
                           prefill_step_tokens=spec.prefill_step_tokens, max_context=spec.max_context,
                           prefix_cache_bytes=placed.request.prefix_cache, kv_cache_bytes=placed.request.kv_cache,
-                          kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size)
+                          kv_bits=spec.kv_cache_bits, kv_group_size=spec.kv_cache_group_size,
+                          prefix_disk=_prefix_disk(name, spec, prefix_disk_root))
     speculation, drafter, pairing_error = NO_SPECULATION, None, ""
     if pairing is not None:
         try:
@@ -66,6 +70,17 @@ def _engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | Non
             pairing_error = f"{type(exc).__name__}: {exc}"
     return Started(Engine(name, model, tokenizer, config, metrics, speculation, drafter, on_fault), weight_bytes(model),
                    pairing_error)
+
+
+def _prefix_disk(name: str, spec: ModelSpec, root: Path) -> DiskConfig | None:
+    """The Model's disk tier: its own directory (its blocks never evict another Model's), its
+    checkpoint's identity (read from the files it loaded, at its revision)."""
+    disk = spec.prefix_cache_disk
+    if disk is None:
+        return None
+    directory = (Path(disk.path).expanduser() if disk.path else root) / name
+    identity = checkpoint_identity(checkpoint_directory(spec.source, spec.revision))
+    return DiskConfig(directory, disk.max_bytes or default_max_bytes(directory), identity)
 
 
 def _embedder(name: str, spec: ModelSpec, metrics: Metrics, on_fault: Callable[[], None]) -> Started:

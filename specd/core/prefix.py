@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +43,9 @@ import numpy as np
 from .cache import BatchRowCache, RowPrefix, Snapshot, make_row_cache
 from .columns import Columns, Pieces, pair_concat, pair_slice, side_bytes, side_copy
 from .memory import host_memory_bytes
+
+if TYPE_CHECKING:
+    from .prefix_disk import DiskPrefixes
 
 # What a piece a row reads in place is worth in tokens copied. Reading a cached prefix in place saves
 # the memory of a copy (many rows on one system prompt hold it once), but each piece a row reads costs
@@ -517,7 +520,7 @@ class RowPrefixes:
         self.tree = tree
         self.windows = windows
         self.leases: dict[object, Lease] = {}
-
+        self.disk: DiskPrefixes | None = None  # the tree's disk tier, if the Model has one
     def match(self, tokens: Sequence[int], limit: int | None = None) -> int:
         """Cached tokens ``tokens`` could start from (by default at least one is left to run)."""
         if self.tree is None:
@@ -620,9 +623,14 @@ class RowPrefixes:
         if lease is None or end <= lease.depth:
             return
         state = cache.row_snapshot(b) if self.tree.stateful and end == held else None
+        before = lease.depth
         self.tree.extend(lease, known, end, lambda lo, hi: cache.row_columns(b, lo, hi), state, prompt)
+        if self.disk is not None and lease.depth > before:
+            self.disk.recorded(known, before, lease.depth, lease.node.snapshot if lease.depth == end else None)
 
     def release(self, key: object) -> None:
+        if self.disk is not None:
+            self.disk.forget(key)
         lease = self.leases.pop(key, None)
         if lease is not None:
             lease.release()

@@ -168,6 +168,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.scheduler = Scheduler(name, model, tokenizer, config, self.metrics, speculation, drafter)
         self.inbox = Inbox(self.scheduler.sequence)
+        self.scheduler.wake = lambda: self.inbox.between_steps(lambda: None)
         self._stepped: threading.Event | None = None  # set once its loop has returned (``threads.run``)
 
     # -- ServingEngine ---------------------------------------------------
@@ -211,7 +212,7 @@ class Engine:
         return self.scheduler.speculator.status()
 
     def prefix_cache_status(self) -> dict:
-        return self.scheduler.prefix_store.status()
+        return self.scheduler.prefix_status()
 
     def kv_cache_status(self) -> dict:
         return self.scheduler.kv.status()
@@ -304,4 +305,4 @@ class Engine:
                     self.fault = None
                     self._notify()
         scheduler.fail_all("engine stopped", self.inbox.drain())
-        scheduler.prefix_store.clear()
+        scheduler.close()

@@ -32,6 +32,7 @@ from ..core.columns import KVQuantization
 from ..core.loader import context_window, vocab_size, weight_bytes
 from ..core.memory import host_memory_bytes
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure, model_prefixes
+from ..core.prefix_disk import DiskConfig, DiskPrefixes, DiskTier, namespace
 from ..core.grammar import Constraint, grammar_tokenizer
 from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
@@ -59,6 +60,7 @@ class EngineConfig:
     host_memory: int | None = None  # what the default KV budget is a share of (None: this host's)
     evict_under_pressure: bool = True  # off where ranks must evict alike (tensor parallelism)
     decode_ahead: bool | None = None  # plain steps start the next before reading their tokens (None: the default)
+    prefix_disk: DiskConfig | None = None  # the prefix cache's disk tier (None: RAM only)
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Scheduler:
         self.prefix_store = PrefixStore(budget, memory_pressure if config.evict_under_pressure else None)
         metrics.prefix_cache_max_bytes.labels(name).set(budget)
         self.prefixes = model_prefixes(model, self.prefix_store, "target")
+        self.wake: Callable[[], None] = lambda: None  # the engine's: step soon (a disk read ended)
+        self.disk = self._disk_tier(config.prefix_disk)
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
         ahead = config.decode_ahead if config.decode_ahead is not None else decodes_ahead_by_default()
@@ -110,6 +114,35 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefill: PrefillGroup | None = None
         self.batch = RunningBatch()
+
+    def _disk_tier(self, config: DiskConfig | None) -> DiskPrefixes | None:
+        """The target tree's disk tier, in a namespace of the checkpoint and the KV quantization."""
+        if config is None or self.prefixes.tree is None:
+            return None
+        q = self.kv_quantization
+        space = namespace(config.identity, (q.bits, q.group_size) if q else None, "target")
+        name, metrics = self.name, self.metrics
+        metrics.prefix_disk_max_bytes.labels(name).set(config.max_bytes)
+        tier = DiskTier(config, space, self.prefixes.tree.stateful,
+                        on_change=lambda tier: metrics.prefix_disk_status(name, tier.status()))
+        metrics.prefix_disk_status(name, tier.status(), fresh=True)
+        disk = DiskPrefixes(tier, self.prefixes.tree, len(self.prefixes.windows), lambda: self.wake(),
+                            lambda tier, hits, seconds: metrics.prefix_disk_restore_seconds.labels(name).observe(seconds))
+        self.prefixes.disk = disk
+        return disk
+
+    def prefix_status(self) -> dict:
+        """The prefix cache's budget, bytes and hits, and its disk tier's."""
+        status = self.prefix_store.status()
+        if self.disk is not None:
+            status["disk"] = self.disk.tier.status()
+        return status
+
+    def close(self) -> None:
+        """The engine stopped: queued blocks are written, the RAM tree is freed."""
+        if self.disk is not None:
+            self.disk.close()
+        self.prefix_store.clear()
 
     def sequence(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> Sequence:
         constraint = None
@@ -139,7 +172,12 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefill or self.batch)
+        """Whether a step has work: a request waiting only for its disk read does not (the read's
+        end wakes the engine)."""
+        return bool(self.prefill or self.batch or any(not self._reading(s) for s in self.waiting))
+
+    def _reading(self, seq: Sequence) -> bool:
+        return self.disk is not None and self.disk.reading(seq)
 
     @property
     def in_flight(self) -> int:
@@ -257,6 +295,8 @@ class Scheduler:
     def _drop_cancelled(self, ids: set[str]) -> None:
         """Requests whose client went away leave now, counted as ``abort`` like vLLM."""
         aborted = [s for s in self.waiting if s.request.request_id in ids]
+        for seq in aborted:
+            self.prefixes.release(seq)  # a disk read it waited for
         self.waiting = deque(s for s in self.waiting if s.request.request_id not in ids)
         if self.prefill is not None:
             for s in self.prefill.seqs:
@@ -286,6 +326,11 @@ class Scheduler:
             context = seq.prefill_tokens
             limit = self.speculator.prefix_limit(seq)
             match = self.prefixes.match(context, limit)
+            if self.disk is not None:
+                if self.disk.waits(seq, context, limit, match):
+                    later.append(seq)  # its prefix is being read from disk; others go on
+                    continue
+                match = self.prefixes.match(context, limit)
             own = len(context) - self.prefixes.shared(context, match)
             if (holds or seqs) and not self.kv.fits(holds + [own]):
                 self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
@@ -327,7 +372,12 @@ class Scheduler:
         if group is None or group.done == group.width:  # a one-token prompt, or a context all cached
             return None
         chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
-        return PrefillChunk(group, group.done, min(group.width, group.done + chunk))
+        end = min(group.width, group.done + chunk)
+        if self.disk is not None and self.disk.tier.stateful and len(group.seqs) == 1 and end < group.width:
+            # a recurrent model resumes from disk only where a block ends with its state: end there
+            aligned = end // self.disk.block * self.disk.block
+            end = aligned if aligned > group.done else end
+        return PrefillChunk(group, group.done, end)
 
     def _join(self, group: PrefillGroup) -> None:
         """After a group's last chunk its rows join the running batch, each row's next input its

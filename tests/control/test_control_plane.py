@@ -147,6 +147,18 @@ BAD = {
                                    "spec: {source: /x, prefixCache: {maxBytes: -1}}\n", "spec.prefixCache.maxBytes"),
     "unknown prefix cache field": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
                                    "spec: {source: /x, prefixCache: {disk: true}}\n", "spec.prefixCache.disk"),
+    "unknown disk tier field": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                                "spec: {source: /x, prefixCache: {disk: {size: 1Gi}}}\n", "spec.prefixCache.disk.size"),
+    "disk tier without RAM": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                              "spec: {source: /x, prefixCache: {maxBytes: 0, disk: {}}}\n", "spec.prefixCache.disk"),
+    "relative disk tier path": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                                "spec: {source: /x, prefixCache: {disk: {path: cache}}}\n",
+                                "spec.prefixCache.disk.path"),
+    "empty disk tier": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                        "spec: {source: /x, prefixCache: {disk: {maxBytes: 0}}}\n", "spec.prefixCache.disk.maxBytes"),
+    "disk tier across hosts": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                               "spec: {source: /x, topologyRef: t, prefixCache: {disk: {}}}\n",
+                               "spec.prefixCache.disk"),
     "unknown task": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
                      "spec: {source: /x, task: [embed]}\n", "spec.task"),
     "embedding across hosts": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"

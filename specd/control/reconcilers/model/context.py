@@ -22,6 +22,7 @@ class ModelContext:
         self.enqueue = enqueue  # the manager's: look at an object of any kind soon
         self.node, self.cluster = node, cluster  # cluster: this daemon is a head, Nodes join it
         self.drain_grace = drain_grace
+        self.prefix_disk_root = store.directory / "prefix-cache"  # where disk tiers go unless a spec says
         self.states: dict[str, ModelState] = {}
         self._background: set[asyncio.Task] = set()
 

@@ -64,7 +64,8 @@ class Lifecycle:
                 old, served.engine, served.phase = served.engine, None, Phase.LOADING
                 ctx.metrics.model_ready.labels(state.name).set(0)
                 await self.drain(state.name, old)
-            built = await launch(state.name, spec, pairing, placed, ctx.metrics, lambda: ctx.look(state.name))
+            built = await launch(state.name, spec, pairing, placed, ctx.metrics, lambda: ctx.look(state.name),
+                                 ctx.prefix_disk_root)
         except asyncio.CancelledError:  # a newer generation replaces this load (and may have reserved already)
             if running.loading_request is request:
                 state.loading(None)
