@@ -42,6 +42,7 @@ def engine_report(engine: ServingEngine | Embedder) -> dict[str, Any]:
         return {"maxContext": engine.max_context, "vocabSize": engine.vocab_size, "dimensions": engine.dimensions,
                 "pooling": asdict(engine.pooling)}
     return {"maxContext": engine.max_context, "vocabSize": engine.vocab_size, "drafter": engine.drafter,
+            "incarnation": id(engine),  # a reloaded engine's RAM holds none of its predecessor's prefixes
             "speculation": asdict(engine.speculation), "speculationStatus": engine.speculation_status(),
             "prefixCache": engine.prefix_cache_status(), "kvCache": engine.kv_cache_status()}
 

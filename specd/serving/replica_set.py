@@ -53,6 +53,7 @@ class Replicas:
         self.nodes: list[str] = []  # where the Model's replicas are placed (the Model reconciler keeps it)
         self._remote: dict[str, tuple[tuple, RemoteEngine | RemoteEmbedder]] = {}  # node -> ((address, instance), it)
         self._woken: dict[str, float] = {}  # node -> when its replica at zero answered that it loaded
+        self._incarnations: dict[str, tuple] = {}  # node -> the engine the router's RAM index describes
         self._last: Replica | None = None
 
     def ready_nodes(self) -> list[str]:
@@ -154,9 +155,21 @@ class Replicas:
         ready = self.ready()
         if not ready:
             raise EngineUnavailable(f"model {self.name!r} has no ready replica")
+        for node, replica in ready.items():
+            self._restarted(node, replica)
         node = self.router.pick(self.name, sorted(ready), tokens)
         self.metrics.routed_requests.labels(self.name, node).inc()
         return node, ready[node]
+
+    def _restarted(self, node: str, replica: Replica) -> None:
+        """A replica whose engine is not the one the router last saw holds nothing in RAM."""
+        if node == self.here:
+            incarnation: tuple = (id(replica),)
+        else:
+            incarnation = (self.cluster.members[node].instance, self._remote[node][1].reported.get("incarnation"))
+        if self._incarnations.get(node, incarnation) != incarnation:
+            self.router.forget(self.name, node)
+        self._incarnations[node] = incarnation
 
     @contextmanager
     def serving(self, node: str) -> Iterator[None]:

@@ -11,6 +11,12 @@ margin (one request, or a quarter of the least busy one's, whichever is more);
 then, and when no replica holds any of it, to the least busy one. So
 conversations that open alike (one system prompt) still spread, and each stays
 where its history is.
+
+A Model whose prefix cache has a disk tier (``prefixCache.disk``) keeps what a
+replica was sent on its Node's disk when the replica restarts or leaves the
+Node: the index then remembers those blocks as on disk, and a request goes to
+the replica holding the longest run in RAM, then on disk (a disk read is far
+cheaper than a prefill, far dearer than a RAM hit).
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ POLICIES = ("prefix", "round-robin")  # round-robin: what a plain load balancer 
 class Router:
     def __init__(self, policy: str = "prefix") -> None:
         self.policy = policy
-        self._blocks: dict[tuple[str, str], OrderedDict[bytes, None]] = {}
+        self._blocks: dict[tuple[str, str], OrderedDict[bytes, None]] = {}  # in the replica's RAM
+        self._disk: dict[tuple[str, str], OrderedDict[bytes, None]] = {}  # on its Node's disk
+        self.on_disk: set[str] = set()  # the Models whose prefix caches have a disk tier
         self.in_flight: dict[tuple[str, str], int] = {}  # (model, node) -> requests routed and not finished
         self._turns: dict[str, int] = {}
 
@@ -50,30 +58,27 @@ class Router:
         hashes = block_hashes(tokens)
         load = {n: self.in_flight.get((model, n), 0) for n in nodes}
         least = min(load.values())
-        matched = {n: self._matched(model, n, hashes) for n in nodes}
+        matched = {n: (_matched(self._blocks.get((model, n), {}), hashes),
+                       _matched(self._disk.get((model, n), {}), hashes)) for n in nodes}
         best = max(nodes, key=lambda n: (matched[n], -load[n]))
-        if not matched[best] or load[best] > least + max(1, least // 4):
-            best = min(nodes, key=lambda n: (load[n], -matched[n]))
-        self._remember(model, best, hashes)
+        if not any(matched[best]) or load[best] > least + max(1, least // 4):
+            best = min(nodes, key=lambda n: (load[n], tuple(-m for m in matched[n])))
+        _remember(self._blocks.setdefault((model, best), OrderedDict()), hashes)
+        if model in self.on_disk:
+            _remember(self._disk.setdefault((model, best), OrderedDict()), hashes)
         return best
 
-    def _matched(self, model: str, node: str, hashes: list[bytes]) -> int:
-        blocks = self._blocks.get((model, node), {})
-        n = 0
-        while n < len(hashes) and hashes[n] in blocks:
-            n += 1
-        return n
-
-    def _remember(self, model: str, node: str, hashes: list[bytes]) -> None:
-        blocks = self._blocks.setdefault((model, node), OrderedDict())
-        for h in hashes:
-            blocks[h] = None
-            blocks.move_to_end(h)
-        while len(blocks) > BLOCKS_PER_REPLICA:
-            blocks.popitem(last=False)
+    def keeps_on_disk(self, model: str, disk: bool) -> None:
+        """Whether ``model``'s replicas keep their prefixes on disk (its spec's ``prefixCache.disk``)."""
+        if disk:
+            self.on_disk.add(model)
+        else:
+            self.on_disk.discard(model)
+            for key in [k for k in self._disk if k[0] == model]:
+                del self._disk[key]
 
     def forget(self, model: str, node: str) -> None:
-        """A replica went away: what it held is gone with it."""
+        """A replica went away or restarted: what its RAM held is gone with it (its disk tier's stays)."""
         self._blocks.pop((model, node), None)
 
     def started(self, model: str, node: str) -> None:
@@ -81,3 +86,18 @@ class Router:
 
     def finished(self, model: str, node: str) -> None:
         self.in_flight[(model, node)] -= 1
+
+
+def _matched(blocks: dict[bytes, None], hashes: list[bytes]) -> int:
+    n = 0
+    while n < len(hashes) and hashes[n] in blocks:
+        n += 1
+    return n
+
+
+def _remember(blocks: OrderedDict[bytes, None], hashes: list[bytes]) -> None:
+    for h in hashes:
+        blocks[h] = None
+        blocks.move_to_end(h)
+    while len(blocks) > BLOCKS_PER_REPLICA:
+        blocks.popitem(last=False)

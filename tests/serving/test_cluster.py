@@ -573,6 +573,28 @@ def test_the_router_keeps_conversations_with_their_prefix_and_spreads_the_rest()
     assert [rr.pick("m", nodes, []) for _ in range(4)] == ["a", "b", "a", "b"]
 
 
+def test_the_router_prefers_a_prefix_in_ram_then_one_on_disk():
+    """A Model with a disk tier: a replica that restarted still holds what it was sent on its
+    Node's disk, which beats a replica holding nothing and loses to one holding it in RAM."""
+    from specd.serving.routing import Router
+
+    router, nodes = Router(), ["a", "b", "c"]
+    router.keeps_on_disk("m", True)
+    session = list(range(3000, 5000))
+    assert router.pick("m", ["a"], session) == "a"
+    router.forget("m", "a")  # its engine restarted: its RAM is empty, its disk is not
+    session += [1] * 100
+    assert router.pick("m", nodes, session) == "a", "the disk beats a prefill"
+    router.forget("m", "a")
+    assert router.pick("m", ["b"], session) == "b"
+    session += [2] * 100
+    assert router.pick("m", nodes, session) == "b", "RAM beats disk"
+    router.keeps_on_disk("m", False)  # the tier was turned off: a restart keeps nothing
+    router.forget("m", "b")
+    router.started("m", "b")
+    assert router.pick("m", nodes, session + [3] * 100) == "a", "nothing held anywhere: the least busy first"
+
+
 TEXT = st.text(st.characters(codec="utf-8"), max_size=20)  # what the API edge lets in: no lone surrogates
 FLOAT = st.floats(allow_nan=False, allow_infinity=False, width=32)
 REQUESTS = st.builds(

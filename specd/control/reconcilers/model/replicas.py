@@ -34,6 +34,7 @@ class ReplicaPlacement:
         their workers; whether this node runs one (if not, and it did, it stops)."""
         ctx, placed, obj, spec = self.ctx, state.placed, want.obj, want.spec
         node, cluster = ctx.node, ctx.cluster
+        self.router.keeps_on_disk(state.name, spec.prefix_cache_disk is not None)
         current = placed.replica_nodes or [r["node"] for r in obj.status.get("replicas", [])]
         request = self.memory.cached_request(state, spec, want.pairing)
         if request is None:
