@@ -21,6 +21,12 @@ The Model's prefix cache gets a small budget (``--prefix-cache-bytes``,
 64 MiB): the default, a tenth of physical memory, keeps filling for longer
 than a soak runs, which is the cache doing its job, not a leak.
 
+``--disk-bytes N`` turns on the prefix cache's disk tier (``prefixCache.disk``,
+``maxBytes: N``) and adds requests with long system prompts (pieces of a code
+sample, 300 to 1,500 tokens), so blocks are written, read back after each
+edit's restart and evicted: the summary adds the directory's largest size
+(``du``) against N and the tier's counters.
+
 Reports: RSS growth from minute 2 to the end (goal: under 5%; one end sample
 can fall just after a restart or a heap trim handed memory back, so also the
 peak and the median RSS of the last five minutes against minutes 2 to 7, and
@@ -55,6 +61,8 @@ import serve_vs_mlx_lm as anchor
 from spec_decode import write_result
 from structured import SCHEMA, TOPICS
 
+CONTEXT = (anchor.REPO_ROOT / "specd" / "core" / "prefix.py").read_text()  # the source of long system prompts
+
 DEFAULT_OUT = anchor.REPO_ROOT / "ops" / "bench" / "results" / "soak.json"
 ADMIN = "/apis/specd.dev/v1alpha1"
 MODEL = anchor.SPECD_MODEL_ID
@@ -66,19 +74,23 @@ INVALID = [  # (body, the status it must get)
 ]
 
 
-def manifest(max_waiting: int, policy_k: int, prefix_cache_bytes: int) -> dict[str, Any]:
+def manifest(max_waiting: int, policy_k: int, prefix_cache_bytes: int, disk_bytes: int | None) -> dict[str, Any]:
+    prefix_cache: dict[str, Any] = {"maxBytes": prefix_cache_bytes}
+    if disk_bytes is not None:
+        prefix_cache["disk"] = {"maxBytes": disk_bytes}
     return {"items": [
         {"apiVersion": "specd.dev/v1alpha1", "kind": "Model", "metadata": {"name": MODEL, "labels": {"app": "soak"}},
-         "spec": {"source": None, "maxBatchSize": 8, "maxWaiting": max_waiting,
-                  "prefixCache": {"maxBytes": prefix_cache_bytes}}},
+         "spec": {"source": None, "maxBatchSize": 8, "maxWaiting": max_waiting, "prefixCache": prefix_cache}},
         {"apiVersion": "specd.dev/v1alpha1", "kind": "SpecPolicy", "metadata": {"name": "soak-policy"},
          "spec": {"selector": {"matchLabels": {"app": "soak"}}, "maxSpeculativeTokens": policy_k}}]}
 
 
 class Soak:
-    def __init__(self, base: str, source: str, pid: int, minutes: float, prefix_cache_bytes: int):
+    def __init__(self, base: str, source: str, pid: int, minutes: float, prefix_cache_bytes: int,
+                 disk_bytes: int | None = None, disk_directory: Path | None = None):
         self.base, self.source, self.pid = base, source, pid
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.disk_bytes, self.disk_directory = disk_bytes, disk_directory
         self.deadline = time.monotonic() + minutes * 60
         self.started = time.monotonic()
         self.outcomes: Counter = Counter()  # (kind, status)
@@ -95,7 +107,7 @@ class Soak:
             self.unexpected.append(f"{kind}: {status} {detail[:200]}")
 
     async def apply(self, session: aiohttp.ClientSession, max_waiting: int, k: int) -> None:
-        body = manifest(max_waiting, k, self.prefix_cache_bytes)
+        body = manifest(max_waiting, k, self.prefix_cache_bytes, self.disk_bytes)
         body["items"][0]["spec"]["source"] = self.source
         async with session.post(self.base + ADMIN + "/apply", json=body) as r:
             self.record("apply", r.status, {200}, await r.text())
@@ -103,11 +115,14 @@ class Soak:
     async def client(self, session: aiohttp.ClientSession, seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < self.deadline:
-            kind = rng.choice(["chat", "chat", "stream", "completion", "choices", "json", "ngram", "disconnect",
-                               "invalid"])
+            kinds = ["chat", "chat", "stream", "completion", "choices", "json", "ngram", "disconnect", "invalid"]
+            kind = rng.choice(kinds + (["context", "context"] if self.disk_bytes is not None else []))
             question = f"Write Python to {rng.choice(TOPICS)}."
             body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": question}],
                                     "max_tokens": rng.randint(8, 48), "temperature": rng.choice([0, 0.8])}
+            if kind == "context":  # a long system prompt: blocks for the disk tier, some shared, some not
+                start = rng.randrange(0, len(CONTEXT) // 2, 400)
+                body["messages"].insert(0, {"role": "system", "content": CONTEXT[start:start + rng.randint(1200, 6000)]})
             expected = {200, 429, 503}
             if kind == "completion":
                 body = {"model": MODEL, "prompt": question, "max_tokens": body["max_tokens"]}
@@ -174,7 +189,7 @@ class Soak:
                                  "mlx_active_bytes": values.get("specd_mlx_active_memory_bytes", float("nan")),
                                  "mlx_cache_bytes": values.get("specd_mlx_cache_memory_bytes", float("nan")),
                                  "prefix_cache_bytes": values.get("specd_prefix_cache_bytes", float("nan")),
-                                 "readyz_s": ready_s})
+                                 "disk_bytes": directory_bytes(self.disk_directory), "readyz_s": ready_s})
             if time.monotonic() >= self.deadline:
                 return
             await asyncio.sleep(10)
@@ -188,6 +203,13 @@ def first_samples(metrics: str) -> dict[str, float]:
         for sample in family.samples:
             values.setdefault(sample.name, sample.value)
     return values
+
+
+def directory_bytes(directory: Path | None) -> float:
+    """What the files under ``directory`` take (NaN without one)."""
+    if directory is None:
+        return float("nan")
+    return float(sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()))
 
 
 def rss(pid: int) -> float:
@@ -220,7 +242,8 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         with anchor.running(spec, env, workdir / "specd.log") as proc:
             base = f"http://127.0.0.1:{port}"
-            soak = Soak(base, str(Path(args.model).resolve()), proc.pid, args.minutes, args.prefix_cache_bytes)
+            soak = Soak(base, str(Path(args.model).resolve()), proc.pid, args.minutes, args.prefix_cache_bytes,
+                        args.disk_bytes, workdir / "state" / "prefix-cache" / MODEL)
             await anchor.wait_ready(session, base, spec, proc, workdir / "specd.log")
             await soak.apply(session, 64, 2)
             await anchor.wait_ready(session, base, spec, proc, workdir / "specd.log")
@@ -232,8 +255,16 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             async with session.get(base + "/readyz") as r:
                 ready_status = r.status
             final_ready_s = time.monotonic() - started
+            async with session.get(base + ADMIN + f"/models/{MODEL}") as r:
+                status = (await r.json()).get("status", {})
             log = anchor.log_tail(workdir / "specd.log", 20)
-    return summarize(soak, ready_status, final_ready_s, log)
+    result = summarize(soak, ready_status, final_ready_s, log)
+    if args.disk_bytes is not None:
+        seen = [s["disk_bytes"] for s in soak.samples]
+        result["disk"] = {"max_bytes": args.disk_bytes, "largest_directory_bytes": max(seen),
+                          "within_max_bytes": max(seen) <= args.disk_bytes,
+                          "status_at_end": status.get("prefixCache", {}).get("disk")}
+    return result
 
 
 def summarize(soak: Soak, ready_status: int, final_ready_s: float, log: str) -> dict[str, Any]:
@@ -270,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-cache-bytes", type=int, default=64 * 1024 * 1024,
                         help="the Model's prefixCache.maxBytes: small, so the cache is full before minute 2 "
                              "and its (bounded) growth is not mistaken for a leak")
+    parser.add_argument("--disk-bytes", type=int, default=None,
+                        help="turn on the prefix cache's disk tier with this maxBytes, and send long prompts")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     env, _ = anchor.child_env()
@@ -278,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result.items() if k not in ("samples", "per_minute", "daemon_log_tail")},
                      indent=2, default=str))
     write_result(args.out, {"minutes": args.minutes, "clients": args.clients, "model": args.model,
-                            "prefix_cache_bytes": args.prefix_cache_bytes,
+                            "prefix_cache_bytes": args.prefix_cache_bytes, "disk_bytes": args.disk_bytes,
                             "host": anchor.host_info(), **result})
     return 0 if result["unexpected_errors"] == 0 else 1
 
