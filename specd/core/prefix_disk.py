@@ -564,7 +564,8 @@ class _Read:
 class DiskPrefixes:
     """A tree's disk tier as the scheduler uses it: what the tree records is written in blocks,
     and a request whose prompt starts with more blocks on disk than the tree holds waits while
-    they are read, then finds them in the tree (one read per request and admission).
+    they are read, then finds them in the tree (one look, and at most one read, per request and
+    admission).
 
     ``wake()`` is called from the reader thread when a read ends (the engine may be idle);
     ``report(tier, hit_tokens, seconds)`` after blocks are put into the tree."""
@@ -615,12 +616,12 @@ class DiskPrefixes:
             del self.reads[key]
             self._insert(read, tokens, cached)
             return False
-        if key in self.tried:
+        if key in self.tried:  # looked once per admission: a queue of long prompts hashes each once
             return False
+        self.tried.add(key)
         held = self.tier.held(tokens, limit)
         if held < cached + self.block:
             return False
-        self.tried.add(key)
         future = self.tier.read(tokens, cached // self.block, held // self.block)
         future.add_done_callback(lambda _: self.wake())
         self.reads[key] = _Read(future, cached // self.block, time.monotonic())

@@ -252,3 +252,12 @@ def test_writing_never_waits_for_the_disk(models, tmp_path, monkeypatch):
     answer, status = serve(loaded, tokens, prefix_disk=config)
     assert answer[1] == 0 and status["disk"]["droppedBlocks"] == 3 and status["disk"]["writtenBlocks"] == 0
     assert not block_files(config)
+
+
+def test_the_disk_tier_is_not_in_the_models_memory_request(forged):
+    from specd.api.manifest import ModelSpec, PrefixDisk
+    from specd.engine.resources import memory_request
+
+    plain = ModelSpec(source=str(forged / "target"))
+    with_disk = ModelSpec(source=str(forged / "target"), prefix_cache_disk=PrefixDisk(None, 10**12))
+    assert memory_request(with_disk, None, 1 << 34) == memory_request(plain, None, 1 << 34)
