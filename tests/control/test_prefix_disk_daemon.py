@@ -1,7 +1,7 @@
 """The prefix cache's disk tier through the daemon: a conversation's prefix, cached before a
-rollout restart, a scale to zero or a daemon restart, is read from disk after it (the answer's
-``cached_tokens``), and every answer is what a Model without any prefix cache gives. A disk that
-fills up leaves the daemon serving, and says so in status and metrics.
+rollout restart, a scale to zero, an eviction or a daemon restart, is read from disk after it (the
+answer's ``cached_tokens``), and every answer is what a Model without any prefix cache gives. A disk
+that fills up leaves the daemon serving, and says so in status and metrics.
 """
 
 from __future__ import annotations
@@ -20,12 +20,21 @@ SYSTEM = code_sample("speculation")[:3000]  # about a thousand tokens: three blo
 QUESTIONS = ["What does this code do?", "And the verifier?", "Which tests cover it?"]
 
 
+MEMORY = "{memory: 1Gi}"  # each Model's request: the node (--memory-limit 3.5Gi) holds three
+NODE = ("--memory-limit", str(int(3.5 * 2**30)))
+
+
 def manifests(forged, disk: str = "{maxBytes: 64Mi}") -> dict[str, str]:
+    """``cold`` and ``warm`` stay loaded; ``nap`` goes to zero when idle; ``brief`` and ``other``
+    load on demand, and either evicts the other (the third place on the node)."""
+    at_zero = "{minReplicas: 0, idleSeconds: 600}"
     return {"m.yaml": "---\n".join([
-        model_manifest("cold", forged / "target", prefixCache="{maxBytes: 0}"),
-        model_manifest("warm", forged / "target", prefixCache=f"{{disk: {disk}}}"),
-        model_manifest("brief", forged / "target", prefixCache="{disk: {}}",
-                       scaling="{minReplicas: 0, idleSeconds: 2}")])}
+        model_manifest("cold", forged / "target", prefixCache="{maxBytes: 0}", resources=MEMORY),
+        model_manifest("warm", forged / "target", prefixCache=f"{{disk: {disk}}}", resources=MEMORY),
+        model_manifest("nap", forged / "target", prefixCache="{disk: {}}", resources=MEMORY,
+                       scaling="{minReplicas: 0, idleSeconds: 2}"),
+        model_manifest("brief", forged / "target", prefixCache="{disk: {}}", resources=MEMORY, scaling=at_zero),
+        model_manifest("other", forged / "target", resources=MEMORY, scaling=at_zero)])}
 
 
 def turn(daemon, model: str, messages: list[dict]) -> tuple[str, int]:
@@ -57,24 +66,30 @@ def served_from_disk(daemon, model: str, messages: list[dict]) -> str:
     return answer
 
 
-def test_a_prefix_survives_a_rollout_restart_a_scale_to_zero_and_a_daemon_restart(forged, tmp_path):
-    d = start_daemon(tmp_path, manifests(forged))
+def test_a_prefix_survives_restarts_scale_to_zero_eviction_and_a_daemon_restart(forged, tmp_path):
+    d = start_daemon(tmp_path, manifests(forged), True, *NODE)
     try:
         first, cached = turn(d, "warm", conversation(1, []))
         assert cached == 0
-        assert turn(d, "brief", conversation(1, []))[0] == first
 
         loaded = events(d, "warm", "Ready")
         specd(d, "rollout", "restart", "model", "warm")
         wait_for(lambda: events(d, "warm", "Ready") > loaded, 60, "warm loaded again")
         second = served_from_disk(d, "warm", conversation(2, [first]))
 
-        wait_for(lambda: events(d, "brief", "Idle"), 30, "brief unloaded when idle")
+        assert turn(d, "nap", conversation(1, []))[0] == first
+        wait_for(lambda: events(d, "nap", "Idle"), 30, "nap unloaded when idle")
+        assert served_from_disk(d, "nap", conversation(2, [first])) == second
+        wait_for(lambda: events(d, "nap", "Idle") > 1, 30, "nap unloaded again")
+
+        assert turn(d, "brief", conversation(1, []))[0] == first
+        turn(d, "other", conversation(1, []))  # no room beside cold, warm and brief: brief is evicted
+        assert events(d, "brief", "Evicted")
         assert served_from_disk(d, "brief", conversation(2, [first])) == second
     finally:
         d.stop()
 
-    d = start_daemon(tmp_path, manifests(forged))
+    d = start_daemon(tmp_path, manifests(forged), True, *NODE)
     try:
         served_from_disk(d, "warm", conversation(3, [first, second]))
         samples = scrape(d)
@@ -110,7 +125,7 @@ def test_a_full_disk_keeps_the_daemon_serving_and_says_so(forged, tmp_path):
     if not can_mount_tmpfs(small):
         pytest.skip("mounting a tmpfs in a mount namespace is not permitted here")
     wrap = ("unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=300k tmpfs {small} && exec "$@"', "sh")
-    d = start_daemon(tmp_path, manifests(forged, disk=f"{{path: {small}, maxBytes: 10Mi}}"), True, wrap=wrap)
+    d = start_daemon(tmp_path, manifests(forged, disk=f"{{path: {small}, maxBytes: 10Mi}}"), True, *NODE, wrap=wrap)
     try:
         answers = []
         for t in range(1, 4):
