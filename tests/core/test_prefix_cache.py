@@ -371,11 +371,14 @@ def test_conversations_are_identical_with_and_without_the_cache(family, models):
     model, tokenizer = models(family)
     expected, _, _ = play(model, tokenizer, 0)
     for spec, piece_tokens in ((None, 16), (NGRAM, prefix_module.PIECE_TOKENS), ([NGRAM, None, NGRAM], 16)):
-        turns, mixed, store = play(model, tokenizer, None, spec, piece_tokens=piece_tokens)
-        assert_same(turns, expected)
-        assert all(cached > 0 for conv in turns for _, cached, _ in conv[1:]), "later turns start from the cache"
-        assert mixed, "no batch mixed rows that started from the cache with rows that did not"
-        assert store["hitTokens"] > 0 and store["bytes"] > 0
+        for _ in range(3):  # which rows share a batch is up to the machine's timing: until some batch mixed
+            turns, mixed, store = play(model, tokenizer, None, spec, piece_tokens=piece_tokens)
+            assert_same(turns, expected)
+            assert all(cached > 0 for conv in turns for _, cached, _ in conv[1:]), "later turns start from the cache"
+            assert store["hitTokens"] > 0 and store["bytes"] > 0
+            if mixed:
+                break
+        assert mixed, "no batch mixed rows that started from the cache with rows that did not, in three tries"
 
 
 @pytest.mark.parametrize("method", ["draft", "eagle", "eagle-tree"])
