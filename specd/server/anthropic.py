@@ -42,6 +42,11 @@ COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking
 # output_config.effort as the chat templates' reasoning_effort (they know low, medium and high)
 EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
 CLEAR_THINKING = "clear_thinking_20251015"
+# The line Claude Code puts first in its system prompt for Anthropic's billing (its version and a
+# fingerprint of the session's first message): metadata for the server, not an instruction, and
+# different in every session, where it would keep sessions from sharing their 17k-token prefix
+# (system prompt and tools). Dropped, as vllm-mlx and SGLang drop it.
+BILLING_HEADER = "x-anthropic-billing-header:"
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
@@ -59,6 +64,15 @@ def _text_block(block: Any, path: str) -> str:
         kind = block.get("type") if isinstance(block, dict) else type(block).__name__
         raise bad_request(f"content blocks of type {kind!r} are not supported here", path)
     return block["text"]
+
+
+def _system(content: Any) -> str:
+    """The system prompt less Claude Code's billing header: its first block (or first line)."""
+    if isinstance(content, list) and content and isinstance(content[0], dict) \
+            and str(content[0].get("text", "")).startswith(BILLING_HEADER):
+        return "".join(_text_block(block, f"system[{i}]") for i, block in enumerate(content) if i)
+    text = _text(content, "system")
+    return text.partition("\n")[2] if text.startswith(BILLING_HEADER) else text
 
 
 def _blocks(content: Any, path: str) -> list[dict]:
@@ -83,7 +97,7 @@ def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int]:
         raise bad_request("messages: must be a non-empty list", "messages")
     out = []
     if body.get("system") is not None:
-        out.append({"role": "system", "content": _text(body["system"], "system")})
+        out.append({"role": "system", "content": _system(body["system"])})
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results
     thinking_turns = []  # (message, its thinking) of each assistant turn that has some
     for i, m in enumerate(messages):
@@ -178,6 +192,11 @@ def _template_kwargs(body: dict) -> dict:
     if thinking is not None:
         if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "adaptive", "disabled"):
             raise bad_request("thinking.type: must be enabled, adaptive or disabled", "thinking.type")
+        for key in thinking:
+            if key not in ("type", "budget_tokens", "display"):
+                where = f"thinking.{str(key)[:64]}"
+                raise bad_request(f"{where}: not supported by specd (it implements type, budget_tokens and display)",
+                                  where)
         kwargs["enable_thinking"] = thinking["type"] != "disabled"
     config = body.get("output_config")
     if config is not None:
@@ -191,6 +210,15 @@ def _template_kwargs(body: dict) -> dict:
             raise bad_request("output_config.effort: must be low, medium, high or max", "output_config.effort")
         kwargs["reasoning_effort"] = EFFORTS[config["effort"]]
     return kwargs
+
+
+def _thinking_shown(body: dict) -> bool:
+    """``thinking.display``: summarized (the default: thinking blocks hold the thinking) or omitted
+    (they hold none, as Claude Code asks when it will not show them)."""
+    display = (body.get("thinking") or {}).get("display", "summarized")
+    if display not in ("summarized", "omitted"):
+        raise bad_request("thinking.display: must be summarized or omitted", "thinking.display")
+    return display == "summarized"
 
 
 def _tools(body: dict) -> list[Tool]:
@@ -220,6 +248,7 @@ class _Read:
 
     conversation: Conversation
     managed: bool  # the request has context_management
+    thinking_shown: bool = True  # thinking.display summarized: blocks hold the thinking (omitted: empty)
     cleared: int = 0  # assistant turns whose thinking the clear_thinking edit left out
     whole: list[dict] | None = None  # the messages with every turn's thinking (when some was cleared)
 
@@ -239,15 +268,15 @@ def _read(body: dict) -> _Read:
         callable_tools = [t for t in tools if t.name == choice.get("name")]
         if not callable_tools:
             raise bad_request(f"tool_choice.name: no tool named {choice.get('name')!r}", "tool_choice.name")
-    kwargs, keep = _template_kwargs(body), _thinking_kept(body)
+    kwargs, keep, shown = _template_kwargs(body), _thinking_kept(body), _thinking_shown(body)
     messages, cleared = _chat(body, keep or 0)
     conversation = Conversation(messages, tools, callable_tools, kind in ("any", "tool"),
                                 not choice.get("disable_parallel_tool_use"), kwargs)
     if body.get("context_management") is None:
-        return _Read(conversation, False)
+        return _Read(conversation, False, shown)
     if keep is None or not cleared:
-        return _Read(conversation, True)
-    return _Read(conversation, True, cleared, _chat(body, len(body["messages"]))[0])
+        return _Read(conversation, True, shown)
+    return _Read(conversation, True, shown, cleared, _chat(body, len(body["messages"]))[0])
 
 
 def _turn(engine, read: _Read) -> tuple[ChatTurn, dict | None]:
@@ -294,11 +323,11 @@ def _stop(out: StepOutput, called: bool) -> tuple[str, str | None]:
     return STOP_REASONS.get(out.finish_reason, "end_turn"), None
 
 
-def _content_blocks(delta: Delta) -> list[dict]:
-    """A split output as Anthropic's content blocks: thinking, text, then tool_use."""
+def _content_blocks(delta: Delta, thinking_shown: bool) -> list[dict]:
+    """A split output as Anthropic's content blocks: thinking (empty if omitted), text, then tool_use."""
     blocks = []
     if delta.reasoning:
-        blocks.append({"type": "thinking", "thinking": delta.reasoning, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": delta.reasoning if thinking_shown else "", "signature": ""})
     if delta.content.strip() or not delta.tool_calls:
         blocks.append({"type": "text", "text": delta.content})
     blocks += [_tool_use(call) for call in delta.tool_calls]
@@ -320,14 +349,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
     message = {"id": completion.id, "type": "message", "role": "assistant", "model": engine.name}
     managed = {} if edits is None else {"context_management": edits}
     if parsed.stream:
-        return await _stream(request, completion, message, len(turn.prompt), managed)
+        return await _stream(request, completion, message, len(turn.prompt), managed, read.thinking_shown)
     text, last = [], None
     async for _, out in completion.merged():
         text.append(out.text)
         last = out
     delta = completion.splitters[0].feed("".join(text), finished=True)
     reason, sequence = _stop(last, bool(delta.tool_calls))
-    return web.json_response({**message, "content": _content_blocks(delta), "stop_reason": reason,
+    return web.json_response({**message, "content": _content_blocks(delta, read.thinking_shown), "stop_reason": reason,
                               "stop_sequence": sequence, "usage": _usage(last, len(turn.prompt)), **managed})
 
 
@@ -335,8 +364,9 @@ class _Blocks:
     """Anthropic's streamed content blocks: a block opens when the kind of
     output changes (thinking, text, a tool call) and closes before the next."""
 
-    def __init__(self, send):
+    def __init__(self, send, thinking_shown: bool):
         self.send = send
+        self.thinking_shown = thinking_shown
         self.index = -1
         self.open: str | None = None
         self.called = False
@@ -356,8 +386,9 @@ class _Blocks:
         if delta.reasoning:
             if self.open != "thinking":
                 await self.start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            await self.send("content_block_delta", {"index": self.index, "delta": {"type": "thinking_delta",
-                                                                                  "thinking": delta.reasoning}})
+            if self.thinking_shown:
+                await self.send("content_block_delta", {"index": self.index, "delta": {
+                    "type": "thinking_delta", "thinking": delta.reasoning}})
         if delta.content and (self.open == "text" or delta.content.strip() or not self.called):
             if self.open != "text":
                 await self.start("text", {"type": "text", "text": ""})
@@ -371,7 +402,7 @@ class _Blocks:
 
 
 async def _stream(request: web.Request, completion: EngineRun, message: dict, prompt: int,
-                  managed: dict) -> web.StreamResponse:
+                  managed: dict, thinking_shown: bool) -> web.StreamResponse:
     """Anthropic's event stream: message_start (its usage counts the prompt's
     cached tokens, known once the request is admitted), each content block's
     start, deltas and stop, message_delta (stop reason, the whole usage, the
@@ -380,7 +411,7 @@ async def _stream(request: web.Request, completion: EngineRun, message: dict, pr
         async def send(event: str, data: dict) -> None:
             await response.write(f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n".encode())
 
-        blocks, splitter = _Blocks(send), completion.splitters[0]
+        blocks, splitter = _Blocks(send, thinking_shown), completion.splitters[0]
         try:
             last = first[1]
             await send("message_start", {"message": {**message, "content": [], "stop_reason": None,

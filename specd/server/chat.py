@@ -16,6 +16,8 @@ which is parsed the same way whatever the model.
 from __future__ import annotations
 
 import json
+import math
+import sys
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -420,8 +422,21 @@ def parse_calls(fmt: str | None, text: str, tokenizer) -> list[ToolCall] | None:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 return None
-        calls.append(ToolCall(call["name"], arguments, call.get("id") or new_call_id()))
+        calls.append(ToolCall(call["name"], _finite(arguments), call.get("id") or new_call_id()))
     return calls
+
+
+def _finite(value: Any) -> Any:
+    """Arguments that serialize as strict JSON: a number past float's range (valid JSON, which
+    Python reads as infinity and would write back as ``Infinity``, which clients reject) becomes
+    the largest float of its sign, a ``NaN`` literal null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else math.copysign(sys.float_info.max, value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 class HarmonySplitter:

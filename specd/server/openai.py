@@ -186,6 +186,9 @@ def chat_conversation(body: dict) -> Conversation:
         message = {"role": m["role"], "content": _message_text(m.get("content"), i)}
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = template_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        reasoning = _reasoning(m, i)
+        if reasoning:  # what the model thought, as a reply reported it: the template decides what it shows
+            message["reasoning_content"] = reasoning
         if m["role"] == "tool":
             if not isinstance(m.get("tool_call_id"), str):
                 raise bad_request("a tool message needs its 'tool_call_id'", f"messages[{i}].tool_call_id")
@@ -205,6 +208,19 @@ def chat_conversation(body: dict) -> Conversation:
             raise bad_request("'reasoning_effort' must be low, medium or high", "reasoning_effort")
         kwargs.setdefault("reasoning_effort", effort)
     return Conversation(clean, tools, callable_tools if mode != "none" else [], mode == "required", parallel, kwargs)
+
+
+def _reasoning(message: dict, i: int) -> str | None:
+    """An assistant message's reasoning as clients send it back: ``reasoning_content`` (as specd,
+    DeepSeek and vLLM report it) or vLLM's newer ``reasoning``."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value is None:
+            continue
+        if message["role"] != "assistant" or not isinstance(value, str):
+            raise bad_request(f"'{key}' must be a string, on an assistant message", f"messages[{i}].{key}")
+        return value
+    return None
 
 
 def completion_prompt(body: dict) -> str | list[int]:

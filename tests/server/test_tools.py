@@ -172,6 +172,29 @@ def test_reasoning_is_split_from_content_and_template_kwargs_reach_the_template(
     assert off.usage.prompt_tokens > out.usage.prompt_tokens  # the template closed the think block
 
 
+def test_reasoning_sent_back_on_an_assistant_message_reaches_the_template(chat_client, chat_models):
+    """OpenCode returns each reply's ``reasoning_content`` with its history (vLLM's newer clients
+    send ``reasoning``): the template renders it as the model generated it, so the next request's
+    prompt starts with the reply the prefix cache holds."""
+    hermes = load_tokenizer(chat_models["hermes"])
+    history = [{"role": "user", "content": "Question 1?"},
+               {"role": "assistant", "content": "Answer 1.", "reasoning_content": "Pondering number 1."},
+               {"role": "user", "content": "Question 2?"}]
+    expected = len(hermes.apply_chat_template(history, add_generation_prompt=True))
+    without = len(hermes.apply_chat_template([{k: v for k, v in m.items() if k != "reasoning_content"}
+                                              for m in history], add_generation_prompt=True))
+    assert expected > without, "the template shows the reasoning: the test would not see it dropped"
+    for key in ("reasoning_content", "reasoning"):
+        messages = [{**m, key: m["reasoning_content"]} if "reasoning_content" in m else m for m in history]
+        messages = [{k: v for k, v in m.items() if k != "reasoning_content" or key == k} for m in messages]
+        out = chat_client.chat.completions.create(model="hermes", messages=messages, max_tokens=1)
+        assert out.usage.prompt_tokens == expected, key
+    bad = history[:1] + [{"role": "user", "content": "x", "reasoning_content": "not the model's"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat_client.chat.completions.create(model="hermes", messages=bad, max_tokens=1)
+    assert refused.value.body["param"] == "messages[1].reasoning_content"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"model": "hermes", "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
@@ -295,6 +318,51 @@ def test_anthropic_thinking_blocks(claude):
     off = claude.messages.create(model="hermes", messages=USER, max_tokens=16, thinking={"type": "disabled"},
                                  extra_body={"temperature": 0})
     assert [b.type for b in off.content] == ["text"] and off.content[0].text
+
+
+def test_anthropic_thinking_display_omitted_sends_empty_thinking_blocks(claude):
+    """Claude Code asks ``thinking: {display: omitted}`` when it will not show thinking: the blocks
+    stay (a reply's shape is the same) but hold no thinking, whole or streamed."""
+    thinking = {"type": "adaptive", "display": "omitted"}
+    message = claude.messages.create(model="hermes", messages=USER, max_tokens=16, thinking=thinking,
+                                     extra_body={"temperature": 0})
+    assert [b.type for b in message.content] == ["thinking", "text"] and message.content[0].thinking == ""
+    with claude.messages.stream(model="hermes", messages=USER, max_tokens=16, thinking=thinking,
+                                extra_body={"temperature": 0}) as stream:
+        deltas = [event.delta.type for event in stream if event.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert streamed.content[0].type == "thinking" and streamed.content[0].thinking == ""
+    assert "thinking_delta" not in deltas
+    for bad, param in (({"type": "adaptive", "display": "loud"}, "thinking.display"),
+                       ({"type": "adaptive", "colour": "blue"}, "thinking.colour")):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            claude.messages.create(model="hermes", messages=USER, max_tokens=4, thinking=bad)
+        assert param in str(refused.value)
+
+
+def test_claude_codes_billing_header_does_not_reach_the_prompt(claude):
+    """Claude Code's first system block is a billing line with a fingerprint of the session's first
+    message: left out, so sessions share their system prompt and tools (and the prefix cache)."""
+    system = [{"type": "text", "text": "You are a coding agent. Be brief."}]
+    counted = claude.messages.count_tokens(model="hermes", messages=USER, system=system).input_tokens
+    for suffix in ("4a6", "0b8"):
+        header = {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332.{suffix}; "
+                                          "cc_entrypoint=sdk-cli;"}
+        assert claude.messages.count_tokens(model="hermes", messages=USER,
+                                            system=[header, *system]).input_tokens == counted
+    as_text = "x-anthropic-billing-header: cc_version=2.1.332.4a6;\nYou are a coding agent. Be brief."
+    assert claude.messages.count_tokens(model="hermes", messages=USER, system=as_text).input_tokens == counted
+
+
+def test_tool_call_arguments_are_strict_json(chat_models):
+    """A number past float's range, valid JSON as the model wrote it, is sent as the largest float
+    (never ``Infinity``, which clients' JSON parsers reject); a NaN literal as null."""
+    from specd.server.chat import HERMES, parse_calls
+
+    hermes = load_tokenizer(chat_models["hermes"])
+    calls = parse_calls(HERMES, '{"name": "f", "arguments": {"x": 1e999, "y": [-1e999, NaN], "z": 2}}', hermes)
+    text = json.dumps(calls[0].arguments, allow_nan=False)
+    assert json.loads(text) == {"x": 1.7976931348623157e308, "y": [-1.7976931348623157e308, None], "z": 2}
 
 
 def test_anthropic_requests_as_claude_code_sends_them(claude, chat_models):
