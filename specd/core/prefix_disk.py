@@ -402,6 +402,11 @@ class DiskTier:
     def _write(self, block: Block) -> None:
         path = self._path(block.hash, block.snapshot is not None)
         parts_ = encode(self.space, block)
+        size = sum(memoryview(part).nbytes for part in parts_) + DIGEST_BYTES
+        if size > self.config.max_bytes:
+            self._drop()
+            return
+        self._evict(size)  # room first: the directory never holds more than maxBytes
         digest = hashlib.sha256()
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -416,7 +421,6 @@ class DiskTier:
         except OSError:
             temporary.unlink(missing_ok=True)
             raise
-        size = path.stat().st_size
         plain = self._path(block.hash, False)
         with self._lock:
             self._files[path] = size
@@ -440,11 +444,12 @@ class DiskTier:
         self._retry_at = time.monotonic() + RETRY_SECONDS
         self._on_change(self)
 
-    def _evict(self) -> None:
-        """Delete the least recently used blocks until the directory is within ``maxBytes``."""
+    def _evict(self, room: int = 0) -> None:
+        """Delete the least recently used blocks until the directory is within ``maxBytes``
+        with ``room`` bytes to spare."""
         while True:
             with self._lock:
-                if self.bytes <= self.config.max_bytes or not self._files:
+                if self.bytes + room <= self.config.max_bytes or not self._files:
                     return
                 path = next(iter(self._files))
                 self.bytes -= self._files.pop(path)
