@@ -20,9 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if ! "$VENV/bin/python" -c "import specd, openai, pytest" 2>/dev/null \
     || [ "$ROOT/pyproject.toml" -nt "$VENV/.specd-installed" ]; then
-  echo "==> installing specd and its test dependencies"
+  echo "==> installing specd and its test and vision dependencies"
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q -e "$ROOT[test]"
+  "$VENV/bin/pip" install -q -e "$ROOT[test,vision]"
   touch "$VENV/.specd-installed"
 fi
 if [ -e "$OPENBLAS" ]; then

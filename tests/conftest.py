@@ -29,15 +29,16 @@ def code_sample(name: str) -> str:
     return (ROOT / "tests" / "data" / f"{name}_sample.txt").read_text()
 
 
-def run_engine(model, tokenizer, fn, draft_model=None, **config):
-    """Start an in-process engine, ``await fn(engine)``, shut it down; returns fn's result."""
+def run_engine(model, tokenizer, fn, draft_model=None, vision=None, **config):
+    """Start an in-process engine (with ``vision``, a ``VisionTower``, where given), ``await
+    fn(engine)``, shut it down; returns fn's result."""
     import asyncio
 
     from specd.engine.engine import Engine
     from specd.engine.scheduler import EngineConfig
 
     async def main():
-        engine = Engine("t", model, tokenizer, EngineConfig(**config), drafter=draft_model)
+        engine = Engine("t", model, tokenizer, EngineConfig(**config), drafter=draft_model, vision=vision)
         engine.start()
         try:
             return await fn(engine)

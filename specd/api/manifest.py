@@ -59,6 +59,7 @@ class ModelSpec:
     kv_cache_bits: int | None = None  # keys and values stored quantized (4 or 8 bits), or in the model's dtype
     kv_cache_group_size: int = 64
     task: str = "generate"  # one of TASKS: what the Model serves
+    modalities: tuple[str, ...] | None = None  # what its prompts may hold (MODALITIES); None: what the checkpoint takes
     memory: int | None = None  # resources.memory: what the Model requests of the node (None: computed)
     min_replicas: int = 1  # scaling.minReplicas: 0 loads on demand and unloads when idle
     idle_seconds: float = 900.0  # scaling.idleSeconds: unused this long, a Model at minReplicas 0 unloads
@@ -69,6 +70,9 @@ class ModelSpec:
     def priority_value(self) -> int:
         return PRIORITIES[self.priority]
 
+
+# what a prompt may hold besides text
+MODALITIES = ("text", "image")
 
 # priority classes, as Kubernetes' PriorityClass names a value: an idle Model of a lower class makes room first
 PRIORITIES = {"low": -100, "normal": 0, "high": 100}
@@ -138,7 +142,7 @@ def _optional_str(obj: dict, key: str, path: str) -> str | None:
 
 def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     keys = {"source", "revision", "topologyRef", "maxBatchSize", "maxWaiting", "maxContext",
-            "prefillStepTokens", "prefixCache", "kvCache", "task", "resources", "scaling", "replicas"}
+            "prefillStepTokens", "prefixCache", "kvCache", "task", "modalities", "resources", "scaling", "replicas"}
     _fields(spec, path, keys, {"source"})
     task = spec.get("task", "generate")
     if not isinstance(task, str) or task not in TASKS:
@@ -155,6 +159,7 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
     if _byte_size(kv_cache, "maxBytes", f"{path}.kvCache") == 0:
         raise ManifestError("must be positive: a Model needs KV memory for at least one row",
                             f"{path}.kvCache.maxBytes")
+    modalities = _modalities(spec, task, path)
     resources = _fields(spec.get("resources", {}), f"{path}.resources", {"memory"})
     memory = _byte_size(resources, "memory", f"{path}.resources")
     if memory == 0:
@@ -186,12 +191,33 @@ def _parse_model_spec(spec: Any, path: str = "spec") -> ModelSpec:
         kv_cache_bits=kv_bits,
         kv_cache_group_size=kv_group_size,
         task=task,
+        modalities=modalities,
         memory=memory,
         min_replicas=min_replicas,
         idle_seconds=idle_seconds,
         priority=priority,
         replicas=replicas,
     )
+
+
+def _modalities(spec: dict, task: str, path: str) -> tuple[str, ...] | None:
+    """``modalities``: text, and image where the checkpoint has a vision tower (mlx-vlm reads it)."""
+    if "modalities" not in spec:
+        return None
+    value = spec["modalities"]
+    if not isinstance(value, list) or not value:
+        raise ManifestError(f"must be a non-empty list of {', '.join(MODALITIES)}", f"{path}.modalities")
+    for i, item in enumerate(value):
+        if item not in MODALITIES:
+            raise ManifestError(f"must be one of {', '.join(MODALITIES)}, got {shown(item)}", f"{path}.modalities[{i}]")
+    if "text" not in value:
+        raise ManifestError("every Model takes text", f"{path}.modalities")
+    if len(set(value)) != len(value):
+        raise ManifestError("names a modality twice", f"{path}.modalities")
+    if "image" in value and (task == "embed" or "topologyRef" in spec):
+        where = "an embedding model" if task == "embed" else "a tensor- or pipeline-parallel group"
+        raise ManifestError(f"{where} takes no images yet", f"{path}.modalities")
+    return tuple(value)
 
 
 def _prefix_disk(prefix_cache: dict, spec: dict, path: str) -> PrefixDisk | None:

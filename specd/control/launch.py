@@ -16,6 +16,7 @@ from ..api.manifest import ModelSpec
 from ..core.loader import checkpoint_directory, context_window, load_embedding_model, load_model, weight_bytes
 from ..core.prefix_disk import DiskConfig, checkpoint_identity, default_max_bytes
 from ..core.request import DRAFTERS, Method, NO_SPECULATION
+from ..core.vision import VisionTower, VisionUnavailable, takes_images
 from ..engine.embedder import Embedder, EmbedderConfig
 from ..engine.engine import Engine, load_drafter
 from ..engine.interface import ServingEngine
@@ -68,8 +69,29 @@ def _engine(name: str, spec: ModelSpec, metrics: Metrics, pairing: Pairing | Non
             speculation = pairing.speculation()
         except Exception as exc:
             pairing_error = f"{type(exc).__name__}: {exc}"
-    return Started(Engine(name, model, tokenizer, config, metrics, speculation, drafter, on_fault), weight_bytes(model),
-                   pairing_error)
+    vision, refusal = _vision(spec, model)
+    engine = Engine(name, model, tokenizer, config, metrics, speculation, drafter, on_fault, vision, refusal)
+    return Started(engine, weight_bytes(model) + (vision.weight_bytes if vision else 0), pairing_error)
+
+
+def _vision(spec: ModelSpec, model) -> tuple[VisionTower | None, str]:
+    """The Model's vision tower, where its checkpoint has one (or its ``modalities`` name image),
+    else why it takes no images. Asked for by name, a tower that cannot load fails the Model; found
+    in the checkpoint, it leaves the Model serving text, saying why."""
+    if spec.modalities is not None and "image" not in spec.modalities:
+        return None, "its modalities name only text"
+    directory = checkpoint_directory(spec.source, spec.revision)
+    if not takes_images(directory):
+        if spec.modalities is not None:
+            raise ValueError(f"modalities names image, but {spec.source} has no vision tower "
+                             "(its config.json has no vision_config)")
+        return None, "its checkpoint has no vision tower"
+    try:
+        return VisionTower(directory, model), ""
+    except VisionUnavailable as exc:
+        if spec.modalities is not None:
+            raise ValueError(f"modalities names image, but {exc}") from None
+        return None, str(exc)
 
 
 def _prefix_disk(name: str, spec: ModelSpec, root: Path) -> DiskConfig | None:

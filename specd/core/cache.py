@@ -98,7 +98,10 @@ class RowCache(Protocol):
     def shared_tokens(self, b: int) -> int:
         """Tokens row b reads in place from the prefix cache in every layer (held there, not by the row)."""
 
-    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array: ...
+    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False,
+                embeddings: mx.array | None = None) -> mx.array:
+        """The model's logits over ``inputs`` (B, width); ``embeddings`` (B, width, hidden), where
+        given, are the model's input embeddings instead of the tokens' (a prompt's images)."""
 
     def rollback(self, rejected: list[int]) -> None: ...
 
@@ -133,7 +136,8 @@ class BatchRowCache:
         self._journal: list[mx.array] = []  # inputs of the provisional forwards since the last rollback
         self._saved: list[list] = []  # the recurrent states before them
 
-    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array:
+    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False,
+                embeddings: mx.array | None = None) -> mx.array:
         if not self._journal:
             for group in self.attention:
                 if group[0].needs_eviction():
@@ -144,7 +148,7 @@ class BatchRowCache:
                 self._model = model
                 self._saved = [list(leaf.cache) for leaf in self.recurrent]
             self._journal.append(inputs)
-        logits = model(inputs, cache=self.layers)
+        logits = model(inputs, cache=self.layers, **_embedded(embeddings))
         if self._padding > 0:
             self._padding -= inputs.shape[1]
             if self._padding <= 0:  # every row is past its padding: no mask, the faster kernels
@@ -297,6 +301,11 @@ def _leaves(layers: list) -> Iterator:
             yield layer
 
 
+def _embedded(embeddings: mx.array | None) -> dict:
+    """The keyword a forward takes its input embeddings by (none given: the model embeds the tokens)."""
+    return {} if embeddings is None else {"input_embeddings": embeddings}
+
+
 # Cache kinds whose forward reads one position for the whole batch: their rows run alone.
 ROWWISE_KINDS = (ChunkedKVCache, CompressedLayerCache)
 
@@ -320,7 +329,8 @@ class RowwiseCache:
         self._journal: list[mx.array] = []  # inputs of the provisional forwards since the last rollback
         self._saved: list[list | None] = []  # each row's caches before them (None: the row trims)
 
-    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False) -> mx.array:
+    def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False,
+                embeddings: mx.array | None = None) -> mx.array:
         if provisional:
             if not self._journal:
                 self._model = model
@@ -332,7 +342,8 @@ class RowwiseCache:
         for b, cache in enumerate(self.rows):
             skip = min(self.padding[b], width)
             self.padding[b] -= skip
-            outs.append(model(inputs[b: b + 1, skip:], cache=cache) if skip < width else None)
+            row = _embedded(None if embeddings is None else embeddings[b: b + 1, skip:])
+            outs.append(model(inputs[b: b + 1, skip:], cache=cache, **row) if skip < width else None)
         real = next(o for o in outs if o is not None)
         return mx.concatenate([mx.zeros((1, width, real.shape[-1]), real.dtype) if o is None else
                                mx.pad(o, [(0, 0), (width - o.shape[1], 0), (0, 0)]) for o in outs])

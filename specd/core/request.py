@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
+from .vision import PromptImages
 
 
 class Method(enum.StrEnum):
@@ -60,6 +61,7 @@ class GenerationRequest:
     grammar: str | None = None  # an llguidance grammar the output must match (core/grammar.py)
     stream: bool = True  # False: the client reads only the whole answer (a replica on another Node sends one piece)
     checked: bool = False  # the route checked it against this engine (``check_prompt``): the engine trusts it
+    images: PromptImages | None = None  # the prompt's images, as the Model's processor made them
 
 
 @dataclass(frozen=True)

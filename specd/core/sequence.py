@@ -74,6 +74,10 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.key = make_key(self.request.params.seed)
+        images = self.request.images
+        # what the prefix cache knows the prompt by: its image tokens keyed by their pixels
+        self.prompt_keys = self.prompt if images is None else images.keys(self.prompt)
+        self.prompt_embeddings: mx.array | None = None  # an image prompt's, while it prefills (``VisionTower``)
         self.stops = StopMatcher(self.request.stop)
         self.detokenizer.reset()
         asked = self.request.speculation
@@ -94,6 +98,16 @@ class Sequence:
         which the decode step feeds (``next_input``). So no prefill computes
         logits, and a row's first token is sampled with the batch's."""
         return (self.prompt + self.tokens)[:-1]
+
+    @property
+    def context_keys(self) -> list[int]:
+        """The context as the prefix cache knows it (``prompt_keys``, then the tokens produced)."""
+        return self.prompt_keys + self.tokens
+
+    @property
+    def prefill_keys(self) -> list[int]:
+        """``prefill_tokens`` as the prefix cache knows them."""
+        return self.context_keys[:-1]
 
     @property
     def next_input(self) -> int:

@@ -21,6 +21,7 @@ import structlog
 from ..core.loader import load_draft_model
 from ..core.request import GenerationRequest, StepOutput
 from ..core.sequence import Sequence
+from ..core.vision import VisionTower
 from ..metrics import Metrics
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
 from ..speculation.config import PolicySettings
@@ -157,8 +158,11 @@ class Engine:
 
     def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig = EngineConfig(),
                  metrics: Metrics | None = None, speculation: SpeculationConfig = NO_SPECULATION,
-                 drafter: nn.Module | None = None, on_fault: Callable[[], None] | None = None):
+                 drafter: nn.Module | None = None, on_fault: Callable[[], None] | None = None,
+                 vision: VisionTower | None = None, image_refusal: str = "its checkpoint has no vision tower"):
         self.name = name
+        self.vision = vision
+        self.image_refusal = image_refusal  # why it takes no images, when it has no vision tower
         self.fault: str | None = None  # the last step's fault, until a later step succeeds
         self.faults = 0
         self._on_fault = on_fault
@@ -166,7 +170,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or Metrics()
-        self.scheduler = Scheduler(name, model, tokenizer, config, self.metrics, speculation, drafter)
+        self.scheduler = Scheduler(name, model, tokenizer, config, self.metrics, speculation, drafter, vision)
         self.inbox = Inbox(self.scheduler.sequence)
         self.scheduler.wake = lambda: self.inbox.between_steps(lambda: None)
         self._stepped: threading.Event | None = None  # set once its loop has returned (``threads.run``)

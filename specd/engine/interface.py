@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from ..core.request import GenerationRequest, StepOutput
 from ..core.request import Method, SpeculationConfig
+from ..core.vision import VisionTower
 from ..speculation.config import PolicySettings
 
 
@@ -26,6 +27,8 @@ class ServingEngine(Protocol):
     failure: str | None  # set when the engine can no longer serve (a group lost a rank)
     fault: str | None  # the last step's error while no later step has succeeded (the Model is Degraded)
     faults: int  # steps that failed so far
+    vision: VisionTower | None  # what a prompt's images are prepared with (None: the Model takes none)
+    image_refusal: str  # why it takes no images, when ``vision`` is None
 
     @property
     def max_context(self) -> int: ...

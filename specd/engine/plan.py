@@ -27,7 +27,7 @@ class PrefillGroup:
     """Newcomers whose prompts are being prefilled together, chunk by chunk."""
 
     seqs: list[Sequence]
-    contexts: list[list[int]]  # what each row prefills: its context but the last token (Sequence.prefill_tokens)
+    contexts: list[list[int]]  # what each row prefills, as the prefix cache knows it (Sequence.prefill_keys)
     tokens: mx.array  # (B, L) left-padded contexts
     cache: RowCache
     start: int = 0  # the first column run (cached prefixes end here)

@@ -45,13 +45,15 @@ import mlx.nn as nn
 
 from ..core.batch import RunningBatch
 from ..core.grammar import mask_logits
+from ..core.model_parts import decoder
 from ..core.sampling import adjust_logits, sample_rows
 from ..core.sequence import Sequence
+from ..core.vision import VisionTower
 from ..metrics import Metrics
 from ..speculation.proposer import Outcome, Proposal
 from ..speculation.speculator import Speculator
 from ..speculation.verifier import verify_round
-from .plan import DecodeStep, PrefillChunk
+from .plan import DecodeStep, PrefillChunk, PrefillGroup
 
 # Hands a step's tokens to the requests: deliver(seqs, logits, emitted), logits[b, j] produced emitted[b][j].
 Deliver = Callable[[list[Sequence], mx.array, list[list[int]]], None]
@@ -79,9 +81,10 @@ class ModelRunner:
     """Runs the target's forwards for one engine, as the scheduler planned them."""
 
     def __init__(self, name: str, model: nn.Module, speculator: Speculator, metrics: Metrics,
-                 max_context: Callable[[], int], decode_ahead: bool):
+                 max_context: Callable[[], int], decode_ahead: bool, vision: VisionTower | None = None):
         self.name = name
         self.model = model
+        self.vision = vision
         self.speculator = speculator
         self.metrics = metrics
         self.max_context = max_context
@@ -94,10 +97,31 @@ class ModelRunner:
         decode step, as mlx-lm's generators feed it apart from the prompt. A chunk before
         the group's last is evaluated here; the last one's with the decode step after it."""
         group = chunk.group
-        group.cache.forward(self.model, group.tokens[:, chunk.start:chunk.end])
+        tokens = group.tokens[:, chunk.start:chunk.end]
+        group.cache.forward(self.model, tokens, embeddings=self._embeddings(group, chunk, tokens))
         self.speculator.prefilled(group.seqs, chunk.start, chunk.end, group.padding(), first=chunk.first)
         if not chunk.last:
             mx.eval(group.cache.state)
+        else:
+            for seq in group.seqs:
+                seq.prompt_embeddings = None
+
+    def _embeddings(self, group: PrefillGroup, chunk: PrefillChunk, tokens: mx.array) -> mx.array | None:
+        """A chunk's input embeddings where it covers some row's image tokens (None: the tokens').
+        A row's prompt embeddings are made at its first such chunk: a row whose images the
+        prefix cache held runs no vision tower."""
+        if self.vision is None:
+            return None
+        rows, covered = [], False
+        for seq, pad in zip(group.seqs, group.padding()):
+            first = chunk.start - pad  # the prompt position of the chunk's first column
+            images = seq.request.images
+            if images is not None and seq.prompt_embeddings is None and images.token_id in \
+                    seq.prompt[max(first, 0):max(chunk.end - pad, 0)]:
+                seq.prompt_embeddings = self.vision.embeddings(seq.prompt, images)
+            covered = covered or seq.prompt_embeddings is not None
+            rows.append((seq.prompt_embeddings, first))
+        return self.vision.chunk(decoder(self.model).embed_tokens, tokens, rows) if covered else None
 
     def process(self, logits: mx.array, seqs: list[Sequence], inputs: mx.array | None = None,
                 ancestry: mx.array | None = None, drafts: list[list[int]] | None = None,

@@ -37,6 +37,7 @@ from ..core.grammar import Constraint, grammar_tokenizer
 from ..core.sampling import SamplingParams
 from ..core.request import GenerationRequest, StepOutput, TokenLogprob
 from ..core.sequence import Sequence
+from ..core.vision import VisionTower
 from ..metrics import Metrics
 from ..core.request import DRAFTERS, Method, SpeculationConfig
 from ..speculation.speculator import Speculator
@@ -76,7 +77,7 @@ class Scheduler:
     """The engine thread's state: waiting requests, the prefill group and the running batch."""
 
     def __init__(self, name: str, model: nn.Module, tokenizer, config: EngineConfig, metrics: Metrics,
-                 speculation: SpeculationConfig, drafter: nn.Module | None):
+                 speculation: SpeculationConfig, drafter: nn.Module | None, vision: VisionTower | None = None):
         self.kv_quantization = KVQuantization(config.kv_bits, config.kv_group_size) if config.kv_bits else None
         try:
             self.prefill_rows_alone = warm_up(model, self.kv_quantization)  # left padding would change its rows
@@ -102,7 +103,7 @@ class Scheduler:
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
         ahead = config.decode_ahead if config.decode_ahead is not None else decodes_ahead_by_default()
-        self.runner = ModelRunner(name, model, self.speculator, metrics, lambda: self.max_context, ahead)
+        self.runner = ModelRunner(name, model, self.speculator, metrics, lambda: self.max_context, ahead, vision)
         self.native_context = self.max_context
         self.kv = KVManager(0, kv_bytes(model, self.kv_quantization), self.speculator.drafter_row_bytes())
         self.kv.max_bytes = config.kv_cache_bytes if config.kv_cache_bytes is not None else default_kv_bytes(
@@ -244,7 +245,7 @@ class Scheduler:
         Its cache holds every token but the last it produced; when the
         request ended inside a round, it holds more than the request kept,
         and its recurrent state is past what can be named."""
-        self.prefixes.record(seq, seq.prompt + seq.tokens, len(seq.prompt) + seq.produced - 1, self.batch.cache, b,
+        self.prefixes.record(seq, seq.context_keys, len(seq.prompt) + seq.produced - 1, self.batch.cache, b,
                              prompt=len(seq.prompt))
 
     def _rows(self) -> list[tuple[int, int]]:
@@ -323,7 +324,7 @@ class Scheduler:
         seqs, contexts, limits, matches, later = [], [], [], [], deque()
         while self.waiting and len(seqs) < room:
             seq = self.waiting.popleft()
-            context = seq.prefill_tokens
+            context = seq.prefill_keys  # the prefix cache's view (an image's tokens keyed by its pixels)
             limit = self.speculator.prefix_limit(seq)
             match = self.prefixes.match(context, limit)
             if self.disk is not None:
@@ -361,7 +362,7 @@ class Scheduler:
         self.prefix_store.record(sum(map(len, contexts)), sum(cached))
         self.metrics.prefix_cache_queries.labels(self.name).inc(sum(map(len, contexts)))
         self.metrics.prefix_cache_hits.labels(self.name).inc(sum(cached))
-        tokens = mx.array([[0] * (width - len(c)) + c for c in contexts])
+        tokens = mx.array([[0] * (width - len(c)) + s.prefill_tokens for s, c in zip(seqs, contexts)])
         cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts, self.kv_quantization)
         self.prefill = PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
 

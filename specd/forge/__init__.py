@@ -8,7 +8,8 @@ mlx_lm-loadable float32 Llama models sharing it, written to
 in ``OUT_DIR/dflash``); ``OUT_DIR/agent`` is the target with a chat
 template that renders tools (Hermes conventions) and a window wide enough
 for an agent client's prompt, so Claude Code, Codex and OpenCode can be
-tried against it offline.
+tried against it offline; ``OUT_DIR/vision`` is the target as the language model
+of a LLaVA checkpoint with a random vision tower, so images can be sent to it.
 
 Presets: ``test`` (random, tiny, deterministic, seconds), ``quick`` (the
 demo's shapes trained for under a minute) and ``demo`` (trained for about nine
@@ -19,6 +20,7 @@ recipe hash.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -36,6 +38,7 @@ from .mtp import train_mtp
 from .presets import BUDGET_ENV, PRESETS, Recipe, get_recipe
 from .tokenizer import EOS, IM_END, save_tokenizer, spread, stdlib_sources, train_tokenizer
 from .train import encode_corpus, evaluate, train, windows
+from .vision import build as build_vision
 
 __all__ = ["forge", "add_arguments", "run", "PRESETS", "BUDGET_ENV", "AGENT_CONTEXT"]
 
@@ -44,6 +47,7 @@ MODELS = ("target", "draft")
 DFLASH = "dflash"
 AGENT = "agent"
 AGENT_CONTEXT = 65536  # tokens: an agent client's system prompt and tools fit several times over
+VISION = "vision"
 
 Log = Callable[[str], None]
 
@@ -68,6 +72,8 @@ def forge(
         log(f"forge: {out_dir} already holds {preset} seed {seed} ({digest[:12]}), reusing")
         if not (out_dir / AGENT / "config.json").is_file():
             _write_agent(out_dir)
+        if not (out_dir / VISION / "config.json").is_file():
+            _write_vision(out_dir, log)
         return _with_paths(cached, out_dir)
 
     start = time.monotonic()
@@ -85,6 +91,7 @@ def forge(
             if (staging / name).exists():
                 (staging / name).rename(out_dir / name)
         _write_agent(out_dir)
+        _write_vision(out_dir, log)
         # Written last: its presence marks a complete forge.
         (out_dir / MANIFEST).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     finally:
@@ -167,6 +174,15 @@ def _write_agent(out_dir: Path) -> None:
     chat_variant(out_dir / "target", out_dir / AGENT, "hermes", context=AGENT_CONTEXT)
 
 
+def _write_vision(out_dir: Path, log: Log) -> None:
+    """``OUT/vision``: a LLaVA checkpoint whose language model is the target, its vision tower
+    random (images change its answers; it was never taught to see), for the quick start."""
+    if importlib.util.find_spec("mlx_vlm") is None:
+        log(f"forge: no {VISION} model: it needs mlx-vlm (pip install 'specd[vision]')")
+        return
+    build_vision("llava", out_dir / VISION, out_dir / "target", language_model=out_dir / "target")
+
+
 def _copy_shared(target: llama.Model, draft: llama.Model) -> None:
     """Give ``draft`` the target's weights of the same names (a layer-skip draft)."""
     src = dict(tree_flatten(target.parameters()))
@@ -194,6 +210,7 @@ def _with_paths(info: dict, out_dir: Path) -> dict:
         "target_path": str(out_dir / "target"),
         "draft_path": str(out_dir / "draft"),
         "agent_path": str(out_dir / AGENT),
+        "vision_path": str(out_dir / VISION),
     }
 
 

@@ -67,6 +67,8 @@ class GroupClient:
         self.split_probe: dict | None = info["probe"]  # auto: each split's timed decode step, and refusals
         self.speculation = speculation
         self.failure: str | None = None  # set once; the reconciler restarts the group
+        self.vision = None
+        self.image_refusal = "a tensor- or pipeline-parallel group takes no images yet"
         self.fault: str | None = None  # a rank's step fault fails the group (``failure``)
         self.faults = 0
         self.on_failure = on_failure  # the reconciler restarts the group

@@ -29,6 +29,7 @@ from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import ChatTurn, Conversation, Delta, Tool
 from .errors import APIError, bad_request
+from .images import Content, ImagePart, ImageParts
 from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, event_stream, integer_field,
                          model_request, number_field, off_loop, read_json, stream_error)
 
@@ -75,6 +76,35 @@ def _system(content: Any) -> str:
     return text.partition("\n")[2] if text.startswith(BILLING_HEADER) else text
 
 
+def _image(block: dict, where: str, images: ImageParts) -> dict:
+    """An ``image`` block: its base64 source (a URL source is refused: specd fetches nothing)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise bad_request("an image block needs a 'source'", f"{where}.source")
+    if source.get("type") == "url":
+        raise bad_request("this server does not fetch image URLs; send a base64 source", f"{where}.source.type")
+    if source.get("type") != "base64":
+        raise bad_request("source.type: must be base64", f"{where}.source.type")
+    for key in source:
+        if key not in ("type", "media_type", "data"):
+            raise bad_request(f"{where}.source.{str(key)[:64]}: extra inputs are not permitted",
+                              f"{where}.source.{str(key)[:64]}")
+    return images.base64(source.get("data"), source.get("media_type"), f"{where}.source")
+
+
+def _result(content: Any, path: str, images: ImageParts) -> str | list[dict]:
+    """A tool result's content: a string, or text and image blocks."""
+    if isinstance(content, str):
+        return content
+    parts = Content()
+    for i, block in enumerate(_blocks(content, path)):
+        if block["type"] == "image":
+            parts.image(_image(block, f"{path}[{i}]", images))
+        else:
+            parts.text(_text_block(block, f"{path}[{i}]"))
+    return parts.value()
+
+
 def _blocks(content: Any, path: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
@@ -86,12 +116,13 @@ def _blocks(content: Any, path: str) -> list[dict]:
     return content
 
 
-def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int]:
-    """The conversation as chat-template messages, and how many assistant turns'
-    thinking was left out: system first, system messages in ``messages`` where
-    they stand, a user's ``tool_result`` blocks as tool messages, an assistant's
-    ``tool_use`` blocks as its tool calls, and the thinking of its
-    ``keep_thinking`` newest turns that have some as ``reasoning_content``."""
+def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int, tuple[ImagePart, ...]]:
+    """The conversation as chat-template messages, how many assistant turns'
+    thinking was left out, and its images: system first, system messages in
+    ``messages`` where they stand, a user's ``tool_result`` blocks as tool
+    messages, an assistant's ``tool_use`` blocks as its tool calls, and the
+    thinking of its ``keep_thinking`` newest turns that have some as
+    ``reasoning_content``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: must be a non-empty list", "messages")
@@ -99,6 +130,7 @@ def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int]:
     if body.get("system") is not None:
         out.append({"role": "system", "content": _system(body["system"])})
     names: dict[str, str] = {}  # tool_use id -> tool name, for the results
+    images = ImageParts()
     thinking_turns = []  # (message, its thinking) of each assistant turn that has some
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
@@ -107,16 +139,17 @@ def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int]:
         if m["role"] == "system":
             out.append({"role": "system", "content": _text(m.get("content"), path)})
             continue
-        text, calls, results, thinking = [], [], 0, []
+        text, calls, results, thinking = Content(), [], 0, []
         for j, block in enumerate(_blocks(m.get("content"), path)):
             where, kind = f"{path}[{j}]", block["type"]
             if kind == "tool_result" and m["role"] == "user":
                 call_id = block.get("tool_use_id")
                 if not isinstance(call_id, str):
                     raise bad_request("a tool_result needs its 'tool_use_id'", f"{where}.tool_use_id")
-                result = _text(block.get("content", ""), f"{where}.content")
+                result = _result(block.get("content", ""), f"{where}.content", images)
                 if block.get("is_error"):
-                    result = f"Error: {result}"
+                    result = f"Error: {result}" if isinstance(result, str) else [{"type": "text", "text": "Error: "},
+                                                                                 *result]
                 out.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
                             "content": result})
                 results += 1
@@ -132,10 +165,12 @@ def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int]:
                     thinking.append(block["thinking"])
             elif kind == "redacted_thinking" and m["role"] == "assistant":
                 continue  # encrypted by another server: nothing this model can read
+            elif kind == "image" and m["role"] == "user":
+                text.image(_image(block, where, images))
             else:
-                text.append(_text_block(block, where))
-        if text or calls or not results:  # a user turn of tool results alone is those results
-            message = {"role": m["role"], "content": "".join(text)}
+                text.text(_text_block(block, where))
+        if text.parts or calls or not results:  # a user turn of tool results alone is those results
+            message = {"role": m["role"], "content": text.value()}
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
@@ -144,7 +179,7 @@ def _chat(body: dict, keep_thinking: int) -> tuple[list[dict], int]:
     kept = thinking_turns[len(thinking_turns) - keep_thinking:] if keep_thinking else []
     for message, thinking in kept:
         message["reasoning_content"] = thinking
-    return out, len(thinking_turns) - len(kept)
+    return out, len(thinking_turns) - len(kept), tuple(images.parts)
 
 
 def _thinking_kept(body: dict) -> int | None:
@@ -269,9 +304,9 @@ def _read(body: dict) -> _Read:
         if not callable_tools:
             raise bad_request(f"tool_choice.name: no tool named {choice.get('name')!r}", "tool_choice.name")
     kwargs, keep, shown = _template_kwargs(body), _thinking_kept(body), _thinking_shown(body)
-    messages, cleared = _chat(body, keep or 0)
+    messages, cleared, images = _chat(body, keep or 0)
     conversation = Conversation(messages, tools, callable_tools, kind in ("any", "tool"),
-                                not choice.get("disable_parallel_tool_use"), kwargs)
+                                not choice.get("disable_parallel_tool_use"), kwargs, images)
     if body.get("context_management") is None:
         return _Read(conversation, False, shown)
     if keep is None or not cleared:

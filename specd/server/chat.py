@@ -27,7 +27,9 @@ from mlx_lm.generate import TextStateMachine
 from mlx_lm.tool_parsers import json_tools, mistral
 
 from ..core.grammar import COMPACT_JSON, GrammarError, lark_grammar
+from ..core.vision import PromptImages
 from .errors import bad_request
+from .images import ImagePart, decode
 
 HERMES = "json_tools"
 FORCEABLE = ("json_tools", "mistral", "llama3", "harmony")  # formats a grammar can force natively
@@ -61,6 +63,7 @@ class ChatTurn:
     tools: list[Tool]  # the tools a call may use (none: calls are not parsed)
     forced: bool  # a call is required, so a grammar forces one
     parallel: bool  # several calls may be made at once
+    images: PromptImages | None = None  # the prompt's images, as the Model's processor made them
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,20 @@ class Conversation:
     forced: bool  # a call is required
     parallel: bool  # several calls may be made at once
     kwargs: dict  # chat-template variables
+    images: tuple[ImagePart, ...] = ()  # the images its messages hold, in order (each an image part there)
 
     def turn(self, engine) -> ChatTurn:
-        """The prompt, through ``engine``'s chat template (a 400 if the template refuses it)."""
-        prompt = render_chat(engine.tokenizer, engine.name, self.messages, self.tools, self.kwargs)
-        return ChatTurn(prompt, self.callable_tools, self.forced, self.parallel)
+        """The prompt, through ``engine``'s chat template (a 400 if the template refuses it), its
+        images decoded and through the Model's processor (a 400 if the Model takes none)."""
+        if not self.images:
+            prompt = render_chat(engine.tokenizer, engine.name, self.messages, self.tools, self.kwargs)
+            return ChatTurn(prompt, self.callable_tools, self.forced, self.parallel)
+        if engine.vision is None:
+            raise bad_request(f"model '{engine.name}' takes no images: {engine.image_refusal}", self.images[0].where)
+        decoded = [decode(part) for part in self.images]
+        text = render_chat(engine.tokenizer, engine.name, self.messages, self.tools, self.kwargs, tokenize=False)
+        prompt, images = engine.vision.prepare(text, [d.image for d in decoded], tuple(d.digest for d in decoded))
+        return ChatTurn(prompt, self.callable_tools, self.forced, self.parallel, images)
 
 
 def new_call_id() -> str:
@@ -246,16 +258,19 @@ def template_kwargs(value: Any, field_name: str = "chat_template_kwargs") -> dic
     return dict(value)
 
 
-def render_chat(tokenizer, model: str, messages: list[dict], tools: list[Tool], kwargs: dict) -> list[int]:
-    """The prompt: ``messages`` (and ``tools``) through the model's chat template."""
+def render_chat(tokenizer, model: str, messages: list[dict], tools: list[Tool], kwargs: dict,
+                tokenize: bool = True) -> list[int] | str:
+    """The prompt: ``messages`` (and ``tools``) through the model's chat template (its
+    text, where not ``tokenize``: a prompt with images goes through the processor next)."""
     if not tokenizer.has_chat_template:
         raise bad_request(f"model '{model}' has no chat template; use /v1/completions", "messages")
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     if tools and "tools" not in template:
         raise bad_request(f"model '{model}''s chat template does not render tools", "tools")
     try:
-        return list(tokenizer.apply_chat_template(messages, tools=template_tools(tools) or None,
-                                                  add_generation_prompt=True, tokenize=True, **kwargs))
+        rendered = tokenizer.apply_chat_template(messages, tools=template_tools(tools) or None,
+                                                 add_generation_prompt=True, tokenize=tokenize, **kwargs)
+        return list(rendered) if tokenize else rendered
     except TemplateError as e:
         raise bad_request(f"the chat template refused the conversation: {e}", "messages") from None
 

@@ -217,7 +217,7 @@ class EngineRun:
                                            parsed.params if seed is None else replace(parsed.params,
                                                                                       seed=(seed + i) % 2**63),
                                            max_tokens, parsed.stop, speculation, grammar, parsed.stream,
-                                           checked=True)
+                                           checked=True, images=turn.images if chat else None)
                          for i in range(parsed.n)]
         try:  # once, for every choice: the engine trusts a checked request
             engine.check_prompt(self.requests[0])

@@ -18,6 +18,7 @@ from .chat import ChatTurn, Conversation, Delta, parse_tool_choice, parse_tools,
 from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, integer_field,
                          model_request, number_field, off_loop, read_json, stream_error)
 from .errors import APIError, bad_request, model_not_found
+from .images import Content, ImageParts
 from .keys import REGISTRY
 
 routes = web.RouteTableDef()
@@ -158,19 +159,42 @@ def _speculation(body: dict) -> dict | None:
     return {"method": method, "num_speculative_tokens": k}
 
 
-def _message_text(content: Any, index: int) -> str:
+def _message_content(content: Any, index: int, images: ImageParts) -> str | list[dict]:
+    """A message's text, or where it holds images, its text and image parts in order (as a
+    vision model's chat template takes them)."""
+    where = f"messages[{index}].content"
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request("only text content parts are supported", f"messages[{index}].content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request("message content must be a string or a list of text parts", f"messages[{index}].content")
+    if not isinstance(content, list):
+        raise bad_request("message content must be a string or a list of content parts", where)
+    parts = Content()
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.text(part["text"])
+        elif kind == "image_url":
+            url = f"{where}[{j}].image_url"
+            parts.image(images.data_url(_image_url(part.get("image_url"), url), url))
+        else:
+            raise bad_request("content parts must be text or image_url parts", f"{where}[{j}]")
+    return parts.value()
+
+
+def _image_url(value: Any, where: str) -> Any:
+    """An ``image_url`` part's URL (a string, or an object with ``url`` and ``detail``)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise bad_request("'image_url' must be an object with a 'url'", where)
+    for key in value:
+        if key not in ("url", "detail"):
+            raise bad_request(f"unknown field '{str(key)[:64]}'", f"{where}.{str(key)[:64]}")
+    if value.get("detail", "auto") != "auto":
+        raise bad_request("specd sizes an image as the model's processor does: 'detail' must be auto",
+                          f"{where}.detail")
+    return value.get("url")
 
 
 def chat_conversation(body: dict) -> Conversation:
@@ -178,12 +202,12 @@ def chat_conversation(body: dict) -> Conversation:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    clean = []
+    clean, images = [], ImageParts()
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
             raise bad_request("each message needs a role of system, user, assistant, developer or tool",
                               f"messages[{i}].role")
-        message = {"role": m["role"], "content": _message_text(m.get("content"), i)}
+        message = {"role": m["role"], "content": _message_content(m.get("content"), i, images)}
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = template_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         reasoning = _reasoning(m, i)
@@ -207,7 +231,8 @@ def chat_conversation(body: dict) -> Conversation:
         if effort not in ("low", "medium", "high"):
             raise bad_request("'reasoning_effort' must be low, medium or high", "reasoning_effort")
         kwargs.setdefault("reasoning_effort", effort)
-    return Conversation(clean, tools, callable_tools if mode != "none" else [], mode == "required", parallel, kwargs)
+    return Conversation(clean, tools, callable_tools if mode != "none" else [], mode == "required", parallel, kwargs,
+                        tuple(images.parts))
 
 
 def _reasoning(message: dict, i: int) -> str | None:

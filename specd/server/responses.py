@@ -37,6 +37,7 @@ from .chat import NAMESPACE_SEPARATOR, ChatTurn, Conversation, Delta, Tool, pars
 from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, integer_field,
                          model_request, number_field, off_loop, read_json)
 from .errors import APIError, bad_request
+from .images import Content, ImageParts
 from .keys import DROP_HOSTED_TOOLS, RESPONSES
 
 routes = web.RouteTableDef()
@@ -81,22 +82,36 @@ def _items(body: dict) -> list[dict]:
     return value
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or text parts (input_text, output_text)."""
+def _content(content: Any, where: str, images: ImageParts) -> str | list[dict]:
+    """A message's text (a string, or text parts: input_text, output_text), or where it holds
+    ``input_image`` parts, its text and image parts in order (as a vision model's template takes them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request("'content' must be a string or a list of content parts", where)
-    out = []
+    out = Content()
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            out.append(part["refusal"])
+        text = part.get("refusal") if kind == "refusal" else part.get("text") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "refusal") and isinstance(text, str):
+            out.text(text)
+        elif kind == "input_image":
+            out.image(_input_image(part, f"{where}[{j}]", images))
         else:
             raise bad_request(f"content parts of type {kind!r} are not supported", f"{where}[{j}].type")
-    return "".join(out)
+    return out.value()
+
+
+def _input_image(part: dict, where: str, images: ImageParts) -> dict:
+    """An ``input_image`` part: a data URL in ``image_url`` (no file ids: specd stores no files)."""
+    for key in part:
+        if key not in ("type", "image_url", "detail"):
+            raise bad_request(f"'{str(key)[:64]}' is not supported on an input_image (send image_url)",
+                              f"{where}.{str(key)[:64]}")
+    if part.get("detail", "auto") != "auto":
+        raise bad_request("specd sizes an image as the model's processor does: 'detail' must be auto",
+                          f"{where}.detail")
+    return images.data_url(part.get("image_url"), f"{where}.image_url")
 
 
 def _reasoning_text(item: dict) -> str:
@@ -105,7 +120,7 @@ def _reasoning_text(item: dict) -> str:
     return text or _unseal(item.get("encrypted_content"))
 
 
-def conversation(instructions: Any, items: list[dict]) -> list[dict]:
+def conversation(instructions: Any, items: list[dict], images: ImageParts) -> list[dict]:
     """Input items as chat-template messages: ``developer`` speaks as system,
     a ``function_call`` joins the assistant message before it (or opens one),
     its output is a tool message, and a ``reasoning`` item's text is the next
@@ -124,7 +139,7 @@ def conversation(instructions: Any, items: list[dict]) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request("a message's role must be user, assistant, system or developer", f"{where}.role")
             message = {"role": "system" if role == "developer" else role,
-                       "content": _text(item.get("content"), f"{where}.content")}
+                       "content": _content(item.get("content"), f"{where}.content", images)}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
@@ -156,7 +171,7 @@ def conversation(instructions: Any, items: list[dict]) -> list[dict]:
             if not isinstance(call_id, str):
                 raise bad_request("a function_call_output needs its 'call_id'", f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""),
-                             "content": _text(output if output is not None else "", f"{where}.output")})
+                             "content": _content(output if output is not None else "", f"{where}.output", images)})
         elif kind == "reasoning":
             reasoning += _reasoning_text(item)
         else:
@@ -252,11 +267,12 @@ def _conversation(body: dict, earlier: list[dict], drop_hosted: bool) -> tuple[C
         raise bad_request("'input' must hold at least one item", "input")
     tools = parse_tools(body.get("tools"), flat=True, drop_hosted=drop_hosted)
     callable_tools, forced = _tool_choice(body.get("tool_choice"), tools)
-    messages = conversation(body.get("instructions"), items)
+    images = ImageParts()
+    messages = conversation(body.get("instructions"), items, images)
     if not messages:  # reasoning items alone: nothing to answer
         raise bad_request("'input' must hold a message or a function call", "input")
     return Conversation(messages, tools, callable_tools, forced, body.get("parallel_tool_calls", True),
-                        _template_kwargs(body)), items
+                        _template_kwargs(body), tuple(images.parts)), items
 
 
 # -- answering ------------------------------------------------------------------

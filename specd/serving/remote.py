@@ -85,6 +85,8 @@ class _Remote:
     failure: str | None = None  # a replica that cannot serve is left out by the Node's heartbeats instead
     fault: str | None = None
     faults = 0
+    vision = None
+    image_refusal = "images are not sent to a replica on another Node yet"
 
     def __init__(self, name: str, node: str, address: str, token: str, tokenizer, engine: dict[str, Any],
                  lost: Callable[[], str | None]):

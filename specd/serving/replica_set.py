@@ -208,6 +208,8 @@ class ReplicaSet:
         self.failure: str | None = None
         self.fault: str | None = None
         self.faults = 0
+        self.vision = None
+        self.image_refusal = "images are not routed between a Model's replicas yet"
 
     async def wake(self) -> bool:
         """Whether some replica is ready, after waking one at zero on a Ready worker if none was."""

@@ -190,7 +190,7 @@ class Speculator:
         entry for, so the target runs those again."""
         limit = len(seq.prefill_tokens)
         if isinstance(self.drafter, EagleProposer) and self.spec_for(seq).method == self.drafter.method:
-            limit = min(limit, self.drafter.cached(seq.prefill_tokens))
+            limit = min(limit, self.drafter.cached(seq.prefill_keys))
         return limit
 
     def release(self, seqs: list[Sequence]) -> None:

@@ -159,6 +159,12 @@ BAD = {
     "disk tier across hosts": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
                                "spec: {source: /x, topologyRef: t, prefixCache: {disk: {}}}\n",
                                "spec.prefixCache.disk"),
+    "unknown modality": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                         "spec: {source: /x, modalities: [text, audio]}\n", "spec.modalities[1]"),
+    "modalities without text": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                                "spec: {source: /x, modalities: [image]}\n", "spec.modalities"),
+    "images for an embedder": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
+                               "spec: {source: /x, task: embed, modalities: [text, image]}\n", "spec.modalities"),
     "unknown task": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"
                      "spec: {source: /x, task: [embed]}\n", "spec.task"),
     "embedding across hosts": ("apiVersion: specd.dev/v1alpha1\nkind: Model\nmetadata: {name: m}\n"

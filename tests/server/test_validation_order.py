@@ -30,7 +30,7 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}], "stream": True},
      "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0].image_url"),
     ("/v1/chat/completions", {"messages": USER, "tools": BAD_TOOL}, "tools[0].function.parameters"),
     ("/v1/chat/completions", {"messages": USER, "tools": TOOL, "tool_choice": {
         "type": "function", "function": {"name": "g"}}}, "tool_choice"),
@@ -49,7 +49,7 @@ MALFORMED = [
     ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("/v1/responses", {"input": [{"type": "message", "role": "robot", "content": "hi"}]}, "input[0].role"),
     ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0].type"),
+     "input[0].content[0].image_url"),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": 5}]},
      "tools[0].parameters"),
     ("/v1/responses", {"input": "hi", "stream": True, "tools": [{"type": "web_search"}]}, "tools[0].type"),

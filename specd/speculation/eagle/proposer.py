@@ -108,9 +108,9 @@ class EagleProposer:
             self._flush([s for s in seqs if self.queued.get(s)])
             for s in seqs:
                 if s in self.rows:
-                    self.prefixes.record(s, self.entry_keys(s.prompt + s.tokens), self.rows.state[s],
+                    self.prefixes.record(s, self.entry_keys(s.context_keys), self.rows.state[s],
                                          self.rows.cache, self.rows.seqs.index(s),
-                                         prompt=len(self.entry_keys(s.prompt)))
+                                         prompt=len(self.entry_keys(s.prompt_keys)))
         for s in seqs:
             self.prefixes.release(s)
             self.queued.pop(s, None)
@@ -177,8 +177,8 @@ class EagleProposer:
             cache.restore(origins)
         last = self._feed(pairs, cache, left=True)
         for b, (s, n, (f, _)) in enumerate(zip(new, starts, pairs)):
-            self.prefixes.record(s, self.entry_keys(s.prompt + s.tokens), n + f.shape[0], cache, b,
-                                 prompt=len(self.entry_keys(s.prompt)))
+            self.prefixes.record(s, self.entry_keys(s.context_keys), n + f.shape[0], cache, b,
+                                 prompt=len(self.entry_keys(s.prompt_keys)))
         self.rows.add([(s, n + f.shape[0]) for s, n, (f, _) in zip(new, starts, pairs)], cache)
         return {} if last is None else {s: last[i] for i, s in enumerate(new)}
 

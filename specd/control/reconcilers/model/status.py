@@ -111,6 +111,10 @@ def _running(state: ModelState, status: dict[str, Any]) -> None:
         status["speculation"] = spec_status
         status["prefixCache"] = engine.prefix_cache_status()
         status["kvCache"] = engine.kv_cache_status()
+        # what its prompts may hold, and where it takes no images, why
+        status["modalities"] = ["text", "image"] if engine.vision is not None else ["text"]
+        if engine.vision is None:
+            status["imageRefusal"] = engine.image_refusal
 
 
 def model_status(ctx: ModelContext, obj: StoredObject, state: ModelState) -> dict[str, Any]:

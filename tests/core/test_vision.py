@@ -1,0 +1,163 @@
+"""Images in the engine: tiny random vision-language checkpoints (``specd.forge.vision``) read
+by mlx-vlm's loader, served by specd's engine, against mlx-vlm's own generation."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+from PIL import Image
+
+from conftest import run_engine
+from specd.core.loader import load_model
+from specd.core.request import GenerationRequest, SpeculationConfig, Method
+from specd.core.sampling import SamplingParams
+from specd.core.vision import IMAGE_KEY_BASE, VisionTower, VisionUnavailable, pixel_digest, without_text_kwargs
+from specd.forge.vision import build
+
+GREEDY = SamplingParams(temperature=0.0)
+TOKENS = 12
+SERVED = ("gemma3", "llava")  # families whose image tokens take plain positions
+_ids = itertools.count()
+
+
+def picture(seed: int, size: tuple[int, int] = (90, 100), fmt: str = "PNG") -> Image.Image:
+    """A test image, through real encoded bytes (PNG or JPEG) and back."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size[1], 0:size[0]]
+    pixels = np.stack([x * 255 // size[0], y * 255 // size[1], rng.integers(0, 256, size[::-1])], -1)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(buffer, fmt)
+    return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+
+
+@pytest.fixture(scope="module")
+def vision_models(forged, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    return {family: build(family, root / family, forged / "target", seed=3) for family in (*SERVED, "qwen2_5_vl")}
+
+
+@pytest.fixture(scope="module")
+def loaded(vision_models):
+    out = {}
+    for family in SERVED:
+        model, tokenizer = load_model(str(vision_models[family]))
+        out[family] = (model, tokenizer, VisionTower(vision_models[family], model))
+    return out
+
+
+def rendered(tokenizer, text: str, images: int) -> str:
+    content = [{"type": "image"}] * images + [{"type": "text", "text": text}]
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def request(vision: VisionTower, tokenizer, text: str, images: list[Image.Image], **kw) -> GenerationRequest:
+    prompt = rendered(tokenizer, text, len(images))
+    if not images:
+        return GenerationRequest(f"v{next(_ids)}", tokenizer.encode(prompt, add_special_tokens=False), GREEDY,
+                                 TOKENS, **kw)
+    tokens, prepared = vision.prepare(prompt, images, tuple(pixel_digest(i) for i in images))
+    return GenerationRequest(f"v{next(_ids)}", tokens, GREEDY, TOKENS, images=prepared, **kw)
+
+
+async def answer(engine, req: GenerationRequest) -> tuple[list[int], int]:
+    tokens, cached = [], 0
+    async for out in engine.generate(req):
+        assert out.error is None, out.error
+        tokens += out.tokens
+        cached = out.cached_tokens
+    return tokens, cached
+
+
+def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
+    """mlx-vlm's own greedy generation for the same rendered prompt and images."""
+    from mlx_vlm import load, stream_generate
+
+    model, processor = load(str(path))
+    without_text_kwargs(processor)
+    for out in stream_generate(model, processor, text, image=images, max_tokens=TOKENS, temperature=0.0):
+        pass
+    return list(out.token_ids) if hasattr(out, "token_ids") else None
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_greedy_output_equals_mlx_vlms_own_generation(family, loaded, vision_models):
+    model, tokenizer, vision = loaded[family]
+    image = picture(1)
+    req = request(vision, tokenizer, "Describe this image.", [image])
+    assert req.prompt_tokens.count(vision.token_id) > 0
+    got, _ = run_engine(model, tokenizer, lambda e: answer(e, req), vision=vision)
+    want = mlx_vlm_greedy(vision_models[family], rendered(tokenizer, "Describe this image.", 1), [image])
+    assert got == want[:len(got)] and len(got) == TOKENS
+    other, _ = run_engine(model, tokenizer, lambda e: answer(e, request(vision, tokenizer, "Describe this image.",
+                                                                        [picture(2)])), vision=vision)
+    assert other != got, "the image changes nothing: the features never reach the language model"
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_a_batch_mixing_image_and_text_rows_gives_each_row_what_it_gives_alone(family, loaded):
+    model, tokenizer, vision = loaded[family]
+    asks = [("Describe this image.", [picture(1)]), ("Write a poem about the sea.", []),
+            ("What is in the picture? Answer briefly.", [picture(4, (64, 48), "JPEG")]),
+            ("Compare the two.", [picture(5), picture(6)]), ("def fib(n):", [])]
+
+    async def alone(engine):
+        return [await answer(engine, request(vision, tokenizer, text, images)) for text, images in asks]
+
+    async def together(engine):
+        import asyncio
+
+        async def staggered(i, text, images):
+            await asyncio.sleep(0.05 * i)
+            return await answer(engine, request(vision, tokenizer, text, images))
+        return await asyncio.gather(*(staggered(i, t, im) for i, (t, im) in enumerate(asks)))
+
+    want = run_engine(model, tokenizer, alone, vision=vision, prefix_cache_bytes=0)
+    got = run_engine(model, tokenizer, together, vision=vision, prefix_cache_bytes=0, prefill_step_tokens=32)
+    assert [t for t, _ in got] == [t for t, _ in want]
+
+
+def test_a_resent_image_is_a_prefix_hit_and_another_image_is_not(loaded, monkeypatch):
+    model, tokenizer, vision = loaded["gemma3"]
+    encoded = []
+    monkeypatch.setattr(vision, "embeddings", lambda p, i, f=vision.embeddings: encoded.append(1) or f(p, i))
+    first = request(vision, tokenizer, "Describe this image.", [picture(1)])
+    span = first.prompt_tokens.index(vision.token_id) + first.prompt_tokens.count(vision.token_id)
+
+    async def go(engine):
+        a = await answer(engine, first)
+        again = await answer(engine, request(vision, tokenizer, "Describe this image.", [picture(1)]))
+        other = await answer(engine, request(vision, tokenizer, "Describe this image.", [picture(2)]))
+        return a, again, other
+    (a, a_cached), (again, again_cached), (other, other_cached) = run_engine(model, tokenizer, go, vision=vision)
+    assert a_cached == 0 and again == a
+    assert again_cached > span, "the resent image's tokens were not served from the prefix cache"
+    assert other_cached < first.prompt_tokens.index(vision.token_id) + 1, "another image matched the cache"
+    assert len(encoded) == 2, "the vision tower ran for an image the prefix cache held"
+    keys = first.images.keys(first.prompt_tokens)
+    assert {k for k in keys if k >= IMAGE_KEY_BASE} and vision.token_id not in keys
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_ngram_speculation_is_lossless_with_images(family, loaded):
+    model, tokenizer, vision = loaded[family]
+    ngram = SpeculationConfig(Method.NGRAM, 3, 1, 3)
+    text = "Repeat after me: one two three one two three one two three."
+
+    async def go(engine, speculation):
+        return await answer(engine, request(vision, tokenizer, text, [picture(7)], speculation=speculation))
+    plain, _ = run_engine(model, tokenizer, lambda e: go(e, None), vision=vision)
+    spec, _ = run_engine(model, tokenizer, lambda e: go(e, ngram), vision=vision)
+    assert spec == plain
+
+
+def test_qwen_vl_mrope_is_refused_with_its_reason_and_serves_text(vision_models):
+    model, _ = load_model(str(vision_models["qwen2_5_vl"]))
+    with pytest.raises(VisionUnavailable, match="mrope"):
+        VisionTower(vision_models["qwen2_5_vl"], model)
