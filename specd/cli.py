@@ -128,7 +128,7 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     app = daemon_app(control, manifests, token, drain_grace=args.drain_grace, agent=agent, api_keys=args.api_keys,
                      cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
                      stored_responses=ResponseStore(args.state_dir / "responses.db"),
-                     drop_hosted_tools=args.drop_hosted_tools)
+                     drop_hosted_tools=args.drop_hosted_tools, fetch_image_urls=args.fetch_image_urls)
     web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
                 handler_cancellation=True, print=None, access_log=None)
 
@@ -276,6 +276,9 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop-hosted-tools", action="store_true",
                         help="leave hosted tools (web_search, file_search, ...) out of /v1/responses requests "
                              "instead of answering 400 (Codex CLI sends web_search by default)")
+    parser.add_argument("--fetch-image-urls", action="store_true",
+                        help="fetch the http(s) image URLs requests send (each within 20 MiB and 10 s) instead of "
+                             "answering 400: the daemon then makes requests to any address a client names")
 
 
 class _Subcommand(argparse.ArgumentParser):

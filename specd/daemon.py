@@ -31,11 +31,12 @@ async def return_freed_memory_every(seconds: float) -> None:
 def daemon_app(control: ControlPlane, manifests: ManifestDirectory | None = None, admin_token: str | None = None,
                drain_grace: float = 30.0, agent: NodeAgent | None = None, api_keys: tuple[bytes, ...] = (),
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
-               stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False) -> web.Application:
+               stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False,
+               fetch_image_urls: bool = False) -> web.Application:
     """The daemon's application. The control plane starts after the server listens, so
     ``/healthz`` and ``/readyz`` answer while weights load; a worker's ``agent`` joins its head."""
     app = create_app(control.registry, control.store, control, control.cluster, admin_token, api_keys, cors_origins,
-                     max_body_bytes, stored_responses, drop_hosted_tools)
+                     max_body_bytes, stored_responses, drop_hosted_tools, fetch_image_urls)
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()

@@ -55,6 +55,8 @@ class Metrics:
             "specd_engine_faults", "Engine steps that raised: their requests got errors.", m, registry=r)
         self.prompt_tokens = Counter(
             "specd_prompt_tokens", "Prompt tokens of admitted requests (cached ones included).", m, registry=r)
+        self.prompt_images = Counter(
+            "specd_prompt_images", "Images in the prompts of admitted requests.", m, registry=r)
         self.prefix_cache_queries = Counter(
             "specd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r)
         self.prefix_cache_hits = Counter(

@@ -316,11 +316,12 @@ def head_for(target, version: int, seed: int = 0):
     """A random EAGLE head of the target's shape (EAGLE-3 fusing layers 0, 1, 2)."""
     import mlx.core as mx
 
+    from specd.core.loader import text_config
     from specd.speculation.eagle.head import EagleConfig, EagleHead
 
-    a = target.args
-    config = EagleConfig(version, a.hidden_size, a.intermediate_size, a.num_attention_heads, a.num_key_value_heads,
-                         a.vocab_size, feature_layers=(0, 1, 2) if version == 3 else ())
+    a = text_config(target)  # a multimodal checkpoint's text half: its nested text_config
+    config = EagleConfig(version, a["hidden_size"], a["intermediate_size"], a["num_attention_heads"],
+                         a["num_key_value_heads"], a["vocab_size"], feature_layers=(0, 1, 2) if version == 3 else ())
     mx.random.seed(seed)
     head = EagleHead(config)
     mx.eval(head.parameters())

@@ -387,6 +387,8 @@ class Scheduler:
         self.prefill = None
         fresh = [s for s in group.seqs if not s.tokens]
         self.metrics.prompt_tokens.labels(self.name).inc(sum(len(s.prompt) for s in fresh))
+        self.metrics.prompt_images.labels(self.name).inc(sum(len(s.request.images.digests) for s in fresh
+                                                             if s.request.images is not None))
         keep = [i for i, s in enumerate(group.seqs) if not s.cancelled]
         self._leave([s for i, s in enumerate(group.seqs) if i not in keep])
         if not keep:

@@ -20,9 +20,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Tokenizer
 
+from .chat import HERMES, chat_variant
 from .tokenizer import EOS, IM_END
 
-TEXT_VOCAB = 1040  # the forge tokenizer's 1024 ids, each family's image tokens, and room to spare
+VOCAB_MULTIPLE = 16  # the vocabulary: the tokenizer's ids and the family's image tokens, rounded up
 # Gemma 3 scales its embeddings by sqrt(hidden) and ties its head to them: N(0, 1) embeddings
 # would swamp the residual stream and every step would repeat one token whatever the image.
 EMBED_STD = {"gemma3": 0.1}
@@ -59,7 +60,7 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 class Family:
     """How one vision family's checkpoint is written."""
 
-    config: Callable[[dict[str, int]], dict]  # config.json from the image tokens' ids
+    config: Callable[[dict[str, int], int], dict]  # config.json from the image tokens' ids and the vocabulary
     special: tuple[str, ...]  # tokens the family adds to the forge tokenizer
     template: str
     preprocessor: dict
@@ -68,7 +69,7 @@ class Family:
     named_tokens: dict[str, str] = field(default_factory=dict)  # transformers' tokenizer.<name> attributes
 
 
-def _qwen2_5_vl(ids: dict[str, int]) -> dict:
+def _qwen2_5_vl(ids: dict[str, int], vocab: int) -> dict:
     """Qwen/Qwen2.5-VL-3B-Instruct's config.json, shrunk."""
     return {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
@@ -76,7 +77,7 @@ def _qwen2_5_vl(ids: dict[str, int]) -> dict:
         "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 4096,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},  # sums to head_dim / 2
-        "tie_word_embeddings": False, "vocab_size": TEXT_VOCAB, "torch_dtype": "float32",
+        "tie_word_embeddings": False, "vocab_size": vocab, "torch_dtype": "float32",
         "bos_token_id": None, "eos_token_id": [ids[EOS], ids[IM_END]],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
         "vision_token_id": ids["<|vision_pad|>"], "image_token_id": ids["<|image_pad|>"],
@@ -91,7 +92,7 @@ def _qwen2_5_vl(ids: dict[str, int]) -> dict:
     }
 
 
-def _qwen3_vl(ids: dict[str, int]) -> dict:
+def _qwen3_vl(ids: dict[str, int], vocab: int) -> dict:
     """Qwen/Qwen3-VL-2B-Instruct's config.json (nested text and vision configs), shrunk."""
     return {
         "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
@@ -103,7 +104,7 @@ def _qwen3_vl(ids: dict[str, int]) -> dict:
             "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
             "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "max_position_embeddings": 4096,
             "rope_scaling": {"mrope_interleaved": True, "mrope_section": [2, 3, 3], "rope_type": "default"},
-            "vocab_size": TEXT_VOCAB, "tie_word_embeddings": False, "hidden_act": "silu",
+            "vocab_size": vocab, "tie_word_embeddings": False, "hidden_act": "silu",
             "attention_bias": False,
         },
         "vision_config": {
@@ -115,7 +116,7 @@ def _qwen3_vl(ids: dict[str, int]) -> dict:
     }
 
 
-def _gemma3(ids: dict[str, int]) -> dict:
+def _gemma3(ids: dict[str, int], vocab: int) -> dict:
     """google/gemma-3-4b-it's config.json, shrunk."""
     return {
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
@@ -123,14 +124,14 @@ def _gemma3(ids: dict[str, int]) -> dict:
         "image_token_index": ids["<image_soft_token>"], "mm_tokens_per_image": 4,
         "eos_token_id": [ids[EOS], ids["<end_of_turn>"]], "pad_token_id": 0,
         "initializer_range": 0.02, "torch_dtype": "float32",
-        "vocab_size": TEXT_VOCAB,  # mlx-lm's gemma3 reads the vocabulary here (its default is 262208)
+        "vocab_size": vocab,  # mlx-lm's gemma3 reads the vocabulary here (its default is 262208)
         "text_config": {
             "model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "head_dim": 16, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-6,
             "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0,
             "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-            "sliding_window": 16, "sliding_window_pattern": 2, "vocab_size": TEXT_VOCAB,
+            "sliding_window": 16, "sliding_window_pattern": 2, "vocab_size": vocab,
             "max_position_embeddings": 4096, "mm_tokens_per_image": 4,
         },
         "vision_config": {
@@ -141,19 +142,19 @@ def _gemma3(ids: dict[str, int]) -> dict:
     }
 
 
-def _llava(ids: dict[str, int], text: dict | None = None) -> dict:
+def _llava(ids: dict[str, int], vocab: int, text: dict | None = None) -> dict:
     """llava-hf/llava-1.5-7b-hf's config.json, shrunk; ``text`` a Llama config to use instead."""
     return {
         "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
         "image_token_index": ids["<image>"], "ignore_index": -100,
         "projector_hidden_act": "gelu", "vision_feature_layer": -2,
         "vision_feature_select_strategy": "default", "pad_token_id": 0,
-        "eos_token_id": [ids[EOS], ids[IM_END]], "vocab_size": TEXT_VOCAB, "torch_dtype": "float32",
+        "eos_token_id": [ids[EOS], ids[IM_END]], "vocab_size": vocab, "torch_dtype": "float32",
         "text_config": text or {
             "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-            "max_position_embeddings": 4096, "vocab_size": TEXT_VOCAB, "tie_word_embeddings": False,
+            "max_position_embeddings": 4096, "vocab_size": vocab, "tie_word_embeddings": False,
         },
         "vision_config": {
             "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
@@ -219,6 +220,12 @@ def write_tokenizer(tokenizer_dir: Path, out: Path, family: Family) -> dict[str,
     return {t: tok.token_to_id(t) for t in (*family.special, EOS, IM_END)}
 
 
+def vocab_size(tokenizer_dir: Path) -> int:
+    """What a checkpoint built on the tokenizer in ``tokenizer_dir`` names its vocabulary."""
+    n = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 def _hf_name(family: str, name: str, value: mx.array) -> tuple[str, mx.array]:
     """An mlx-vlm parameter's name and layout in the family's Hugging Face checkpoint."""
     if family in ("qwen2_5_vl", "qwen3_vl"):
@@ -253,23 +260,26 @@ def _instantiate(config: dict):
 
 
 def build(family: str, out_dir: Path | str, tokenizer_dir: Path | str, seed: int = 0,
-          language_model: Path | str | None = None) -> Path:
+          language_model: Path | str | None = None, text_overrides: dict | None = None) -> Path:
     """Write a tiny random ``family`` vision-language checkpoint to ``out_dir``; returns it.
 
     ``language_model`` (LLaVA only): an mlx-lm Llama checkpoint whose weights and config become the
-    text half (the demo's vision model is the forge's trained target with a random vision tower)."""
+    text half (the demo's vision model is the forge's trained target with a random vision tower).
+    ``text_overrides``: fields of the text config to replace (a benchmark's wider model)."""
     spec = FAMILIES[family]
     out = Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
     ids = write_tokenizer(Path(tokenizer_dir), out, spec)
+    vocab = vocab_size(out)
     text = None
     if language_model is not None:
         if family != "llava":
             raise ValueError("only a LLaVA checkpoint takes a trained language model")
         text = json.loads((Path(language_model) / "config.json").read_text())
-        text.update(vocab_size=TEXT_VOCAB, architectures=["LlamaForCausalLM"])
+        text.update(vocab_size=vocab, architectures=["LlamaForCausalLM"])
         text.pop("quantization", None)
-    config = _llava(ids, text) if text is not None else spec.config(ids)
+    config = _llava(ids, vocab, text) if text is not None else spec.config(ids, vocab)
+    (config.get("text_config") or config).update(text_overrides or {})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(spec.preprocessor, indent=2))
     if spec.processor is not None:
@@ -285,7 +295,7 @@ def build(family: str, out_dir: Path | str, tokenizer_dir: Path | str, seed: int
         std = EMBED_STD.get(family, 1.0) if "embed_tokens" in name else fan_in ** -0.5
         params[name] = mx.random.normal(value.shape, key=mx.random.key(seed * 100003 + i)) * std
     if text is not None:
-        params.update(_padded_text_weights(Path(language_model)))
+        params.update(_padded_text_weights(Path(language_model), vocab))
     weights = dict(_hf_name(family, name, value.astype(mx.float32)) for name, value in params.items())
     if family == "gemma3":  # Gemma 3 ties its head to the embeddings: the checkpoint has none
         weights.pop("language_model.lm_head.weight", None)
@@ -293,13 +303,36 @@ def build(family: str, out_dir: Path | str, tokenizer_dir: Path | str, seed: int
     return out
 
 
-def _padded_text_weights(path: Path) -> dict[str, mx.array]:
+def _padded_text_weights(path: Path, vocab: int) -> dict[str, mx.array]:
     """An mlx-lm Llama checkpoint's weights under LLaVA's ``language_model.`` names, the
-    embedding and head widened to ``TEXT_VOCAB`` rows (the image token's rows are zero)."""
+    embedding and head widened to ``vocab`` rows (the image token's rows are zero)."""
     weights = {}
     for file in sorted(path.glob("*.safetensors")):
         for name, value in mx.load(str(file)).items():
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")) and value.shape[0] < TEXT_VOCAB:
-                value = mx.concatenate([value, mx.zeros((TEXT_VOCAB - value.shape[0], value.shape[1]), value.dtype)])
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")) and value.shape[0] < vocab:
+                value = mx.concatenate([value, mx.zeros((vocab - value.shape[0], value.shape[1]), value.dtype)])
             weights[f"language_model.{name}"] = value
     return weights
+
+
+# Hermes tool conventions over a LLaVA checkpoint: a message's content may hold image parts.
+HERMES_IMAGES = (
+    "{% macro content(c) %}{% if c is string %}{{ c }}{% else %}{% for p in c %}{% if p.type == 'image' %}"
+    "<image>{% elif p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    + HERMES.replace("{{ m.content }}", "{{ content(m.content) }}").replace("{{ m.content or '' }}",
+                                                                        "{{ content(m.content or '') }}")
+)
+
+
+def agent_variant(source: Path | str, out_dir: Path | str, context: int) -> Path:
+    """A LLaVA checkpoint in Hermes tool conventions whose messages may hold images, its window
+    ``context`` wide: what an agent client that sends screenshots and image files talks to."""
+    out = chat_variant(source, out_dir, "hermes", context=context)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = HERMES_IMAGES
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, ensure_ascii=False, indent=1))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": HERMES_IMAGES}))
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = context
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out

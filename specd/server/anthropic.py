@@ -30,8 +30,8 @@ from ..core.sampling import SamplingParams
 from .chat import ChatTurn, Conversation, Delta, Tool
 from .errors import APIError, bad_request
 from .images import Content, ImagePart, ImageParts
-from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, event_stream, integer_field,
-                         model_request, number_field, off_loop, read_json, stream_error)
+from .completion import (ANTHROPIC_WORDING, EngineRun, ParsedRequest, engine_named, event_stream, images_fetched,
+                         integer_field, model_request, number_field, off_loop, read_json, stream_error)
 
 routes = web.RouteTableDef()
 # what /v1/messages reads (``seed`` is specd's extension); anything else gets a 400 that names it
@@ -81,10 +81,11 @@ def _image(block: dict, where: str, images: ImageParts) -> dict:
     source = block.get("source")
     if not isinstance(source, dict):
         raise bad_request("an image block needs a 'source'", f"{where}.source")
-    if source.get("type") == "url":
-        raise bad_request("this server does not fetch image URLs; send a base64 source", f"{where}.source.type")
+    if source.get("type") == "url" and isinstance(source.get("url"), str) and \
+            source["url"].startswith(("http://", "https://")) and set(source) == {"type", "url"}:
+        return images.link(source["url"], f"{where}.source.url")
     if source.get("type") != "base64":
-        raise bad_request("source.type: must be base64", f"{where}.source.type")
+        raise bad_request("source.type: must be base64, or url with an http(s) url", f"{where}.source.type")
     for key in source:
         if key not in ("type", "media_type", "data"):
             raise bad_request(f"{where}.source.{str(key)[:64]}: extra inputs are not permitted",
@@ -378,6 +379,7 @@ def _tool_use(call) -> dict:
 async def messages(request: web.Request) -> web.StreamResponse:
     body = model_request(await read_json(request), FIELDS, ANTHROPIC_WORDING)
     parsed, read = _parse(body), _read(body)  # the whole request, checked before its Model is asked for
+    read = replace(read, conversation=await images_fetched(request, read.conversation))
     engine = await engine_named(request, parsed.model, parsed.stream)
     turn, edits = await off_loop(lambda: _turn(engine, read))
     completion = await off_loop(lambda: EngineRun(engine, parsed, turn.prompt, turn, "msg_" + uuid.uuid4().hex))
@@ -472,6 +474,7 @@ async def _stream(request: web.Request, completion: EngineRun, message: dict, pr
 async def count_tokens(request: web.Request) -> web.Response:
     body = model_request(await read_json(request), COUNT_FIELDS, ANTHROPIC_WORDING)
     read = _read(body)
+    read = replace(read, conversation=await images_fetched(request, read.conversation))
     engine = await engine_named(request, body["model"])
     turn, edits = await off_loop(lambda: _turn(engine, read))
     return web.json_response({"input_tokens": len(turn.prompt), **({} if edits is None else

@@ -18,7 +18,7 @@ from . import admin, anthropic, cluster_api, embeddings, openai, replica_api, re
 from .access import api_access, cors_headers
 from .completion import WAITING_STREAM, stream_error
 from .errors import APIError
-from .keys import (ADMIN_TOKEN, API_KEYS, CLUSTER, CONTROL, CORS_ORIGINS, DROP_HOSTED_TOOLS, REGISTRY,
+from .keys import (ADMIN_TOKEN, API_KEYS, CLUSTER, CONTROL, CORS_ORIGINS, DROP_HOSTED_TOOLS, FETCH_IMAGE_URLS, REGISTRY,
                    RESPONSES, STARTED, STORE, ControlView)
 from .response_store import ResponseStore
 
@@ -108,12 +108,14 @@ async def metrics(request: web.Request) -> web.Response:
 def create_app(registry: ModelRegistry, store: Store, control: ControlView, cluster: Cluster | None = None,
                admin_token: str | None = None, api_keys: tuple[bytes, ...] = (),
                cors_origins: tuple[str, ...] = (), max_body_bytes: int = MAX_BODY_BYTES,
-               stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False) -> web.Application:
+               stored_responses: ResponseStore | None = None, drop_hosted_tools: bool = False,
+               fetch_image_urls: bool = False) -> web.Application:
     """The routes over the serving registry (requests), the store (desired state) and what the
     admin API asks of the control plane; ``daemon.py`` runs the control plane beside them.
     Stored Responses live in ``stored_responses`` (the daemon's is in its state directory;
     without one they last as long as the app). ``drop_hosted_tools`` leaves hosted tools
-    (web search, ...) out of Responses requests instead of refusing them. A head (``cluster``)
+    (web search, ...) out of Responses requests instead of refusing them; ``fetch_image_urls``
+    fetches the http(s) image URLs requests send instead of refusing them. A head (``cluster``)
     takes Nodes on its cluster API."""
     app = web.Application(middlewares=[request_context, api_access, admin.admin_guard],
                           client_max_size=max_body_bytes)
@@ -126,6 +128,7 @@ def create_app(registry: ModelRegistry, store: Store, control: ControlView, clus
     app[API_KEYS] = api_keys
     app[CORS_ORIGINS] = cors_origins
     app[DROP_HOSTED_TOOLS] = drop_hosted_tools
+    app[FETCH_IMAGE_URLS] = fetch_image_urls
     app.on_response_prepare.append(cors_headers)
     if admin_token is not None:
         app[ADMIN_TOKEN] = admin_token

@@ -28,7 +28,8 @@ from ..engine.scheduler import RequestRejected
 from .bodies import BodyError, json_body
 from .chat import ChatTurn, Conversation, call_grammar, splitter
 from .errors import APIError, api_error, bad_request, model_not_found
-from .keys import REGISTRY
+from .images import fetch
+from .keys import FETCH_IMAGE_URLS, REGISTRY
 
 T = TypeVar("T")
 # Rendering templates and tokenizing run here, off the event loop (the tokenizers release the GIL), so
@@ -133,6 +134,13 @@ def request_grammar(engine: ServingEngine, parsed: ParsedRequest, turn: ChatTurn
     except GrammarError as err:
         raise bad_request(f"cannot enforce this schema: {err}", where) from None
     return grammar
+
+
+async def images_fetched(request: web.Request, conversation: Conversation) -> Conversation:
+    """The conversation with its image URLs fetched (a 400 where the daemon fetches none)."""
+    if not any(part.url for part in conversation.images):
+        return conversation
+    return replace(conversation, images=await fetch(conversation.images, request.app[FETCH_IMAGE_URLS]))
 
 
 async def off_loop(fn: Callable[[], T]) -> T:

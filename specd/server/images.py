@@ -1,19 +1,23 @@
 """Images in requests: each API's image parts read and bounded at the edge, decoded off the event loop.
 
 A part is checked when the request is read (its shape, its base64, its encoded size, how many a
-request holds), before any Model is asked for, and decoded with the prompt (``decode``, on the
-preparing thread): its format against the media type it declared, its pixels against
-``MAX_PIXELS`` before a byte of them is decompressed, and its data whole. Each failure is a 400
-naming the field; nothing here can hang or answer 500.
+request holds), before any Model is asked for; an http(s) URL is fetched next (``fetch``), where
+the daemon runs with ``--fetch-image-urls``, within ``MAX_IMAGE_BYTES`` and ``FETCH_SECONDS``; and
+each is decoded with the prompt (``decode``, on the preparing thread): its format against the
+media type it declared, its pixels against ``MAX_PIXELS`` before a byte of them is decompressed,
+and its data whole. Each failure is a 400 naming the field; nothing here can hang or answer 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import aiohttp
 
 from ..core.vision import pixel_digest
 from .errors import bad_request
@@ -21,6 +25,7 @@ from .errors import bad_request
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # encoded, per image: what OpenAI's and Anthropic's APIs take
 MAX_PIXELS = 7680 * 4320  # per image, width x height (8K); a decompression bomb is refused before decoding
 MAX_IMAGES = 32  # per request
+FETCH_SECONDS = 10.0  # an image URL's whole fetch, connecting included
 MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
 TEMPLATE_PART = {"type": "image"}  # what a chat template sees of an image
 
@@ -32,6 +37,7 @@ class ImagePart:
     data: bytes
     media_type: str
     where: str
+    url: str | None = None  # an http(s) URL, fetched before decoding (``fetch``)
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,7 @@ class ImageParts:
         if not isinstance(url, str):
             raise bad_request("an image URL must be a string", where)
         if url.startswith(("http://", "https://")):
-            raise bad_request("this server does not fetch image URLs; send the image inline as a "
-                              "data:image/...;base64 URL", where)
+            return self.link(url, where)
         head, comma, data = url.partition(",")
         if not (url.startswith("data:") and comma and head.endswith(";base64")):
             raise bad_request("an image URL must be a data:image/...;base64,... URL", where)
@@ -68,6 +73,12 @@ class ImageParts:
         if media_type and media_type not in MEDIA_TYPES:
             raise bad_request(f"media type {media_type!r} is not one of {', '.join(MEDIA_TYPES)}", where)
         return self.add(ImagePart(_base64(data, where), media_type, where))
+
+    def link(self, url: str, where: str) -> dict:
+        """An http(s) image URL, fetched later if the daemon fetches URLs at all."""
+        if len(url) > 8192:
+            raise bad_request("an image URL may be at most 8192 characters", where)
+        return self.add(ImagePart(b"", "", where, url))
 
     def base64(self, data: object, media_type: object, where: str) -> dict:
         """An Anthropic ``image`` block's base64 source."""
@@ -112,6 +123,46 @@ def _base64(text: str, where: str) -> bytes:
     if len(data) > MAX_IMAGE_BYTES:
         raise bad_request(f"the image is over {MAX_IMAGE_BYTES} bytes", where)
     return data
+
+
+async def fetch(parts: tuple[ImagePart, ...], allowed: bool) -> tuple[ImagePart, ...]:
+    """``parts`` with each URL's bytes fetched (all at once), or a 400 naming the first that
+    failed: fetching is off, the server answered other than 200, the body is over
+    ``MAX_IMAGE_BYTES`` or took over ``FETCH_SECONDS``."""
+    links = [part for part in parts if part.url is not None]
+    if not links:
+        return parts
+    if not allowed:
+        raise bad_request("this server does not fetch image URLs (its daemon runs without --fetch-image-urls); "
+                          "send the image inline as a data:image/...;base64 URL", links[0].where)
+    timeout = aiohttp.ClientTimeout(total=FETCH_SECONDS)
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=True) as session:
+        fetched = await asyncio.gather(*(_fetch(session, part) for part in links), return_exceptions=True)
+    for result in fetched:
+        if isinstance(result, BaseException):
+            raise result
+    by_where = {part.where: part for part in fetched}
+    return tuple(by_where.get(part.where, part) for part in parts)
+
+
+async def _fetch(session: aiohttp.ClientSession, part: ImagePart) -> ImagePart:
+    try:
+        async with session.get(part.url, allow_redirects=True, max_redirects=3) as response:
+            if response.status != 200:
+                raise bad_request(f"fetching the image URL answered HTTP {response.status}", part.where)
+            data = bytearray()
+            async for chunk in response.content.iter_chunked(1 << 16):
+                data += chunk
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise bad_request(f"the image is over {MAX_IMAGE_BYTES} bytes", part.where)
+            media_type = response.headers.get("Content-Type", "").split(";")[0].strip()
+    except asyncio.TimeoutError:
+        raise bad_request(f"fetching the image URL took over {FETCH_SECONDS:g} s", part.where) from None
+    except (aiohttp.ClientError, ValueError) as exc:
+        raise bad_request(f"the image URL could not be fetched: {type(exc).__name__}", part.where) from None
+    if not data:
+        raise bad_request("the image URL's body is empty", part.where)
+    return replace(part, data=bytes(data), media_type=media_type if media_type in MEDIA_TYPES else "", url=None)
 
 
 def decode(part: ImagePart) -> DecodedImage:

@@ -37,3 +37,4 @@ CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call th
 STARTED = web.AppKey("started", asyncio.Event)
 RESPONSES = web.AppKey("responses", ResponseStore)  # stored Responses (previous_response_id)
 DROP_HOSTED_TOOLS = web.AppKey("drop_hosted_tools", bool)  # leave hosted tools out of Responses requests
+FETCH_IMAGE_URLS = web.AppKey("fetch_image_urls", bool)  # fetch the http(s) image URLs requests send

@@ -15,8 +15,8 @@ from ..engine.interface import ServingEngine
 from ..core.sampling import SamplingParams
 from ..core.request import Method, StepOutput, TokenLogprob
 from .chat import ChatTurn, Conversation, Delta, parse_tool_choice, parse_tools, template_kwargs, template_tool_calls
-from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, integer_field,
-                         model_request, number_field, off_loop, read_json, stream_error)
+from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, images_fetched,
+                         integer_field, model_request, number_field, off_loop, read_json, stream_error)
 from .errors import APIError, bad_request, model_not_found
 from .images import Content, ImageParts
 from .keys import REGISTRY
@@ -418,6 +418,8 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     conversation = chat_conversation(body) if chat else None
     prompt = None if chat else completion_prompt(body)
     check_constraints(parsed, conversation)
+    if conversation is not None:
+        conversation = await images_fetched(request, conversation)
     engine = await engine_named(request, parsed.model, parsed.stream)
 
     def prepare() -> Completion:

@@ -34,8 +34,8 @@ from aiohttp import web
 from ..core.request import StepOutput
 from ..core.sampling import SamplingParams
 from .chat import NAMESPACE_SEPARATOR, ChatTurn, Conversation, Delta, Tool, parse_tools
-from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, integer_field,
-                         model_request, number_field, off_loop, read_json)
+from .completion import (EngineRun, ParsedRequest, check_constraints, engine_named, event_stream, images_fetched,
+                         integer_field, model_request, number_field, off_loop, read_json)
 from .errors import APIError, bad_request
 from .images import Content, ImageParts
 from .keys import DROP_HOSTED_TOOLS, RESPONSES
@@ -453,6 +453,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     # the whole request is checked before its Model is asked for: a malformed one loads nothing
     chat, items = _conversation(body, earlier, request.app[DROP_HOSTED_TOOLS])
     check_constraints(parsed, chat)
+    chat = await images_fetched(request, chat)
     engine = await engine_named(request, parsed.model, parsed.stream)
     turn = await off_loop(lambda: chat.turn(engine))
     run = await off_loop(lambda: EngineRun(engine, parsed, turn.prompt, turn, _new_id("resp")))

@@ -161,3 +161,45 @@ def test_qwen_vl_mrope_is_refused_with_its_reason_and_serves_text(vision_models)
     model, _ = load_model(str(vision_models["qwen2_5_vl"]))
     with pytest.raises(VisionUnavailable, match="mrope"):
         VisionTower(vision_models["qwen2_5_vl"], model)
+
+
+def test_draft_model_and_eagle_speculation_are_lossless_with_images(loaded, forged, tmp_path):
+    """A draft model (the forge's draft as a LLaVA's text half: the target's tokens) and an EAGLE
+    head draft from the tokens; in a staggered batch of image and text rows, chains and trees,
+    every row gives the tokens it gives without speculation."""
+    import asyncio
+
+    from conftest import head_for
+
+    model, tokenizer, vision = loaded["llava"]
+    draft, _ = load_model(str(build("llava", tmp_path / "draft", forged / "target", seed=3,
+                                    language_model=forged / "draft")))
+    asks = [("Describe this image.", [picture(1)]), ("def fib(n):", []),
+            ("What is in the picture?", [picture(4, (64, 48), "JPEG")]), ("Compare the two.", [picture(5), picture(6)])]
+
+    def run(drafter, mixes):
+        async def go(engine):
+            async def one(i, text, images, spec):
+                await asyncio.sleep(0.03 * i)
+                return await answer(engine, request(vision, tokenizer, text, images, speculation=spec))
+            rows = await asyncio.gather(*(one(i, t, im, s) for i, ((t, im), s) in enumerate(zip(asks, mixes))))
+            return [t for t, _ in rows], engine.scheduler.speculator.drafted_total
+        return run_engine(model, tokenizer, go, draft_model=drafter, vision=vision, prefix_cache_bytes=0)
+
+    plain, _ = run(None, [None] * len(asks))
+    draft_rows, drafted = run(draft, [SpeculationConfig(Method.DRAFT, 3)] * len(asks))
+    assert draft_rows == plain and drafted > 0
+    chain, tree = SpeculationConfig(Method.EAGLE, 3), SpeculationConfig(Method.EAGLE, 3, tree_top_k=2, tree_tokens=6)
+    eagle_rows, drafted = run(head_for(model, 1), [chain, tree, tree, chain])
+    assert eagle_rows == plain and drafted > 0
+
+
+def test_the_vision_tower_counts_in_the_models_memory_request(vision_models, loaded):
+    from specd.api.manifest import ModelSpec
+    from specd.core.loader import weight_bytes
+    from specd.engine.resources import memory_request
+
+    model, _, vision = loaded["gemma3"]
+    request = memory_request(ModelSpec(source=str(vision_models["gemma3"])), None, 8 << 30, local_only=True)
+    loaded_bytes = weight_bytes(model) + vision.weight_bytes  # a few computed arrays are in no file
+    assert vision.weight_bytes > 0.1 * request.weights and abs(request.weights - loaded_bytes) < 0.01 * loaded_bytes

@@ -145,3 +145,41 @@ def test_opencode_finishes_a_turn_over_chat_completions(clients, agent_daemon, w
     assert finished and finished[-1]["part"]["reason"] in ("stop", "length", "tool-calls"), events
     assert not any(e.get("type") == "error" for e in events), events
     check_requests(agent_daemon, since, "/v1/chat/completions")
+
+
+@pytest.fixture(scope="module")
+def vision_agent_daemon(forged, tmp_path_factory):
+    """A LLaVA checkpoint whose language model is the forge's one-layer draft, in Hermes
+    conventions with image parts and a 64k window (``specd.forge.vision.agent_variant``)."""
+    pytest.importorskip("mlx_vlm")
+    from specd.forge import AGENT_CONTEXT
+    from specd.forge.vision import agent_variant, build
+
+    root = tmp_path_factory.mktemp("vision-agent-daemon")
+    llava = build("llava", root / "llava", forged / "draft", language_model=forged / "draft")
+    agent = agent_variant(llava, root / "agent-eyes", AGENT_CONTEXT)
+    daemon = start_daemon(root, {"agent.yaml": model_manifest("agent-eyes", agent, maxBatchSize=4)})
+    yield daemon
+    daemon.stop()
+
+
+def test_claude_code_sends_an_image_file_it_reads(clients, vision_agent_daemon, workdir, tmp_path):
+    """``@picture.png`` in a non-interactive prompt: Claude Code reads the file and sends it as an
+    image block; every request it makes is answered 2xx and the Model counts the image."""
+    from PIL import Image
+
+    from daemons import scrape
+
+    Image.new("RGB", (64, 48), (200, 40, 40)).save(workdir / "picture.png")
+    since = len(vision_agent_daemon.log())
+    proc = run_client([str(clients / "claude"), "-p", "What is in @picture.png?", "--output-format", "json",
+                       "--max-turns", "2"], workdir, tmp_path / "home",
+                      {"ANTHROPIC_BASE_URL": vision_agent_daemon.url, "ANTHROPIC_API_KEY": "sk-local",
+                       "ANTHROPIC_MODEL": "agent-eyes", "ANTHROPIC_SMALL_FAST_MODEL": "agent-eyes",
+                       "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
+                       "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    result = json.loads(proc.stdout)
+    assert result["subtype"] == "success" and not result["is_error"], result
+    check_requests(vision_agent_daemon, since, "/v1/messages")
+    assert scrape(vision_agent_daemon)[("specd_prompt_images_total", (("model", "agent-eyes"),))] >= 1

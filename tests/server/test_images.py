@@ -4,6 +4,7 @@ vision-language Model (``specd.forge.vision``'s Gemma 3) beside the text-only fo
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 
@@ -187,3 +188,63 @@ def test_an_image_in_a_tool_result_reaches_the_model(claude):
     with_image, without = ask(True), ask(False)
     assert with_image.usage.input_tokens + (with_image.usage.cache_read_input_tokens or 0) > \
         without.usage.input_tokens + (without.usage.cache_read_input_tokens or 0)
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """An HTTP server on loopback: /ok.png an image, /missing a 404, /slow no answer for 12 s,
+    /huge a body over the size limit."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from specd.server.images import MAX_IMAGE_BYTES
+
+    png = encoded(9)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/slow":
+                time.sleep(12)
+            if self.path == "/missing":
+                self.send_error(404)
+                return
+            body = png if self.path != "/huge" else b"\0" * (MAX_IMAGE_BYTES + 1)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", png
+    server.shutdown()
+
+
+def test_image_urls_are_fetched_only_where_the_operator_allows_it(forged, tmp_path, image_host, vision_daemon):
+    base, png = image_host
+    model = build("gemma3", tmp_path / "gemma3", forged / "target", seed=3)
+    fetching = start_daemon(tmp_path, {"m.yaml": model_manifest("eyes", model)}, True, "--fetch-image-urls")
+    try:
+        client = OpenAI(base_url=fetching.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        fetched = chat(client, f"{base}/ok.png").choices[0].message.content
+        assert fetched == chat(client, data_url(png)).choices[0].message.content
+        claude = anthropic.Anthropic(base_url=fetching.url, api_key="unused", max_retries=0, timeout=60)
+        message = claude.messages.create(model="eyes", max_tokens=8, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": f"{base}/ok.png"}},
+                                         {"type": "text", "text": "Describe this image."}]}])
+        assert message.content[0].text == fetched
+        for path, words in (("/missing", "HTTP 404"), ("/huge", "over"), ("/slow", "took over"),
+                            ("http://127.0.0.1:9/x.png", "could not be fetched")):
+            with pytest.raises(BadRequestError, match=words) as err:
+                chat(client, path if path.startswith("http") else base + path)
+            assert err.value.body["param"] == "messages[0].content[0].image_url"
+    finally:
+        fetching.stop()
+    with pytest.raises(BadRequestError, match="--fetch-image-urls"):
+        chat(OpenAI(base_url=vision_daemon.url + "/v1", api_key="unused", max_retries=0), f"{base}/ok.png")
