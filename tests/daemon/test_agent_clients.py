@@ -97,14 +97,17 @@ def check_requests(daemon, since: int, route: str) -> list[tuple[str, int]]:
     return requests
 
 
+def claude_env(daemon, model: str) -> dict[str, str]:
+    """Claude Code pointed at ``model`` on ``daemon``, with nothing else to reach."""
+    return {"ANTHROPIC_BASE_URL": daemon.url, "ANTHROPIC_API_KEY": "sk-local", "ANTHROPIC_MODEL": model,
+            "ANTHROPIC_SMALL_FAST_MODEL": model, "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+
+
 def test_claude_code_finishes_a_turn_over_the_messages_api(clients, agent_daemon, workdir, tmp_path):
     since = len(agent_daemon.log())
     proc = run_client([str(clients / "claude"), "-p", TASK, "--output-format", "json", "--max-turns", "2"],
-                      workdir, tmp_path / "home",
-                      {"ANTHROPIC_BASE_URL": agent_daemon.url, "ANTHROPIC_API_KEY": "sk-local",
-                       "ANTHROPIC_MODEL": "agent", "ANTHROPIC_SMALL_FAST_MODEL": "agent",
-                       "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
-                       "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"})
+                      workdir, tmp_path / "home", claude_env(agent_daemon, "agent"))
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     result = json.loads(proc.stdout)
     assert result["type"] == "result" and result["subtype"] == "success" and not result["is_error"], result
@@ -173,11 +176,7 @@ def test_claude_code_sends_an_image_file_it_reads(clients, vision_agent_daemon, 
     Image.new("RGB", (64, 48), (200, 40, 40)).save(workdir / "picture.png")
     since = len(vision_agent_daemon.log())
     proc = run_client([str(clients / "claude"), "-p", "What is in @picture.png?", "--output-format", "json",
-                       "--max-turns", "2"], workdir, tmp_path / "home",
-                      {"ANTHROPIC_BASE_URL": vision_agent_daemon.url, "ANTHROPIC_API_KEY": "sk-local",
-                       "ANTHROPIC_MODEL": "agent-eyes", "ANTHROPIC_SMALL_FAST_MODEL": "agent-eyes",
-                       "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
-                       "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"})
+                       "--max-turns", "2"], workdir, tmp_path / "home", claude_env(vision_agent_daemon, "agent-eyes"))
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     result = json.loads(proc.stdout)
     assert result["subtype"] == "success" and not result["is_error"], result
