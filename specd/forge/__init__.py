@@ -9,7 +9,8 @@ in ``OUT_DIR/dflash``); ``OUT_DIR/agent`` is the target with a chat
 template that renders tools (Hermes conventions) and a window wide enough
 for an agent client's prompt, so Claude Code, Codex and OpenCode can be
 tried against it offline; ``OUT_DIR/vision`` is the target as the language model
-of a LLaVA checkpoint with a random vision tower, so images can be sent to it.
+of a LLaVA checkpoint with a random vision tower, in the agent's conventions, so
+images can be sent to it.
 
 Presets: ``test`` (random, tiny, deterministic, seconds), ``quick`` (the
 demo's shapes trained for under a minute) and ``demo`` (trained for about nine
@@ -38,6 +39,7 @@ from .mtp import train_mtp
 from .presets import BUDGET_ENV, PRESETS, Recipe, get_recipe
 from .tokenizer import EOS, IM_END, save_tokenizer, spread, stdlib_sources, train_tokenizer
 from .train import encode_corpus, evaluate, train, windows
+from .vision import agent_variant as vision_agent
 from .vision import build as build_vision
 
 __all__ = ["forge", "add_arguments", "run", "PRESETS", "BUDGET_ENV", "AGENT_CONTEXT"]
@@ -176,11 +178,19 @@ def _write_agent(out_dir: Path) -> None:
 
 def _write_vision(out_dir: Path, log: Log) -> None:
     """``OUT/vision``: a LLaVA checkpoint whose language model is the target, its vision tower
-    random (images change its answers; it was never taught to see), for the quick start."""
+    random (images change its answers; it was never taught to see), in the agent model's
+    conventions (Hermes tools, a wide window) with image parts: the quick start's, and one an
+    agent client can send screenshots to."""
     if importlib.util.find_spec("mlx_vlm") is None:
         log(f"forge: no {VISION} model: it needs mlx-vlm (pip install 'specd[vision]')")
         return
-    build_vision("llava", out_dir / VISION, out_dir / "target", language_model=out_dir / "target")
+    staging = out_dir / f".{VISION}-{os.getpid()}"
+    try:
+        build_vision("llava", staging, out_dir / "target", language_model=out_dir / "target")
+        shutil.rmtree(out_dir / VISION, ignore_errors=True)
+        vision_agent(staging, out_dir / VISION, AGENT_CONTEXT)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _copy_shared(target: llama.Model, draft: llama.Model) -> None:

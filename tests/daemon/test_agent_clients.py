@@ -181,4 +181,4 @@ def test_claude_code_sends_an_image_file_it_reads(clients, vision_agent_daemon, 
     result = json.loads(proc.stdout)
     assert result["subtype"] == "success" and not result["is_error"], result
     check_requests(vision_agent_daemon, since, "/v1/messages")
-    assert scrape(vision_agent_daemon)[("specd_prompt_images_total", (("model", "agent-eyes"),))] >= 1
+    assert scrape(vision_agent_daemon)[("specd_prompt_images_total", (("model_name", "agent-eyes"),))] >= 1
