@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -478,6 +480,25 @@ def _run(argv: list[str]) -> str | None:
     return (result.stdout + result.stderr).strip()
 
 
+def check_vision(resources: list | None) -> Check:
+    """Images need mlx-vlm (``specd[vision]``): a failure where a Model names image in its
+    modalities and it is missing, a warning where it is missing and no Model asks."""
+    try:
+        found = importlib.util.find_spec("mlx_vlm") is not None
+    except ImportError:  # a broken install
+        found = False
+    if found:
+        version = importlib.metadata.version("mlx-vlm")
+        return Check("vision", "ok", f"mlx-vlm {version}: vision-language Models take images",
+                     details={"mlx_vlm": version})
+    asking = [r.name for r in resources or () if r.kind == "Model" and "image" in (r.spec.modalities or ())]
+    if asking:
+        return Check("vision", "fail", f"mlx-vlm is not installed, and {', '.join(asking)} name image in "
+                     "their modalities: they will not load", "pip install 'specd[vision]'")
+    return Check("vision", "warn", "mlx-vlm is not installed: vision-language Models serve text only",
+                 "pip install 'specd[vision]'")
+
+
 def check_rdma(resources: list | None) -> Check:
     if sys.platform != "darwin":
         return Check("rdma", "skip", "not applicable: JACCL (RDMA over Thunderbolt 5) is macOS-only")
@@ -552,6 +573,7 @@ def run_checks(manifests: Path | None, state_dir: Path) -> list[Check]:
         checks.append(_guard("memory", lambda: check_memory(resources, state_dir)))
     checks += [_guard("state-dir", lambda: check_state_dir(state_dir)),
                _guard("service", check_service),
+               _guard("vision", lambda: check_vision(resources)),
                _guard("rdma", lambda: check_rdma(resources))]
     return checks
 

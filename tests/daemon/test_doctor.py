@@ -15,7 +15,7 @@ from conftest import model_manifest
 from specd import service
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ["platform", "mlx", "blas", "manifests", "memory", "state-dir", "service", "rdma"]
+NAMES = ["platform", "mlx", "blas", "manifests", "memory", "state-dir", "service", "vision", "rdma"]
 OPENBLAS = service.openblas_path()
 
 
@@ -83,6 +83,7 @@ def test_healthy_host_with_openblas(tmp_path, manifests, forged):
     assert not (tmp_path / "state").exists(), "doctor must not create the state dir"
     assert checks["rdma"]["status"] == "skip" and "not applicable" in checks["rdma"]["message"]
     assert checks["mlx"]["status"] == "ok" and checks["mlx"]["details"]["version"]
+    assert checks["vision"]["status"] == "ok" and checks["vision"]["details"]["mlx_vlm"]
 
 
 def test_reference_blas_warns_with_the_fix(tmp_path):
@@ -189,3 +190,22 @@ def test_a_model_whose_request_never_fits_the_node_is_warned_about(tmp_path, for
     memory = checks["memory"]
     assert memory["status"] == "warn" and "can never fit" in memory["message"], memory
     assert "vast" in memory["hint"] and "Unschedulable" in memory["hint"]
+
+
+def test_a_model_asking_for_images_without_mlx_vlm_fails(tmp_path, forged):
+    """mlx-vlm hidden from the interpreter (as a host without specd[vision] has it)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\nclass Hide:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'mlx_vlm' or name.startswith('mlx_vlm.'):\n            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n")
+    env = {"PYTHONPATH": f"{hide}:{os.environ.get('PYTHONPATH', '')}"}
+    directory = tmp_path / "manifests"
+    directory.mkdir()
+    (directory / "m.yaml").write_text(model_manifest("eyes", forged / "target", modalities="[text, image]"))
+    code, checks = doctor("--manifests", str(directory), "--state-dir", str(tmp_path / "state"), env=env)
+    assert code == 1 and checks["vision"]["status"] == "fail" and "eyes" in checks["vision"]["message"]
+    (directory / "m.yaml").write_text(model_manifest("plain", forged / "target"))
+    code, checks = doctor("--manifests", str(directory), "--state-dir", str(tmp_path / "state"), env=env)
+    assert checks["vision"]["status"] == "warn" and "specd[vision]" in checks["vision"]["hint"]
