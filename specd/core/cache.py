@@ -111,6 +111,8 @@ class RowCache(Protocol):
 
     def merge(self, other: "RowCache") -> None: ...
 
+    def shift(self, shifts: list[int]) -> None: ...
+
     def settle(self) -> None: ...
 
     def tree_attention(self, ancestry: mx.array): ...
@@ -230,6 +232,12 @@ class BatchRowCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
 
+    def shift(self, shifts: list[int]) -> None:
+        """Each row's RoPE offset moved ``shifts[b]`` positions on (``RowKV.shift``)."""
+        for group in self.attention:
+            for leaf in group:
+                leaf.shift(shifts)
+
     def shared_tokens(self, b: int) -> int:
         return min((group[0].shared_columns[b] for group in self.attention), default=0)  # a group's layers alike
 
@@ -347,6 +355,10 @@ class RowwiseCache:
         real = next(o for o in outs if o is not None)
         return mx.concatenate([mx.zeros((1, width, real.shape[-1]), real.dtype) if o is None else
                                mx.pad(o, [(0, 0), (width - o.shape[1], 0), (0, 0)]) for o in outs])
+
+    def shift(self, shifts: list[int]) -> None:
+        if any(shifts):
+            raise ValueError("a model run row by row keeps one RoPE offset per row cache: it cannot shift them")
 
     def rollback(self, rejected: list[int]) -> None:
         written = sum(inputs.shape[1] for inputs in self._journal)

@@ -71,7 +71,7 @@ class RowKV:
     """
 
     EVICT_SLACK = 16  # columns past twice the window before evicting
-    _ROW_FIELDS = ("keys", "values", "shared", "shared_columns", "held", "positions", "pending")
+    _ROW_FIELDS = ("keys", "values", "shared", "shared_columns", "held", "positions", "pending", "shifts")
 
     def __init__(self, padding: list[int], window: int | None = None, quantization: KVQuantization | None = None):
         self.keys: list[Side | None] = [None] * len(padding)
@@ -83,6 +83,7 @@ class RowKV:
         self.held = [0] * len(padding)
         self.positions = [0] * len(padding)
         self.pending = list(padding)
+        self.shifts = [0] * len(padding)  # added to a row's RoPE offset (after a Qwen-VL prompt's images)
         self.window = window
         self.tree: mx.array | None = None
         self.attends = 0  # calls of ``attend``: 0 after a forward means the model's attention bypasses it
@@ -93,10 +94,16 @@ class RowKV:
 
     @property
     def offset(self) -> mx.array:
-        """(B,) RoPE offset of each row's next input column (its padding counted in)."""
+        """(B,) RoPE offset of each row's next input column (its padding counted in, and its shift)."""
         if self._offset is None:
-            self._offset = mx.array([p - q for p, q in zip(self.positions, self.pending)])
+            self._offset = mx.array([p - q + s for p, q, s in zip(self.positions, self.pending, self.shifts)])
         return self._offset
+
+    def shift(self, shifts: list[int]) -> None:
+        """Rotate each row's later columns ``shifts[b]`` positions on from where they are stored:
+        text after a Qwen-VL prompt's images sits at its index plus the images' rope delta."""
+        self.shifts = list(shifts)
+        self._offset = None
 
     def make_mask(self, *args, **kwargs) -> None:
         """``attend`` builds each row's mask itself."""

@@ -8,6 +8,9 @@ text model in ``language_model``, Mamba-style ones call it ``backbone``).
 
 from __future__ import annotations
 
+from typing import Callable
+
+import mlx.core as mx
 import mlx.nn as nn
 
 # Where mlx-lm's families keep their parts: the decoder stack (multimodal
@@ -49,3 +52,13 @@ def target_parts(model: nn.Module) -> tuple[nn.Module, object]:
         if getattr(owner, "lm_head", None) is not None:
             return embed, owner.lm_head
     return embed, embed.as_linear
+
+
+def rotate_at(rope: Callable[..., mx.array], x: mx.array, positions: mx.array) -> mx.array:
+    """Rotate x (B, heads, n, D) so that token j of row b sits at
+    ``positions[b, j]``: every token becomes its own length-1 sequence with
+    its own offset, in one RoPE call."""
+    B, H, n, D = x.shape
+    positions = mx.broadcast_to(positions, (B, n)).reshape(-1)
+    y = rope(x.transpose(0, 2, 1, 3).reshape(B * n, H, 1, D), offset=positions)
+    return y.reshape(B, n, H, D).transpose(0, 2, 1, 3)

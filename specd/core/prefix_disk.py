@@ -259,6 +259,36 @@ class DiskCounters:
     refused: dict[str, int] = field(default_factory=dict)  # by kind: corrupt, truncated, foreign, mismatched
 
 
+class _Directory:
+    """A directory's block files as every tier of this process on it counts them (an engine
+    reloaded beside the one it replaces writes to the same directory while the old one drains):
+    their bytes, least recently used first, so that together they stay within ``maxBytes``."""
+
+    _open: dict[Path, "_Directory"] = {}
+    _open_lock = threading.Lock()
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.files: dict[Path, int] = {}
+        self.bytes = 0
+        self.scanned = False
+        self.users = 0
+
+    @classmethod
+    def open(cls, path: Path) -> "_Directory":
+        with cls._open_lock:
+            directory = cls._open.setdefault(path.resolve(), cls(path.resolve()))
+            directory.users += 1
+            return directory
+
+    def release(self) -> None:
+        with self._open_lock:
+            self.users -= 1
+            if self.users == 0:
+                del self._open[self.path]
+
+
 class DiskTier:
     """One Model's blocks on disk: which are there, writing new ones, reading them back.
 
@@ -276,10 +306,9 @@ class DiskTier:
         self.error: str | None = None  # why the tier writes nothing now
         self._retry_at = 0.0
         self._on_change = on_change
-        self._lock = threading.Lock()
+        self._directory = _Directory.open(config.directory)
+        self._lock = self._directory.lock  # the index too: one lock for what a tier changes at once
         self._index: dict[str, _Entry] = {}  # this namespace's blocks
-        self._files: dict[Path, int] = {}  # every block file in the directory, least recently used first
-        self.bytes = 0
         self._pending = 0
         self._queued: set[str] = set()  # hashes waiting for the writer
         self._queue: queue.Queue[Block | None] = queue.Queue()
@@ -292,10 +321,23 @@ class DiskTier:
     def directory(self) -> Path:
         return self.config.directory / self.space[:32]
 
+    @property
+    def bytes(self) -> int:
+        """What the directory's block files hold (every namespace's)."""
+        return self._directory.bytes
+
     # -- the index --------------------------------------------------------------
 
     def _scan(self) -> None:
-        """What the directory holds, oldest use first; leftover temporary files go."""
+        """What the directory holds, oldest use first; leftover temporary files go. Where another
+        tier of this process has the directory open (the engine this one replaces), what it
+        counts is taken as it is (its writer's temporary files are no leftovers)."""
+        with self._lock:
+            if self._directory.scanned:
+                for path, size in self._directory.files.items():
+                    if path.parent.parent == self.directory:
+                        self._note(path, size)
+                return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             found = []
@@ -308,11 +350,13 @@ class DiskTier:
         except OSError as exc:
             self._fail(exc)
             return
-        for _, path, size in sorted(found):
-            self._files[path] = size
-            self.bytes += size
-            if path.parent.parent == self.directory:
-                self._note(path, size)
+        with self._lock:
+            for _, path, size in sorted(found):
+                self._directory.files[path] = size
+                self._directory.bytes += size
+                if path.parent.parent == self.directory:
+                    self._note(path, size)
+            self._directory.scanned = True
 
     def _note(self, path: Path, size: int) -> None:
         hash_, snapshot = path.name.split(".")[0], path.suffix == SNAPSHOT_SUFFIX
@@ -346,8 +390,8 @@ class DiskTier:
                 size = path.stat().st_size
             except OSError:
                 continue
-            self._files[path] = size
-            self.bytes += size
+            self._directory.files[path] = size
+            self._directory.bytes += size
             self._note(path, size)
             return self._index[hash_]
         return None
@@ -423,11 +467,11 @@ class DiskTier:
             raise
         plain = self._path(block.hash, False)
         with self._lock:
-            self._files[path] = size
-            self.bytes += size
+            self._directory.files[path] = size
+            self._directory.bytes += size
             self._note(path, size)
-            if block.snapshot is not None and plain in self._files:  # the block with its state replaces it
-                self.bytes -= self._files.pop(plain)
+            if block.snapshot is not None and plain in self._directory.files:  # the block with its state replaces it
+                self._directory.bytes -= self._directory.files.pop(plain)
                 plain.unlink(missing_ok=True)
         if self.error is not None:
             log.info("prefix disk tier writes again", directory=str(self.config.directory))
@@ -449,10 +493,10 @@ class DiskTier:
         with ``room`` bytes to spare."""
         while True:
             with self._lock:
-                if self.bytes + room <= self.config.max_bytes or not self._files:
+                if self._directory.bytes + room <= self.config.max_bytes or not self._directory.files:
                     return
-                path = next(iter(self._files))
-                self.bytes -= self._files.pop(path)
+                path = next(iter(self._directory.files))
+                self._directory.bytes -= self._directory.files.pop(path)
                 entry = self._index.get(path.name.split(".")[0])
                 if entry is not None and entry.path == path:
                     del self._index[path.name.split(".")[0]]
@@ -471,6 +515,7 @@ class DiskTier:
         self.flush()
         self._queue.put(None)
         self._reader.shutdown(wait=False, cancel_futures=True)
+        self._directory.release()
 
     # -- reading ----------------------------------------------------------------
 
@@ -522,15 +567,15 @@ class DiskTier:
             hash_ = entry.path.name.split(".")[0]
             if self._index.get(hash_) is entry:
                 del self._index[hash_]
-            size = self._files.pop(entry.path, None)
+            size = self._directory.files.pop(entry.path, None)
             if size is not None:
-                self.bytes -= size
+                self._directory.bytes -= size
 
     def _touch(self, entry: _Entry) -> None:
         """A hit makes the block the most recently used, on disk too."""
         with self._lock:
-            if entry.path in self._files:
-                self._files[entry.path] = self._files.pop(entry.path)
+            if entry.path in self._directory.files:
+                self._directory.files[entry.path] = self._directory.files.pop(entry.path)
         try:
             os.utime(entry.path)
         except OSError:
@@ -539,7 +584,7 @@ class DiskTier:
     def status(self) -> dict:
         c = self.counters
         return {"path": str(self.config.directory), "maxBytes": self.config.max_bytes, "bytes": self.bytes,
-                "blocks": len(self._files), "blockTokens": self.block, "hitTokens": c.hit_tokens,
+                "blocks": len(self._directory.files), "blockTokens": self.block, "hitTokens": c.hit_tokens,
                 "readBytes": c.read_bytes, "writtenBytes": c.written_bytes, "writtenBlocks": c.written_blocks,
                 "droppedBlocks": c.dropped_blocks, "evictedBlocks": c.evicted_blocks,
                 "refusedBlocks": dict(c.refused), "available": self.error is None, "error": self.error}

@@ -37,8 +37,9 @@ run.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,13 +99,23 @@ class ModelRunner:
         the group's last is evaluated here; the last one's with the decode step after it."""
         group = chunk.group
         tokens = group.tokens[:, chunk.start:chunk.end]
-        group.cache.forward(self.model, tokens, embeddings=self._embeddings(group, chunk, tokens))
+        with self._positioned(group, chunk):
+            group.cache.forward(self.model, tokens, embeddings=self._embeddings(group, chunk, tokens))
         self.speculator.prefilled(group.seqs, chunk.start, chunk.end, group.padding(), first=chunk.first)
         if not chunk.last:
             mx.eval(group.cache.state)
         else:
             for seq in group.seqs:
                 seq.prompt_embeddings = None
+
+    def _positioned(self, group: PrefillGroup, chunk: PrefillChunk) -> ContextManager:
+        """Where the model's image tokens take their own rotary positions (Qwen-VL) and a row of
+        the group has images: the chunk's forward rotates every row at its (t, h, w) positions."""
+        mrope = self.vision.mrope if self.vision is not None else None
+        if mrope is None or all(seq.request.images is None for seq in group.seqs):
+            return nullcontext()
+        rows = [(seq.request.images, chunk.start - pad) for seq, pad in zip(group.seqs, group.padding())]
+        return mrope.at(self.vision.chunk_positions(rows, chunk.end - chunk.start))
 
     def _embeddings(self, group: PrefillGroup, chunk: PrefillChunk, tokens: mx.array) -> mx.array | None:
         """A chunk's input embeddings where it covers some row's image tokens (None: the tokens').

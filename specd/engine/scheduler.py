@@ -364,6 +364,9 @@ class Scheduler:
         self.metrics.prefix_cache_hits.labels(self.name).inc(sum(cached))
         tokens = mx.array([[0] * (width - len(c)) + s.prefill_tokens for s, c in zip(seqs, contexts)])
         cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts, self.kv_quantization)
+        vision = self.runner.vision
+        if vision is not None and vision.mrope is not None:  # text after a Qwen-VL prompt's images sits further on
+            cache.shift([0 if s.request.images is None else s.request.images.rope_delta for s in seqs])
         self.prefill = PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
 
     def _plan_prefill(self) -> PrefillChunk | None:

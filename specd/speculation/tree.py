@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..core.cache import RowCache
-from ..core.model_parts import decoder
+from ..core.model_parts import decoder, rotate_at
 from .hooks import hook
 
 
@@ -122,16 +122,6 @@ class TreePositions:
         if self.depths is None:
             return rope(x, offset=offset)
         return rotate_at(rope, x, mx.array(offset).reshape(-1, 1) + self.depths)
-
-
-def rotate_at(rope: Callable[..., mx.array], x: mx.array, positions: mx.array) -> mx.array:
-    """Rotate x (B, heads, n, D) so that token j of row b sits at
-    ``positions[b, j]``: every token becomes its own length-1 sequence with
-    its own offset, in one RoPE call."""
-    B, H, n, D = x.shape
-    positions = mx.broadcast_to(positions, (B, n)).reshape(-1)
-    y = rope(x.transpose(0, 2, 1, 3).reshape(B * n, H, 1, D), offset=positions)
-    return y.reshape(B, n, H, D).transpose(0, 2, 1, 3)
 
 
 @contextmanager

@@ -196,6 +196,29 @@ def test_the_directory_stays_within_max_bytes_least_recently_used_first(tmp_path
     again.close()
 
 
+def test_two_tiers_on_one_directory_stay_within_max_bytes_together(tmp_path):
+    """An engine reloaded beside the one it replaces: both write to the Model's directory, whose
+    files never pass maxBytes, not even for a moment (room is made before each write)."""
+    probe = DiskTier(DiskConfig(tmp_path / "probe", 10**9, "synthetic"), namespace("synthetic", None, "target"),
+                     stateful=False)
+    probe.save(synthetic(probe, 0))
+    probe.flush()
+    size = probe.bytes
+    probe.close()
+    config = DiskConfig(tmp_path / "blocks", 3 * size + size // 2, "synthetic")
+    old = DiskTier(config, namespace("synthetic", None, "target"), stateful=False)
+    new = DiskTier(config, namespace("synthetic", None, "target"), stateful=False)
+    largest = 0
+    for j in range(12):
+        tier = (old, new)[j % 2]
+        tier.save(synthetic(tier, j))
+        tier.flush()
+        largest = max(largest, sum(p.stat().st_size for p in config.directory.rglob("*") if p.is_file()))
+    assert largest <= config.max_bytes and old.bytes == new.bytes <= config.max_bytes
+    old.close()
+    new.close()
+
+
 def test_a_directory_that_refuses_writes_leaves_the_engine_serving(models, tmp_path):
     loaded = models("target")
     tokens = prompt(loaded[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from specd.forge.vision import build
 
 GREEDY = SamplingParams(temperature=0.0)
 TOKENS = 12
-SERVED = ("gemma3", "llava")  # families whose image tokens take plain positions
+SERVED = ("gemma3", "llava", "qwen2_5_vl")  # qwen2_5_vl: its image tokens take (t, h, w) rotary positions
 _ids = itertools.count()
 
 
@@ -39,7 +40,7 @@ def picture(seed: int, size: tuple[int, int] = (90, 100), fmt: str = "PNG") -> I
 @pytest.fixture(scope="module")
 def vision_models(forged, tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
-    return {family: build(family, root / family, forged / "target", seed=3) for family in (*SERVED, "qwen2_5_vl")}
+    return {family: build(family, root / family, forged / "target", seed=3) for family in (*SERVED, "qwen3_vl")}
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +76,28 @@ async def answer(engine, req: GenerationRequest) -> tuple[list[int], int]:
     return tokens, cached
 
 
-def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> list[int]:
-    """mlx-vlm's own greedy generation for the same rendered prompt and images."""
+async def scored(engine, req: GenerationRequest) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the log-probability of each."""
+    tokens, logprobs = [], []
+    async for out in engine.generate(replace(req, params=SamplingParams(temperature=0.0, logprobs=True))):
+        assert out.error is None, out.error
+        tokens += out.tokens
+        logprobs += [lp.logprob for lp in out.logprobs or []]
+    return tokens, logprobs
+
+
+def mlx_vlm_greedy(path, text: str, images: list[Image.Image]) -> tuple[list[int], list[float]]:
+    """mlx-vlm's own greedy generation for the same rendered prompt and images: its tokens and
+    the log-probability of each."""
     from mlx_vlm import load, stream_generate
 
     model, processor = load(str(path))
     without_text_kwargs(processor)
+    tokens, logprobs = [], []
     for out in stream_generate(model, processor, text, image=images, max_tokens=TOKENS, temperature=0.0):
-        pass
-    return list(out.token_ids) if hasattr(out, "token_ids") else None
+        tokens.append(out.token)
+        logprobs.append(float(np.asarray(out.logprobs).reshape(-1)[out.token]))
+    return tokens[:TOKENS], logprobs[:TOKENS]  # its last result repeats the ending
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -92,9 +106,13 @@ def test_greedy_output_equals_mlx_vlms_own_generation(family, loaded, vision_mod
     image = picture(1)
     req = request(vision, tokenizer, "Describe this image.", [image])
     assert req.prompt_tokens.count(vision.token_id) > 0
-    got, _ = run_engine(model, tokenizer, lambda e: answer(e, req), vision=vision)
-    want = mlx_vlm_greedy(vision_models[family], rendered(tokenizer, "Describe this image.", 1), [image])
-    assert got == want[:len(got)] and len(got) == TOKENS
+    got, logprobs = run_engine(model, tokenizer, lambda e: scored(e, req), vision=vision)
+    want, want_logprobs = mlx_vlm_greedy(vision_models[family], rendered(tokenizer, "Describe this image.", 1),
+                                         [image])
+    assert got == want and len(got) == TOKENS
+    # the same distribution, not only its argmax: a tiny random model's greedy tokens can survive
+    # positions that are off (Qwen-VL's mrope), its log-probabilities cannot
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-3
     other, _ = run_engine(model, tokenizer, lambda e: answer(e, request(vision, tokenizer, "Describe this image.",
                                                                         [picture(2)])), vision=vision)
     assert other != got, "the image changes nothing: the features never reach the language model"
@@ -157,23 +175,23 @@ def test_ngram_speculation_is_lossless_with_images(family, loaded):
     assert spec == plain
 
 
-def test_qwen_vl_mrope_is_refused_with_its_reason_and_serves_text(vision_models):
-    model, _ = load_model(str(vision_models["qwen2_5_vl"]))
-    with pytest.raises(VisionUnavailable, match="mrope"):
-        VisionTower(vision_models["qwen2_5_vl"], model)
+def test_qwen3_vl_deepstack_is_refused_with_its_reason(vision_models):
+    model, _ = load_model(str(vision_models["qwen3_vl"]))
+    with pytest.raises(VisionUnavailable, match="deepstack"):
+        VisionTower(vision_models["qwen3_vl"], model)
 
 
-def test_draft_model_and_eagle_speculation_are_lossless_with_images(loaded, forged, tmp_path):
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_draft_model_and_eagle_speculation_are_lossless_with_images(family, loaded, forged, tmp_path):
     """A draft model (the forge's draft as a LLaVA's text half: the target's tokens) and an EAGLE
     head draft from the tokens; in a staggered batch of image and text rows, chains and trees,
-    every row gives the tokens it gives without speculation."""
+    every row gives the tokens, and their log-probabilities, it gives without speculation (a
+    Qwen-VL row's tree tokens rotated at its shifted offsets)."""
     import asyncio
 
     from conftest import head_for
 
-    model, tokenizer, vision = loaded["llava"]
-    draft, _ = load_model(str(build("llava", tmp_path / "draft", forged / "target", seed=3,
-                                    language_model=forged / "draft")))
+    model, tokenizer, vision = loaded[family]
     asks = [("Describe this image.", [picture(1)]), ("def fib(n):", []),
             ("What is in the picture?", [picture(4, (64, 48), "JPEG")]), ("Compare the two.", [picture(5), picture(6)])]
 
@@ -181,17 +199,26 @@ def test_draft_model_and_eagle_speculation_are_lossless_with_images(loaded, forg
         async def go(engine):
             async def one(i, text, images, spec):
                 await asyncio.sleep(0.03 * i)
-                return await answer(engine, request(vision, tokenizer, text, images, speculation=spec))
+                return await scored(engine, request(vision, tokenizer, text, images, speculation=spec))
             rows = await asyncio.gather(*(one(i, t, im, s) for i, ((t, im), s) in enumerate(zip(asks, mixes))))
-            return [t for t, _ in rows], engine.scheduler.speculator.drafted_total
+            return rows, engine.scheduler.speculator.drafted_total
         return run_engine(model, tokenizer, go, draft_model=drafter, vision=vision, prefix_cache_bytes=0)
 
+    def same(got, want):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert max(abs(a - b) for (_, g), (_, w) in zip(got, want) for a, b in zip(g, w)) < 1e-4
+
     plain, _ = run(None, [None] * len(asks))
-    draft_rows, drafted = run(draft, [SpeculationConfig(Method.DRAFT, 3)] * len(asks))
-    assert draft_rows == plain and drafted > 0
+    if family == "llava":
+        draft, _ = load_model(str(build("llava", tmp_path / "draft", forged / "target", seed=3,
+                                        language_model=forged / "draft")))
+        draft_rows, drafted = run(draft, [SpeculationConfig(Method.DRAFT, 3)] * len(asks))
+        same(draft_rows, plain)
+        assert drafted > 0
     chain, tree = SpeculationConfig(Method.EAGLE, 3), SpeculationConfig(Method.EAGLE, 3, tree_top_k=2, tree_tokens=6)
     eagle_rows, drafted = run(head_for(model, 1), [chain, tree, tree, chain])
-    assert eagle_rows == plain and drafted > 0
+    same(eagle_rows, plain)
+    assert drafted > 0
 
 
 def test_the_vision_tower_counts_in_the_models_memory_request(vision_models, loaded):

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.llama import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..tree import rotate_at
+from ...core.model_parts import rotate_at
 
 
 @dataclass
