@@ -170,13 +170,17 @@ def synthetic(tier: DiskTier, j: int, columns: int = 256) -> Block:
     return block
 
 
-def test_the_directory_stays_within_max_bytes_least_recently_used_first(tmp_path):
-    config = DiskConfig(tmp_path / "blocks", 10**9, "synthetic")
-    tier = DiskTier(config, namespace("synthetic", None, "target"), stateful=False)
+def block_size(directory: Path) -> int:
+    """The bytes of one synthetic block's file (written in ``directory``, left there)."""
+    tier = DiskTier(DiskConfig(directory, 10**9, "synthetic"), namespace("synthetic", None, "target"), stateful=False)
     tier.save(synthetic(tier, 0))
     tier.flush()
-    size = tier.bytes
     tier.close()
+    return tier.bytes
+
+
+def test_the_directory_stays_within_max_bytes_least_recently_used_first(tmp_path):
+    size = block_size(tmp_path / "blocks")
     config = DiskConfig(tmp_path / "blocks", 4 * size + size // 2, "synthetic")
     tier = DiskTier(config, namespace("synthetic", None, "target"), stateful=False)
     for j in range(1, 5):
@@ -199,12 +203,7 @@ def test_the_directory_stays_within_max_bytes_least_recently_used_first(tmp_path
 def test_two_tiers_on_one_directory_stay_within_max_bytes_together(tmp_path):
     """An engine reloaded beside the one it replaces: both write to the Model's directory, whose
     files never pass maxBytes, not even for a moment (room is made before each write)."""
-    probe = DiskTier(DiskConfig(tmp_path / "probe", 10**9, "synthetic"), namespace("synthetic", None, "target"),
-                     stateful=False)
-    probe.save(synthetic(probe, 0))
-    probe.flush()
-    size = probe.bytes
-    probe.close()
+    size = block_size(tmp_path / "probe")
     config = DiskConfig(tmp_path / "blocks", 3 * size + size // 2, "synthetic")
     old = DiskTier(config, namespace("synthetic", None, "target"), stateful=False)
     new = DiskTier(config, namespace("synthetic", None, "target"), stateful=False)
