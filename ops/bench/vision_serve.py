@@ -1,22 +1,29 @@
 #!/usr/bin/env python3
-"""Images side by side: specd against ``mlx_vlm.server`` on the same vision-language checkpoint.
+"""Images side by side: specd against ``mlx_vlm.server`` and vllm-mlx on the same vision-language checkpoint.
 
-Both servers are started by this script on free ports of 127.0.0.1, as their users run them
+The servers are started by this script on free ports of 127.0.0.1, as their users run them
 (specd's daemon on a one-Model manifest, at its defaults; ``python -m mlx_vlm.server --model
-PATH``, at its defaults: continuous batching), warmed up with one request each. Then, at each
-concurrency, they take turns run by run (which goes first alternates), so a machine whose speed
-drifts slows both alike. One run fires ``c`` streaming chat completions at once, each with an
+PATH``, at its defaults: continuous batching; ``vllm-mlx serve PATH --continuous-batching
+--mllm``, where ``--vllm-mlx-python`` has it), warmed up with one request each. Then, at each
+concurrency, they take turns run by run (the order rotates), so a machine whose speed drifts
+slows all alike. One run fires ``c`` streaming chat completions at once, each with an
 image of its own (a new PNG every request: a screenshot a client has not sent before, so neither
 server answers from a cache) and the same question, greedy, ``--max-tokens`` tokens; per run:
 
 * aggregate output tokens/s = the completion tokens (each server's own ``usage``) / wall time;
 * the median time to the first content chunk (TTFT) of its requests.
 
-Reported per server: the median over runs; the comparison is specd / mlx_vlm.
+Reported per server: the median over runs; the comparisons are specd / each other server.
+
+The model is the forge's (``--family``: Qwen2.5-VL by default, or Gemma 3) with a text half
+widened to a small real model's (``WIDTHS``; the vision tower stays tiny), unless ``--model``
+names a checkpoint. The forge's LLaVA is not offered: ``mlx_vlm.server`` answers 500 for it
+(mlx-vlm issue #870 under transformers 5), and vllm-mlx 0.6.0's multimodal path fails on
+mlx-vlm 0.7.10's Gemma 3 (it passes it no attention mask), so only Qwen2.5-VL runs on all three.
 
 Usage (from the repository root)::
 
-    python ops/bench/vision_serve.py --runs 5 --concurrency 1 4
+    python ops/bench/vision_serve.py --runs 5 --concurrency 1 4 --vllm-mlx-python /tmp/vllm-mlx-venv/bin/python
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_vs_mlx_lm as anchor  # noqa: E402
 
 TOKENIZER = anchor.REPO_ROOT / "models" / "demo" / "target"
-# The forged Gemma 3 widened to a small real model's text half (its vision tower stays tiny):
-# mlx_vlm.server cannot serve the forge's LLaVA (mlx-vlm issue #870 under transformers 5).
-WIDTHS = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
-          "num_key_value_heads": 4, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512}
+# The forged text halves widened to a small real model's (their vision towers stay tiny)
+_WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+         "num_key_value_heads": 4}
+WIDTHS = {"qwen2_5_vl": {**_WIDE, "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}},
+          "gemma3": {**_WIDE, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512}}
 DEFAULT_OUT = anchor.REPO_ROOT / "ops" / "bench" / "results" / "vision_serve.json"
 QUESTION = "def describe(image):"  # the demo models learned Python, not chat
 
@@ -96,18 +104,26 @@ def mlx_vlm_spec(model: Path, port: int) -> anchor.ServerSpec:
     return anchor.ServerSpec("mlx_vlm", argv, "/health", str(model))
 
 
+def vllm_mlx_spec(model: Path, port: int, python: Path) -> anchor.ServerSpec:
+    argv = [str(python), "-m", "vllm_mlx.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", anchor.SPECD_MODEL_ID, "--continuous-batching", "--mllm"]
+    return anchor.ServerSpec("vllm_mlx", argv, "/v1/models", anchor.SPECD_MODEL_ID)
+
+
 async def bench(args, env: dict, workdir: Path) -> dict:
     (workdir / "specd").mkdir()
-    port, vlm_port = anchor.free_port(), anchor.free_port()
-    specd = anchor.specd_spec(args.model, workdir / "specd", port)
-    vlm = mlx_vlm_spec(args.model, vlm_port)
-    runs: dict[str, dict[str, list]] = {"specd": {}, "mlx_vlm": {}}
+    starts = [lambda port: anchor.specd_spec(args.model, workdir / "specd", port),
+              lambda port: mlx_vlm_spec(args.model, port)]
+    if args.vllm_mlx_python is not None:
+        starts.append(lambda port: vllm_mlx_spec(args.model, port, args.vllm_mlx_python))
+    servers = [(start(port), port) for start, port in ((start, anchor.free_port()) for start in starts)]
+    runs: dict[str, dict[str, list]] = {spec.name: {} for spec, _ in servers}
     startup = {}
     timeout = aiohttp.ClientTimeout(total=anchor.REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         with contextlib.ExitStack() as stack:
             bases = {}
-            for spec, p in ((specd, port), (vlm, vlm_port)):
+            for spec, p in servers:
                 log_path = workdir / f"{spec.name}.log"
                 proc = stack.enter_context(anchor.running(spec, env, log_path))
                 ready = await anchor.wait_ready(session, f"http://127.0.0.1:{p}", spec, proc, log_path)
@@ -116,17 +132,17 @@ async def bench(args, env: dict, workdir: Path) -> dict:
                 startup[spec.name] = {"argv": spec.argv, "ready_s": ready, "warmup": warm}
                 print(f"[{spec.name}] ready in {ready:.1f}s, warm-up {warm['latency_s']:.2f}s", flush=True)
             seed = 0
+            names = [spec.name for spec, _ in servers]
             for c in args.concurrency:
                 for r in range(args.runs):
-                    order = ["specd", "mlx_vlm"] if r % 2 == 0 else ["mlx_vlm", "specd"]
-                    for name in order:
+                    for name in names[r % len(names):] + names[:r % len(names)]:
                         base, model_id = bases[name]
                         result = await run_once(session, base, model_id, c, seed, args)
                         seed += c
                         runs[name].setdefault(str(c), []).append(result)
                         print(f"[{name}] c={c} run {r}: {result['tokens_per_s']:.1f} tok/s, "
                               f"TTFT {result['ttft_median_s']:.3f}s", flush=True)
-            for spec in (specd, vlm):
+            for spec, _ in servers:
                 startup[spec.name]["log"] = anchor.log_tail(workdir / f"{spec.name}.log")
     return {"runs": runs, "startup": startup}
 
@@ -135,13 +151,15 @@ def summarize(runs: dict, concurrencies: list[int]) -> dict:
     out = {}
     for c in map(str, concurrencies):
         row = {}
-        for name in ("specd", "mlx_vlm"):
-            rs = runs[name][c]
+        for name, by_c in runs.items():
+            rs = by_c[c]
             row[name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                          "ttft_s": statistics.median(r["ttft_median_s"] for r in rs),
                          "prompt_tokens": rs[0]["requests"][0]["prompt_tokens"]}
-        row["tokens_per_s_ratio"] = row["specd"]["tokens_per_s"] / row["mlx_vlm"]["tokens_per_s"]
-        row["ttft_ratio"] = row["specd"]["ttft_s"] / row["mlx_vlm"]["ttft_s"]
+        for name in runs:
+            if name != "specd":
+                row[f"specd_vs_{name}"] = {"tokens_per_s": row["specd"]["tokens_per_s"] / row[name]["tokens_per_s"],
+                                          "ttft": row["specd"]["ttft_s"] / row[name]["ttft_s"]}
         out[c] = row
     return out
 
@@ -149,7 +167,10 @@ def summarize(runs: dict, concurrencies: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None,
-                   help="a vision-language checkpoint (default: the forge's Gemma 3 at WIDTHS, built here)")
+                   help="a vision-language checkpoint (default: the forge's --family at WIDTHS, built here)")
+    p.add_argument("--family", choices=sorted(WIDTHS), default="qwen2_5_vl")
+    p.add_argument("--vllm-mlx-python", type=Path, default=None,
+                   help="an interpreter with vllm-mlx (as agent_replay.py makes one); omitted: two servers")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -162,16 +183,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is None:
             from specd.forge.vision import build
 
-            args.model = build("gemma3", Path(tmp) / "gemma3", TOKENIZER, seed=0, text_overrides=WIDTHS)
-            args.forged = {"family": "gemma3", "text_overrides": WIDTHS}
+            args.model = build(args.family, Path(tmp) / args.family, TOKENIZER, seed=0,
+                               text_overrides=WIDTHS[args.family])
+            args.forged = {"family": args.family, "text_overrides": WIDTHS[args.family]}
         result = asyncio.run(bench(args, env, Path(tmp)))
     summary = summarize(result["runs"], args.concurrency)
-    print(f"\n{'c':>3} {'specd tok/s':>12} {'mlx_vlm tok/s':>14} {'ratio':>6} {'specd TTFT':>11} "
-          f"{'mlx_vlm TTFT':>13} {'ratio':>6}")
+    names = list(result["runs"])
+    print("\n  c " + "".join(f"{n + ' tok/s':>16}{n + ' TTFT':>16}" for n in names))
     for c, row in summary.items():
-        print(f"{c:>3} {row['specd']['tokens_per_s']:>12.1f} {row['mlx_vlm']['tokens_per_s']:>14.1f} "
-              f"{row['tokens_per_s_ratio']:>6.2f} {row['specd']['ttft_s']:>10.3f}s {row['mlx_vlm']['ttft_s']:>12.3f}s "
-              f"{row['ttft_ratio']:>6.2f}")
+        print(f"{c:>3} " + "".join(f"{row[n]['tokens_per_s']:>16.1f}{row[n]['ttft_s']:>15.3f}s" for n in names))
+        for n in names[1:]:
+            ratio = row[f"specd_vs_{n}"]
+            print(f"    specd / {n}: tokens/s {ratio['tokens_per_s']:.2f}x, TTFT {ratio['ttft']:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "vision_serve", "created_unix": time.time(), "model": str(args.model),

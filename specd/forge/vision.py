@@ -279,7 +279,10 @@ def build(family: str, out_dir: Path | str, tokenizer_dir: Path | str, seed: int
         text.update(vocab_size=vocab, architectures=["LlamaForCausalLM"])
         text.pop("quantization", None)
     config = _llava(ids, vocab, text) if text is not None else spec.config(ids, vocab)
-    (config.get("text_config") or config).update(text_overrides or {})
+    text_config = config.get("text_config") or config
+    text_config.update(text_overrides or {})
+    if "out_hidden_size" in config["vision_config"]:  # Qwen-VL's merger projects into the text width
+        config["vision_config"]["out_hidden_size"] = text_config["hidden_size"]
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(spec.preprocessor, indent=2))
     if spec.processor is not None:
