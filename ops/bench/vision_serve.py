@@ -7,11 +7,16 @@ PATH``, at its defaults: continuous batching; ``vllm-mlx serve PATH --continuous
 --mllm``, where ``--vllm-mlx-python`` has it), warmed up with one request each. Then, at each
 concurrency, they take turns run by run (the order rotates), so a machine whose speed drifts
 slows all alike. One run fires ``c`` streaming chat completions at once, each with an
-image of its own (a new PNG every request: a screenshot a client has not sent before, so neither
-server answers from a cache) and the same question, greedy, ``--max-tokens`` tokens; per run:
+image of its own (a new PNG every request of a run, the same for every server: a screenshot a
+client has not sent before, so no server answers from a cache) and the same question, greedy, at
+most ``--max-tokens`` tokens (the servers' outputs agree: their completion tokens are compared in
+the JSON); per run:
 
 * aggregate output tokens/s = the completion tokens (each server's own ``usage``) / wall time;
 * the median time to the first content chunk (TTFT) of its requests.
+
+A run during which other processes (an idle server polling, another job) used more than
+``--max-foreign-cores`` cores is redone, up to ``--retries`` times (``serve_vs_mlx_lm.ForeignLoad``).
 
 Reported per server: the median over runs; the comparisons are specd / each other server.
 
@@ -90,13 +95,20 @@ async def ask(session: aiohttp.ClientSession, base: str, model_id: str, seed: in
             "prompt_tokens": int(usage["prompt_tokens"]) if usage else None, "usage_reported": usage is not None}
 
 
-async def run_once(session, base: str, model_id: str, c: int, seed: int, args) -> dict:
-    started = time.perf_counter()
-    results = await asyncio.gather(*(ask(session, base, model_id, seed + i, args) for i in range(c)))
-    wall = time.perf_counter() - started
+async def run_once(session, base: str, model_id: str, c: int, seed: int, args, pid: int) -> dict:
+    """One run of ``c`` requests, redone while other processes took more than ``--max-foreign-cores``."""
+    for attempt in range(1, args.retries + 2):
+        load = anchor.ForeignLoad(pid)
+        started = time.perf_counter()
+        results = await asyncio.gather(*(ask(session, base, model_id, seed + i, args) for i in range(c)))
+        wall = time.perf_counter() - started
+        foreign = load.cores()
+        if foreign is None or foreign <= args.max_foreign_cores:
+            break
     ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
     return {"wall_s": wall, "tokens_per_s": sum(r["completion_tokens"] for r in results) / wall,
-            "ttft_median_s": statistics.median(ttfts) if ttfts else None, "requests": results}
+            "ttft_median_s": statistics.median(ttfts) if ttfts else None, "foreign_cores": foreign,
+            "attempts": attempt, "requests": results}
 
 
 def mlx_vlm_spec(model: Path, port: int) -> anchor.ServerSpec:
@@ -122,23 +134,23 @@ async def bench(args, env: dict, workdir: Path) -> dict:
     timeout = aiohttp.ClientTimeout(total=anchor.REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         with contextlib.ExitStack() as stack:
-            bases = {}
+            bases, pids = {}, {}
             for spec, p in servers:
                 log_path = workdir / f"{spec.name}.log"
                 proc = stack.enter_context(anchor.running(spec, env, log_path))
+                pids[spec.name] = proc.pid
                 ready = await anchor.wait_ready(session, f"http://127.0.0.1:{p}", spec, proc, log_path)
                 warm = await ask(session, f"http://127.0.0.1:{p}", spec.model_id, 10**6, args)
                 bases[spec.name] = (f"http://127.0.0.1:{p}", spec.model_id)
                 startup[spec.name] = {"argv": spec.argv, "ready_s": ready, "warmup": warm}
                 print(f"[{spec.name}] ready in {ready:.1f}s, warm-up {warm['latency_s']:.2f}s", flush=True)
-            seed = 0
             names = [spec.name for spec, _ in servers]
             for c in args.concurrency:
                 for r in range(args.runs):
+                    seed = 1000 * c + 10 * r  # every server gets the same images in a run: the same work
                     for name in names[r % len(names):] + names[:r % len(names)]:
                         base, model_id = bases[name]
-                        result = await run_once(session, base, model_id, c, seed, args)
-                        seed += c
+                        result = await run_once(session, base, model_id, c, seed, args, pids[name])
                         runs[name].setdefault(str(c), []).append(result)
                         print(f"[{name}] c={c} run {r}: {result['tokens_per_s']:.1f} tok/s, "
                               f"TTFT {result['ttft_median_s']:.3f}s", flush=True)
@@ -175,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--image-size", type=int, nargs=2, default=[320, 240], metavar=("W", "H"))
+    p.add_argument("--max-foreign-cores", type=float, default=0.5)
+    p.add_argument("--retries", type=int, default=3)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     env, preload = anchor.child_env()
