@@ -168,6 +168,10 @@ def summarize(runs: dict, concurrencies: list[int]) -> dict:
             row[name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                          "ttft_s": statistics.median(r["ttft_median_s"] for r in rs),
                          "prompt_tokens": rs[0]["requests"][0]["prompt_tokens"]}
+        totals = {name: [sum(q["completion_tokens"] for q in r["requests"]) for r in by_c[c]]
+                  for name, by_c in runs.items()}
+        row["completion_tokens_per_run"] = totals
+        row["same_completion_tokens"] = len({tuple(t) for t in totals.values()}) == 1
         for name in runs:
             if name != "specd":
                 row[f"specd_vs_{name}"] = {"tokens_per_s": row["specd"]["tokens_per_s"] / row[name]["tokens_per_s"],
