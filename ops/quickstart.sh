@@ -70,7 +70,8 @@ image = Image.new("RGB", (96, 64), "white")
 ImageDraw.Draw(image).ellipse((24, 8, 72, 56), fill="red")
 buffer = io.BytesIO()
 image.save(buffer, "PNG")
-body = {"model": "demo-vision", "max_tokens": 32, "temperature": 0.8, "seed": 1, "messages": [{"role": "user", "content": [
+body = {"model": "demo-vision", "max_tokens": 32, "temperature": 0.8, "seed": 1,
+        "chat_template_kwargs": {"enable_thinking": False}, "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}},
     {"type": "text", "text": "def draw_circle(canvas):"}]}]}
 request = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions", json.dumps(body).encode(),

@@ -47,6 +47,11 @@ class VisionUnavailable(Exception):
     """Why a Model cannot take images (its ``status.modalities`` says so)."""
 
 
+class ImagesNotInPrompt(ValueError):
+    """The request's images have no place in its prompt (the chat template rendered none, or the
+    processor refused the pairing): never served as if no image had been sent."""
+
+
 @dataclass(frozen=True)
 class PromptImages:
     """A prompt's images as the checkpoint's processor made them."""
@@ -204,9 +209,15 @@ class VisionTower:
         prompt's token ids, each image's tokens expanded, and its pixel values."""
         from mlx_vlm.utils import prepare_inputs
 
-        inputs = prepare_inputs(self.processor, images=images, prompts=text, image_token_index=self.token_id,
-                                add_special_tokens=self._special_tokens)
+        try:
+            inputs = prepare_inputs(self.processor, images=images, prompts=text, image_token_index=self.token_id,
+                                    add_special_tokens=self._special_tokens)
+        except ValueError as exc:  # mlx-vlm's wording of the processor's refusal
+            raise ImagesNotInPrompt(str(exc).removeprefix("Failed to process inputs with error: ")) from None
         ids = inputs.pop("input_ids")
+        if images and not (ids == self.token_id).any().item():
+            raise ImagesNotInPrompt(f"the chat template put none of the {len(images)} image(s) in the prompt "
+                                    "(it renders no image parts where they stand)")
         pixel_values = inputs.pop("pixel_values")
         inputs.pop("attention_mask", None)
         positions, delta = None, 0

@@ -143,6 +143,7 @@ def chat_variant(source: Path | str, out_dir: Path | str, style: str, context: i
         tokenizer["added_tokens"].append({"id": token, **entry})
         config["added_tokens_decoder"][str(token)] = entry
         ids[marker] = token
+    tokenizer["added_tokens"].sort(key=lambda token: token["id"])  # in id order, as transformers reads them
     config["chat_template"] = template
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))

@@ -27,7 +27,7 @@ from mlx_lm.generate import TextStateMachine
 from mlx_lm.tool_parsers import json_tools, mistral
 
 from ..core.grammar import COMPACT_JSON, GrammarError, lark_grammar
-from ..core.vision import PromptImages
+from ..core.vision import ImagesNotInPrompt, PromptImages
 from .errors import bad_request
 from .images import ImagePart, decode
 
@@ -91,7 +91,10 @@ class Conversation:
             raise bad_request(f"model '{engine.name}' takes no images: {engine.image_refusal}", self.images[0].where)
         decoded = [decode(part) for part in self.images]
         text = render_chat(engine.tokenizer, engine.name, self.messages, self.tools, self.kwargs, tokenize=False)
-        prompt, images = engine.vision.prepare(text, [d.image for d in decoded], tuple(d.digest for d in decoded))
+        try:
+            prompt, images = engine.vision.prepare(text, [d.image for d in decoded], tuple(d.digest for d in decoded))
+        except ImagesNotInPrompt as exc:
+            raise bad_request(str(exc), self.images[0].where) from None
         return ChatTurn(prompt, self.callable_tools, self.forced, self.parallel, images)
 
 

@@ -248,3 +248,26 @@ def test_image_urls_are_fetched_only_where_the_operator_allows_it(forged, tmp_pa
         fetching.stop()
     with pytest.raises(BadRequestError, match="--fetch-image-urls"):
         chat(OpenAI(base_url=vision_daemon.url + "/v1", api_key="unused", max_retries=0), f"{base}/ok.png")
+
+
+def test_a_template_that_drops_images_is_a_400_not_an_ignored_image(forged, tmp_path):
+    """A chat template that renders only text parts would leave the image out of the prompt: the
+    request is refused, never answered as if no image had been sent."""
+    model = build("gemma3", tmp_path / "gemma3", forged / "target", seed=3)
+    text_only = ("{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}{% else %}"
+                 "{% for c in m.content %}{% if c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}\n"
+                 "{% endfor %}")
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        config = json.loads((model / name).read_text())
+        config["chat_template"] = text_only
+        (model / name).write_text(json.dumps(config))
+    d = start_daemon(tmp_path, {"m.yaml": model_manifest("eyes", model)})
+    try:
+        status, body = d.get("/v1/chat/completions", {"model": "eyes", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(encoded(1))}},
+                                         {"type": "text", "text": "Describe this image."}]}]})
+        error = json.loads(body)["error"]
+        assert status == 400 and ("none of the 1 image" in error["message"] or "0 image tokens" in error["message"])
+        assert error["param"] == "messages[0].content[0].image_url"
+    finally:
+        d.stop()
