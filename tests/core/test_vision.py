@@ -19,6 +19,8 @@ from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig, Method
 from specd.core.sampling import SamplingParams
 from specd.core.vision import IMAGE_KEY_BASE, VisionTower, VisionUnavailable, pixel_digest, without_text_kwargs
+from specd.forge.dflash import fresh_drafter
+from specd.forge.mtp import fresh_head
 from specd.forge.vision import build
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -182,9 +184,10 @@ def test_qwen3_vl_deepstack_is_refused_with_its_reason(vision_models):
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
-def test_draft_model_and_eagle_speculation_are_lossless_with_images(family, loaded, forged, tmp_path):
-    """A draft model (the forge's draft as a LLaVA's text half: the target's tokens) and an EAGLE
-    head draft from the tokens; in a staggered batch of image and text rows, chains and trees,
+def test_every_drafter_is_lossless_with_images(family, loaded, forged, tmp_path):
+    """A draft model (the forge's draft as a LLaVA's text half: the target's tokens), an EAGLE
+    head, an MTP head and a DFlash drafter draft from the tokens (the heads from the target's
+    features over the image rows too); in a staggered batch of image and text rows, chains and trees,
     every row gives the tokens, and their log-probabilities, it gives without speculation (a
     Qwen-VL row's tree tokens rotated at its shifted offsets)."""
     import asyncio
@@ -218,6 +221,13 @@ def test_draft_model_and_eagle_speculation_are_lossless_with_images(family, load
     chain, tree = SpeculationConfig(Method.EAGLE, 3), SpeculationConfig(Method.EAGLE, 3, tree_top_k=2, tree_tokens=6)
     eagle_rows, drafted = run(head_for(model, 1), [chain, tree, tree, chain])
     same(eagle_rows, plain)
+    assert drafted > 0
+    mtp_rows, drafted = run(fresh_head(model, seed=1), [SpeculationConfig(Method.MTP, 3)] * len(asks))
+    same(mtp_rows, plain)
+    assert drafted > 0
+    block, block_tree = SpeculationConfig(Method.DFLASH, 5), SpeculationConfig(Method.DFLASH, 4, tree_top_k=2, tree_tokens=6)
+    dflash_rows, drafted = run(fresh_drafter(model, seed=1), [block, block_tree, block, block_tree])
+    same(dflash_rows, plain)
     assert drafted > 0
 
 
