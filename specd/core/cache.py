@@ -322,11 +322,11 @@ class RowwiseCache:
     """``RowCache`` as one mlx-lm cache list per row, the model run row by
     row: for models whose forward reads one position for the whole batch.
     Prompt padding is skipped, not fed. Rollback trims a row's caches where
-    they can be trimmed when its provisional forwards start; otherwise
-    (DeepSeek V4's compressed groups, a sliding window that has wrapped) the
-    row's caches as they were before are kept, as copies whose arrays no
-    in-place write reaches, and a row that rejected columns gets them back
-    and runs its kept columns again."""
+    each provisional forward leaves them trimmable; otherwise (DeepSeek V4's
+    compressed groups, a sliding window that has wrapped or that a forward
+    wraps) the row's caches as they were before are kept, as copies whose
+    arrays no in-place write reaches, and a row that rejected columns gets
+    them back and runs its kept columns again."""
 
     chains_only = True
 
@@ -339,13 +339,14 @@ class RowwiseCache:
 
     def forward(self, model: nn.Module, inputs: mx.array, provisional: bool = False,
                 embeddings: mx.array | None = None) -> mx.array:
+        width = inputs.shape[1]
         if provisional:
             if not self._journal:
-                self._model = model
-                self._saved = [None if all(layer.is_trimmable() for layer in cache) else
-                               _detached(cache) for cache in self.rows]
+                self._model, self._saved = model, [None] * len(self.rows)
+            for b, cache in enumerate(self.rows):
+                if self._saved[b] is None and not all(_trims_after(layer, width) for layer in cache):
+                    self._saved[b] = self._before_journal(b)
             self._journal.append(inputs)
-        width = inputs.shape[1]
         outs = []
         for b, cache in enumerate(self.rows):
             skip = min(self.padding[b], width)
@@ -355,6 +356,19 @@ class RowwiseCache:
         real = next(o for o in outs if o is not None)
         return mx.concatenate([mx.zeros((1, width, real.shape[-1]), real.dtype) if o is None else
                                mx.pad(o, [(0, 0), (width - o.shape[1], 0), (0, 0)]) for o in outs])
+
+    def _before_journal(self, b: int) -> list:
+        """Row b's caches as they were before this step's provisional forwards, as copies; the
+        row is left as it is now. Its caches trimmed exactly until now, so they are trimmed back,
+        copied, and run again over the journal."""
+        written = sum(inputs.shape[1] for inputs in self._journal)
+        if not written:
+            return _detached(self.rows[b])
+        for layer in self.rows[b]:
+            layer.trim(written)
+        saved = _detached(self.rows[b])
+        self._model(mx.concatenate([inputs[b: b + 1] for inputs in self._journal], axis=1), cache=self.rows[b])
+        return saved
 
     def shift(self, shifts: list[int]) -> None:
         if any(shifts):
@@ -402,6 +416,18 @@ class RowwiseCache:
 
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")
+
+
+def _trims_after(layer, width: int) -> bool:
+    """Whether an mlx-lm cache layer can be trimmed back exactly after a forward of ``width`` more
+    columns. A sliding window can only while the forward leaves it unwrapped: mlx-lm's trim moves
+    the window's write index but keeps the columns the forward wrote, and a write past the window
+    overwrites its oldest columns, which a row rolled back may still attend to."""
+    if isinstance(layer, CacheList):
+        return all(_trims_after(member, width) for member in layer.caches)
+    if isinstance(layer, RotatingKVCache):
+        return layer.offset + width <= layer.max_size
+    return layer.is_trimmable()
 
 
 def _layer_bytes(layer) -> int:

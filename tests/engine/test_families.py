@@ -26,7 +26,7 @@ from specd.core import attention, layout
 from specd.core.loader import load_model
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
-from specd.forge.families import (FAMILIES, METAL_ONLY, NOT_SERVED, SHAPES, UNFORGEABLE, model_types,
+from specd.forge.families import (FAMILIES, METAL_ONLY, NOT_SERVED, SHAPES, UNFORGEABLE, build, model_types,
                                    served_families)
 from specd.speculation.hooks import hook, unhook
 
@@ -133,6 +133,56 @@ def test_other_attention_paths_match_mlx_lm(family, path, family_models, monkeyp
 def test_draft_models_of_rotating_and_recurrent_families(family, family_models):
     """Draft speculation (spec off and n-gram are ``test_family_matches_mlx_lm_batched_and_speculating``'s)."""
     check_family(family_models(family), family_models(family, seed=1))
+
+
+# KV-shared layers with windows wider than the prompts, so they wrap inside speculation rounds
+# rather than before the first, or narrower than a round (n-gram's k of 4 verifies 5 tokens), so they
+# wrap inside every round. Gemma 3n and Gemma 4 (their last layers read the keys and values of the
+# last concrete layer of their kind) run row by row over mlx-lm's own caches.
+_GEMMA3N_SHARED = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                   "layer_types": ["full_attention", "sliding_attention"] * 2,
+                   "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]}
+WRAPPING_INSIDE_A_ROUND = {"gemma3n, window 16": ("gemma3n", {**_GEMMA3N_SHARED, "sliding_window": 16}),
+                           "gemma3n, window 4": ("gemma3n", {**_GEMMA3N_SHARED, "sliding_window": 4}),
+                           "gemma4_text, window 16": ("gemma4_text", {"sliding_window": 16}),
+                           "gemma4_text, window 4": ("gemma4_text", {"sliding_window": 4})}
+
+
+@pytest.mark.parametrize("shape", sorted(WRAPPING_INSIDE_A_ROUND))
+def test_a_row_by_row_window_that_wraps_inside_a_speculation_round_rolls_back_exactly(shape, forged, tmp_path):
+    """A round that carries a row's sliding window past its width leaves mlx-lm's cache untrimmable
+    (its trim keeps the columns the forward wrote in the buffer, and the next one-token write
+    drops an older column the row still attends to instead of them), so the row's caches are
+    kept from before the round and its kept tokens run again; a row whose window already wrapped,
+    or that a round leaves unwrapped, trims. Greedy n-gram rows, alone and beside plain ones,
+    write what mlx-lm writes for each prompt alone."""
+    family, overrides = WRAPPING_INSIDE_A_ROUND[shape]
+    path = build(family, tmp_path / family, forged / "target", seed=1, overrides=overrides)
+    model, tokenizer = load_model(str(path))
+    assert runs_row_by_row(model)
+    ids = tokenizer.encode(code_sample("speculation"))
+    batch = [ids[:11], ids[40:52], ids[300:313], ids[120:126] * 2]  # shorter than the window
+    expected = [reference(model, tokenizer, p) for p in batch]
+    assert staggered(model, tokenizer, batch, NGRAM) == expected, "n-gram speculation changed the output"
+    assert staggered(model, tokenizer, batch, [NGRAM, None, NGRAM, None]) == expected, "a mixed batch changed it"
+
+
+@pytest.mark.parametrize("shape", sorted(WRAPPING_INSIDE_A_ROUND))
+def test_a_row_by_row_cache_rolled_back_across_its_window_holds_exactly_the_kept_columns(shape, forged, tmp_path):
+    """The cache itself: a provisional forward that wraps the window, three columns rolled back,
+    then a one-token step; its logits are those of a cache that only ever saw the kept tokens."""
+    family, overrides = WRAPPING_INSIDE_A_ROUND[shape]
+    model, _ = load_model(str(build(family, tmp_path / family, forged / "target", seed=1, overrides=overrides)))
+    prompt, round_, step = [[5 + i for i in range(12)]], [[40, 41, 42, 43, 44, 45]], [[7]]
+    rolled_back = make_row_cache(model, [0])
+    rolled_back.forward(model, mx.array(prompt))
+    rolled_back.forward(model, mx.array(round_), provisional=True)
+    rolled_back.rollback([3])
+    kept = make_row_cache(model, [0])
+    kept.forward(model, mx.array(prompt))
+    kept.forward(model, mx.array([round_[0][:3]]))
+    got, want = (cache.forward(model, mx.array(step))[0, -1] for cache in (rolled_back, kept))
+    assert mx.allclose(got, want, atol=1e-4).item(), mx.abs(got - want).max().item()
 
 
 def test_a_family_whose_padding_leaks_into_its_rows_prefills_them_alone(family_models):
