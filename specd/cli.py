@@ -38,7 +38,18 @@ def _daemon(args: argparse.Namespace) -> int:
     if args.admin_token_file is not None:
         token = args.admin_token_file.read_text().strip()
     if args.join is not None:  # a worker takes control only from its head, which holds the cluster token
-        token = args.token_file.read_text().strip()
+        from .serving.tls import JoinToken, TokenError
+
+        try:
+            args.join_token = JoinToken.parse(args.token_file.read_text())
+        except TokenError as err:
+            print(f"specd: {args.token_file}: {err}", file=sys.stderr)
+            return 2
+        if not args.join.startswith("https://"):
+            print(f"specd: --join {args.join}: a head takes Nodes on its cluster port, over TLS "
+                  "(https://HEAD:CLUSTER_PORT)", file=sys.stderr)
+            return 2
+        token = args.join_token.secret
     args.api_keys = ()
     if args.api_key_file is not None:
         from .server.access import load_api_keys
@@ -88,7 +99,7 @@ def _serve_model(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, token: str | None) -> None:
     """Run the daemon until SIGTERM or SIGINT has drained it."""
-    from aiohttp import web
+    import ssl
 
     from .control.agent import NodeAgent
     from .serving.cluster import Cluster
@@ -101,7 +112,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from .control.watcher import ManifestDirectory, sync_owned
     from .core.memory import reuse_freed_memory
     from .metrics import Metrics
-    from .daemon import daemon_app
+    from .daemon import daemon_app, run_daemon
+    from .serving.tls import ClusterCA, NodeIdentity, local_names, write_private
     from .server.response_store import ResponseStore
 
     reuse_freed_memory()
@@ -115,22 +127,32 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     if args.serve_text is not None:
         sync_owned(store, serve.OWNER, parse_documents(args.serve_text, serve.OWNER))
     node = Node(memory_limit=args.memory_limit, memory_reserve=args.memory_reserve, name=args.node_name)
-    cluster = Cluster(store, args.cluster_token_file.read_text().strip()) if args.cluster_token_file else None
+    listeners: list[tuple[str, int, ssl.SSLContext | None]] = [(args.host, args.port, None)]
+    cluster_port = args.cluster_port or args.port + 1
+    cluster = None
+    if args.cluster_token_file:
+        ca = ClusterCA(args.state_dir / "tls")
+        cluster = Cluster(store, args.cluster_token_file.read_text().strip(), ca)
+        join_token = args.state_dir / "cluster-join-token"
+        write_private(join_token, f"{ca.join_token(cluster.token)}\n".encode())
+        listeners.append((args.host, cluster_port, ca.server_context(local_names(args.host, tuple(args.tls_san)))))
+        log.info("taking Nodes over TLS", cluster_port=cluster_port, join_token_file=str(join_token))
     control = ControlPlane(store, ModelRegistry(Metrics(), load_timeout=args.load_timeout),
                            drain_grace=args.drain_grace, node=node, cluster=cluster, routing=args.routing)
     agent = None
     if args.join is not None:
-        address = args.advertise or f"http://{args.host}:{args.port}"
-        agent = NodeAgent(args.join, token, node.name, address, control.models.node_report,
-                          control.models.reserved_by_head)
+        identity = NodeIdentity()
+        listeners.append((args.host, cluster_port, identity.server))
+        address = args.advertise or f"https://{args.host}:{cluster_port}"
+        agent = NodeAgent(args.join, args.join_token, node.name, address, control.models.node_report, identity,
+                          args.state_dir / "tls", control.models.reserved_by_head)
     log.info("daemon starting", host=args.host, port=args.port, state_dir=str(args.state_dir),
              objects=len(store.list()))
     app = daemon_app(control, manifests, token, drain_grace=args.drain_grace, agent=agent, api_keys=args.api_keys,
                      cors_origins=tuple(args.cors_origin), max_body_bytes=args.max_body_bytes,
                      stored_responses=ResponseStore(args.state_dir / "responses.db"),
                      drop_hosted_tools=args.drop_hosted_tools, fetch_image_urls=args.fetch_image_urls)
-    web.run_app(app, host=args.host, port=args.port, shutdown_timeout=args.drain_grace,
-                handler_cancellation=True, print=None, access_log=None)
+    run_daemon(app, listeners, shutdown_timeout=args.drain_grace)
 
 
 def _warn_without_fast_blas() -> None:
@@ -250,15 +272,25 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
                              "at least 2Gi)")
     parser.add_argument("--node-name", default=None, help="this node's name in a cluster (default: the host name)")
     parser.add_argument("--cluster-token-file", type=Path, default=None,
-                        help="be a cluster head: Nodes that present this token may join (see docs/cluster.md)")
+                        help="be a cluster head: this file holds the cluster's secret; the head writes the join "
+                             "token Nodes join with (the secret and its CA's hash) to STATE/cluster-join-token "
+                             "(see docs/cluster.md)")
     parser.add_argument("--routing", choices=POLICIES, default="prefix",
                         help="how a head picks a replica: the one holding the prefix unless much busier "
                              "(default), or round-robin")
     parser.add_argument("--join", default=None, metavar="URL",
-                        help="join the cluster whose head serves at URL, as a worker Node")
-    parser.add_argument("--token-file", type=Path, default=None, help="the cluster token, with --join")
+                        help="join the cluster whose head takes Nodes at URL (https://HEAD:CLUSTER_PORT), as a "
+                             "worker Node")
+    parser.add_argument("--token-file", type=Path, default=None,
+                        help="the join token, with --join: the head writes it to STATE/cluster-join-token "
+                             "(it pins the head's certificate authority)")
+    parser.add_argument("--cluster-port", type=int, default=None, metavar="PORT",
+                        help="a head's or worker's port for cluster traffic, TLS only (default: PORT + 1)")
+    parser.add_argument("--tls-san", action="append", default=[], metavar="NAME",
+                        help="a head's: another host name or address its certificate is valid for (workers "
+                             "must reach it by one of them); repeatable")
     parser.add_argument("--advertise", default=None, metavar="URL",
-                        help="where the head reaches this worker (default: http://HOST:PORT)")
+                        help="where the head reaches this worker (default: https://HOST:CLUSTER_PORT)")
     parser.add_argument("--load-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="how long a request waits for its Model to load before a 503 with Retry-After")
     parser.add_argument("--drain-grace", type=float, default=30.0,

@@ -5,6 +5,8 @@ the store and ``server.keys.ControlView``; this module is where the two meet."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 
 from aiohttp import web
 
@@ -13,7 +15,7 @@ from .control.plane import ControlPlane
 from .control.watcher import ManifestDirectory
 from .core.memory import return_freed_memory
 from .server.app import MAX_BODY_BYTES, create_app
-from .server.keys import STARTED
+from .server.keys import ADMIN_OVER_TLS_ONLY, STARTED
 from .server.response_store import ResponseStore
 
 HEAP_TRIM_SECONDS = 30.0
@@ -37,6 +39,8 @@ def daemon_app(control: ControlPlane, manifests: ManifestDirectory | None = None
     ``/healthz`` and ``/readyz`` answer while weights load; a worker's ``agent`` joins its head."""
     app = create_app(control.registry, control.store, control, control.cluster, admin_token, api_keys, cors_origins,
                      max_body_bytes, stored_responses, drop_hosted_tools, fetch_image_urls)
+    if agent is not None:
+        app[ADMIN_OVER_TLS_ONLY] = True
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()
@@ -56,3 +60,39 @@ def daemon_app(control: ControlPlane, manifests: ManifestDirectory | None = None
 
     app.cleanup_ctx.append(control_plane)
     return app
+
+
+def run_daemon(app: web.Application, listeners: list[tuple[str, int, ssl.SSLContext | None]],
+               shutdown_timeout: float) -> None:
+    """``web.run_app``, with a listener of its own for each (host, port, TLS context): a head's or
+    worker's cluster port speaks TLS beside the plain API port (``run_app`` gives every listener
+    the same context). Until SIGTERM or SIGINT has drained it."""
+    async def serve() -> None:
+        runner = web.AppRunner(app, handle_signals=True, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=shutdown_timeout)
+        await runner.setup()
+        try:
+            for host, port, context in listeners:
+                await web.TCPSite(runner, host, port, ssl_context=context).start()
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    main = loop.create_task(serve())
+    try:
+        loop.run_until_complete(main)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(main)
+        finally:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop), return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()

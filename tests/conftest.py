@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -138,19 +139,28 @@ class Daemon:
     log_path: Path
     host: str = "127.0.0.1"
     admin_token: str | None = None  # sent with every request, when the daemon has one
+    cluster_port: int = 0  # a head's or worker's port for cluster traffic (TLS)
+    state: Path | None = None  # its state directory
+    trust: bytes | None = None  # a cluster CA's certificate: ``get`` goes to the cluster port, over TLS, trusting it
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def cluster_url(self) -> str:
+        return f"https://{self.host}:{self.cluster_port}"
+
     def get(self, path: str, body: dict | None = None) -> tuple[int, bytes]:
         """GET ``path`` (or POST ``body`` as JSON to it)."""
-        request = urllib.request.Request(self.url + path, None if body is None else json.dumps(body).encode(),
+        base = self.url if self.trust is None else self.cluster_url
+        request = urllib.request.Request(base + path, None if body is None else json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         if self.admin_token is not None:
             request.add_header("Authorization", f"Bearer {self.admin_token}")
+        context = None if self.trust is None else ssl.create_default_context(cadata=self.trust.decode())
         try:
-            with urllib.request.urlopen(request, timeout=10) as r:
+            with urllib.request.urlopen(request, timeout=10, context=context) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as err:
             return err.code, err.read()
@@ -167,16 +177,18 @@ class Daemon:
 def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, *extra: str,
                  port: int | None = None, serve: tuple[str, ...] = (), env: dict[str, str] | None = None,
                  host: str = "127.0.0.1", netns: str | None = None, admin_token: str | None = None,
-                 wrap: tuple[str, ...] = ()) -> Daemon:
+                 wrap: tuple[str, ...] = (), cluster_port: int | None = None) -> Daemon:
     """Start ``specd daemon`` (or ``specd serve SERVE...``) as its own process on a free
-    port (or ``port``) of ``host`` (in network namespace ``netns``), with ``env`` added to
-    the environment, and ``admin_token`` as its admin token (needed off loopback); ``wrap``:
-    a command that runs the daemon's (``... "$@"``)."""
+    port (or ``port``) of ``host`` (in network namespace ``netns``), and a free cluster port
+    (or ``cluster_port``: a head's or worker's, TLS), with ``env`` added to the environment,
+    and ``admin_token`` as its admin token (needed off loopback); ``wrap``: a command that runs
+    the daemon's (``... "$@"``)."""
     mdir = tmp / "manifests"
     mdir.mkdir(parents=True, exist_ok=True)
     for fname, text in manifests.items():
         (mdir / fname).write_text(text)
     port = port or free_port()
+    cluster_port = cluster_port or free_port()
     log_path = tmp / f"daemon-{port}.log"
     if admin_token is not None:
         (tmp / "admin-token").write_text(admin_token)
@@ -184,10 +196,11 @@ def start_daemon(tmp: Path, manifests: dict[str, str], wait_ready: bool = True, 
     command = ["serve", *serve] if serve else ["daemon", "--manifests", str(mdir)]
     cmd = list(wrap) + ([] if netns is None else ["ip", "netns", "exec", netns]) + [
         sys.executable, "-m", "specd.cli", *command,
-        "--state-dir", str(tmp / "state"), "--host", host, "--port", str(port), *extra]
+        "--state-dir", str(tmp / "state"), "--host", host, "--port", str(port), "--cluster-port", str(cluster_port),
+        *extra]
     proc = subprocess.Popen(cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    daemon = Daemon(proc, port, log_path, host, admin_token)
+    daemon = Daemon(proc, port, log_path, host, admin_token, cluster_port, tmp / "state")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:

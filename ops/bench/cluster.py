@@ -92,17 +92,17 @@ TOKEN = "bench-cluster-token"
 
 @contextlib.contextmanager
 def daemon(home: Path, core: int | None, env: dict, *extra: str):
-    """A specd daemon pinned to one core (None: any); yields its URL."""
+    """A specd daemon pinned to one core (None: any); yields its URL and its cluster port's (TLS)."""
     home.mkdir(parents=True)
-    port = free_port()
+    port, cluster_port = free_port(), free_port()
     argv = ([] if core is None else ["taskset", "-c", str(core)]) + [
         sys.executable, "-m", "specd.cli", "daemon", "--state-dir", str(home / "state"), "--host", "127.0.0.1",
-        "--port", str(port), *extra]
+        "--port", str(port), "--cluster-port", str(cluster_port), *extra]
     with open(home / "daemon.log", "wb") as log:
         proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", f"https://127.0.0.1:{cluster_port}"
     finally:
         stop_group(proc)
 
@@ -115,11 +115,18 @@ def cluster(workdir: Path, workers: int, routing: str, env: dict, pinned: bool =
     (workdir / "token").write_text(TOKEN)
     cores = os.cpu_count() or 1
     with contextlib.ExitStack() as stack:
-        head = stack.enter_context(daemon(workdir / "head", cores - 1 if pinned else None, env, "--cluster-token-file",
-                                          str(workdir / "token"), "--memory-limit", "1Mi", "--routing", routing))
+        head, head_cluster = stack.enter_context(daemon(workdir / "head", cores - 1 if pinned else None, env,
+                                                        "--cluster-token-file", str(workdir / "token"),
+                                                        "--memory-limit", "1Mi", "--routing", routing))
+        join_token = workdir / "head" / "state" / "cluster-join-token"  # the head writes it as it starts
+        deadline = time.monotonic() + 120
+        while not join_token.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the head wrote no {join_token}")
+            time.sleep(0.1)
         for i in range(workers):
-            stack.enter_context(daemon(workdir / f"w{i}", i % cores if pinned else None, env, "--join", head,
-                                       "--token-file", str(workdir / "token"), "--node-name", f"w{i}"))
+            stack.enter_context(daemon(workdir / f"w{i}", i % cores if pinned else None, env, "--join", head_cluster,
+                                       "--token-file", str(join_token), "--node-name", f"w{i}"))
         yield head
 
 
@@ -292,7 +299,7 @@ async def split_group(home: Path, parallelism: str, ns: str, subnet: str, rsh: P
     (home / "manifests" / "link.yaml").write_text(
         "\n---\n".join(json.dumps(d) for d in split_manifests(parallelism, ns, subnet, port, source)))
     # not pinned: its ranks inherit its CPU affinity, and each needs a core of its own
-    with daemon(home / "d", None, {**env, "SPECD_RSH": str(rsh)}, "--manifests", str(home / "manifests")) as url:
+    with daemon(home / "d", None, {**env, "SPECD_RSH": str(rsh)}, "--manifests", str(home / "manifests")) as (url, _):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
             async def ready():
                 try:

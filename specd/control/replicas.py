@@ -1,6 +1,6 @@
 """A head's replicas on its worker Nodes: it applies each placed Model, with the DraftPairing
 and the SpecPolicy the head chose for it, to the worker's own control plane (its admin API,
-with the cluster token), and deletes what a worker runs that is placed elsewhere. The worker's
+over TLS with the cluster token), and deletes what a worker runs that is placed elsewhere. The worker's
 reconcilers load and serve it, speculating as the head would.
 
 A worker holds only what its head applied, so it picks the same policy for the Model: the head
@@ -33,8 +33,8 @@ def _manifest(kind: str, obj: StoredObject, spec: dict[str, Any]) -> dict[str, A
 
 
 class RemoteReplicas:
-    def __init__(self, token: str, spawn: Callable):
-        self._headers = {"Authorization": f"Bearer {token}"}
+    def __init__(self, session: Callable[..., aiohttp.ClientSession], spawn: Callable):
+        self._session = session  # the cluster's: TLS to the workers, with the token (``Cluster.session``)
         self._spawn = spawn  # runs a call; its end looks at the Model again
         # (model, node) -> (generation, node instance, (pairing, its generation) or None, (policy, ..) or None,
         #                   (group Topology, its spec) or None)
@@ -98,7 +98,7 @@ class RemoteReplicas:
     async def _call(self, key: tuple[str, str], calls: list[tuple[str, str, Any]], version: tuple | None) -> None:
         self._busy.add(key)
         try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15), headers=self._headers) as s:
+            async with self._session(timeout=aiohttp.ClientTimeout(total=15)) as s:
                 for method, url, body in calls:
                     async with s.request(method, url, json=body) as r:
                         if r.status >= 400 and r.status != 404:

@@ -23,7 +23,7 @@ from ..engine.resources import memory_request
 from ..store import Conflict, NotFound, Store
 from .bodies import BodyError, json_body
 from .errors import StatusError, status_error
-from .keys import ADMIN_TOKEN, CONTROL, STORE
+from .keys import ADMIN_OVER_TLS_ONLY, ADMIN_TOKEN, CONTROL, STORE
 
 KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "SpecPolicy",
          "topologies": "Topology"}
@@ -39,6 +39,9 @@ async def admin_guard(request: web.Request, handler):
         return await handler(request)
     token: str | None = request.app.get(ADMIN_TOKEN)
     try:
+        if request.app.get(ADMIN_OVER_TLS_ONLY) and not request.secure:
+            raise StatusError(403, "Forbidden", "this worker's admin API is its head's: it answers on the worker's "
+                              "cluster port, over TLS, never in clear text")
         if token is not None:
             sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             if not hmac.compare_digest(sent, f"Bearer {token}".encode()):

@@ -32,6 +32,8 @@ STORE = web.AppKey("store", Store)
 CONTROL = web.AppKey("control", ControlView)
 CLUSTER = web.AppKey("cluster", Cluster)  # absent: this daemon is no head
 ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configured
+# a worker's: its admin API is its head's, and answers only on its cluster port (TLS)
+ADMIN_OVER_TLS_ONLY = web.AppKey("admin_over_tls_only", bool)
 API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open
 CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call the inference routes from
 STARTED = web.AppKey("started", asyncio.Event)

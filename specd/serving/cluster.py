@@ -1,8 +1,11 @@
 """The head's view of the cluster: the Nodes that joined it, and their health.
 
 A Mac joins as k3s agents join a k3s server: its daemon is started with
-``--join HEAD --token-file FILE`` and calls the head's cluster API with that
-token (``control/agent.py``). The head admits it only with the right token, a
+``--join HEAD --token-file FILE`` (the join token the head wrote, which pins
+the head's certificate authority) and calls the head's cluster API over TLS
+with that token (``control/agent.py``, ``serving/tls.py``). The head signs the
+Node a serving certificate for the address it advertises, and reaches it only
+over TLS, trusting that certificate and no other (``Cluster.session``). The head admits it only with the right token, a
 name no other live Node holds, and the same specd and MLX versions; every
 refusal is an event on the Node. A joined Node is stored (kind ``Node``) in the
 head's SQLite store, which stays the only source of truth: a restarted head
@@ -19,9 +22,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import aiohttp
 import mlx.core as mx
 
 from ..store import NotFound, Store
+from .tls import ClusterCA, host_of
 
 HEARTBEAT_SECONDS = 2.0
 MISSED_HEARTBEATS = 3
@@ -61,10 +66,12 @@ class Member:
 
 
 class Cluster:
-    def __init__(self, store: Store, token: str):
+    def __init__(self, store: Store, token: str, ca: ClusterCA):
         self.store = store
         self.token = token
         self._token = f"Bearer {token}".encode()
+        self.ca = ca
+        self._client_ssl = ca.client_context()
         self.members: dict[str, Member] = {}
         self.started = time.monotonic()
         self.on_heartbeat: Callable[[str], None] = lambda name: None  # the Node reconciler looks at it
@@ -76,14 +83,24 @@ class Cluster:
             self.members[obj.name] = Member(obj.name, spec["address"], spec.get("instance", ""), spec.get("chip", ""),
                                             spec.get("allocatable", 0), spec.get("capacity", 0))
 
+    def session(self, **kwargs) -> aiohttp.ClientSession:
+        """A client of the workers: over TLS, trusting only certificates this cluster's CA signed, with the token."""
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._client_ssl),
+                                     headers={"Authorization": f"Bearer {self.token}"}, **kwargs)
+
     def authorize(self, header: str) -> None:
         if not hmac.compare_digest(header.encode("utf-8", "surrogateescape"), self._token):
             raise Refused(401, "Unauthorized", "a valid cluster token is required")
 
-    def join(self, name: str, header: str, body: dict[str, Any]) -> Member:
-        """Admit a Node (or the same Node again after its daemon restarted)."""
+    def join(self, name: str, header: str, body: dict[str, Any]) -> tuple[Member, bytes]:
+        """Admit a Node (or the same Node again after its daemon restarted), and sign its serving
+        certificate for the host of the address it advertises (whatever else its request names)."""
         try:
             self.authorize(header)
+            address = str(body["address"])
+            if not address.startswith("https://") or not host_of(address):
+                raise Refused(400, "BadRequest", f"a Node's address must be https://HOST:PORT (its cluster port), "
+                                                 f"not {address[:200]!r}")
             mine = versions()
             theirs = {k: body.get("versions", {}).get(k) for k in mine}
             if theirs != mine:
@@ -91,10 +108,15 @@ class Cluster:
             known = self.members.get(name)
             if known is not None and known.ready and known.instance != body.get("instance"):
                 raise Refused(409, "NameInUse", f'a live Node already holds the name "{name}" (at {known.address})')
+            try:
+                certificate = self.ca.sign(str(body["csr"]).encode(), [host_of(address)])
+            except (KeyError, ValueError) as err:
+                raise Refused(400, "BadRequest", f"the join carries no valid certificate signing request (csr): "
+                                                 f"{str(err)[:200]}") from None
         except Refused as refused:
             self.store.record_event("Node", name, "Warning", refused.reason, refused.message)
             raise
-        member = Member(name, str(body["address"]), str(body.get("instance", "")), str(body.get("chip", "")),
+        member = Member(name, address, str(body.get("instance", "")), str(body.get("chip", "")),
                         int(body.get("allocatable", 0)), int(body.get("capacity", 0)))
         spec = {"address": member.address, "instance": member.instance, "chip": member.chip,
                 "allocatable": member.allocatable, "capacity": member.capacity, "versions": mine}
@@ -102,7 +124,7 @@ class Cluster:
         self.members[name] = member
         self.store.record_event("Node", name, "Normal", "Joined", f"joined from {member.address}")
         self.heartbeat(name, header, {"instance": member.instance, "status": body.get("status", {})})
-        return member
+        return member, certificate
 
     def heartbeat(self, name: str, header: str, body: dict[str, Any]) -> None:
         self.authorize(header)

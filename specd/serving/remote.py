@@ -88,12 +88,12 @@ class _Remote:
     vision = None
     image_refusal = "images are not sent to a replica on another Node yet"
 
-    def __init__(self, name: str, node: str, address: str, token: str, tokenizer, engine: dict[str, Any],
-                 lost: Callable[[], str | None]):
+    def __init__(self, name: str, node: str, address: str, session: Callable[..., aiohttp.ClientSession], tokenizer,
+                 engine: dict[str, Any], lost: Callable[[], str | None]):
         self.name, self.node, self.address, self.tokenizer = name, node, address.rstrip("/"), tokenizer
         self.update(engine)
         self._lost = lost  # why the Node cannot serve now (NotReady), or None
-        self._headers = {"Authorization": f"Bearer {token}"}
+        self._new_session = session  # the cluster's: TLS to the workers, with the token (``Cluster.session``)
         self._in_flight = 0
         self._session: aiohttp.ClientSession | None = None
         self._open: dict[aiohttp.ClientResponse, None] = {}  # answers being read
@@ -119,8 +119,8 @@ class _Remote:
         read: a Node gone NotReady has its answers cut, and reading one raises ConnectionResetError
         naming the Node."""
         if self._session is None:  # made on the event loop that serves the requests
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                                  headers=self._headers, read_bufsize=2**20)
+            self._session = self._new_session(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                              read_bufsize=2**20)
         self._in_flight += 1
         try:
             async with self._session.post(self.address + path.format(self.name), json=body) as response:

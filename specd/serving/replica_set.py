@@ -114,7 +114,7 @@ class Replicas:
             asyncio.ensure_future(held[1].shutdown(0))  # its daemon is gone: so are its streams
         kind = RemoteEngine if self.task == "generate" else RemoteEmbedder
         lost = (lambda m=member: None if m.ready else f"NotReady ({m.reason})")
-        remote = kind(self.name, member.name, member.address, self.cluster.token, self._tokenizer(), engine,
+        remote = kind(self.name, member.name, member.address, self.cluster.session, self._tokenizer(), engine,
                       lost)
         self._remote[member.name] = (key, remote)
         return remote
@@ -128,7 +128,7 @@ class Replicas:
             if node == self.here or member is None or not member.ready or self._tokenizer() is None:
                 continue
             try:
-                async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.cluster.token}"}) as s:
+                async with self.cluster.session() as s:
                     async with s.get(member.address + MODEL_ENGINE.format(self.name)) as r:
                         if r.status == 200:
                             self._remote_engine(member, await r.json())

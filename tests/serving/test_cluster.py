@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import code_sample, model_manifest, start_daemon
 from specd.serving.cluster import versions
+from specd.serving.tls import JoinToken, NodeIdentity, client_context
 from specd.control.placement import Candidate, place, place_group, place_remote_groups
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
@@ -42,9 +43,15 @@ def head(tmp: Path) -> object:
                         "--memory-limit", "1Mi", "--node-name", "head")
 
 
-def worker(tmp: Path, name: str, head_url: str, token: Path) -> object:
-    return start_daemon(tmp / name, {}, True, "--join", head_url, "--token-file", str(token),
-                        "--node-name", name, "--memory-limit", "2Gi")
+def join_token(h) -> Path:
+    """The join token the head wrote: its secret and the hash of its CA."""
+    return h.state / "cluster-join-token"
+
+
+def worker(tmp: Path, name: str, h, token: Path | None = None, *extra: str, **kwargs) -> object:
+    """A worker joining ``h`` on its cluster port with its join token (or ``token``)."""
+    return start_daemon(tmp / name, {}, True, "--join", h.cluster_url, "--token-file", str(token or join_token(h)),
+                        "--node-name", name, *(extra or ("--memory-limit", "2Gi")), **kwargs)
 
 
 def nodes(daemon) -> dict[str, dict]:
@@ -77,12 +84,16 @@ def chat(url: str, messages: list[dict], max_tokens: int = 12):
     return client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0)
 
 
-def join(daemon, name: str, token: str, **body) -> tuple[int, dict]:
-    body = {"address": "http://127.0.0.1:1", "instance": "raw", "versions": versions(), **body}
-    req = urllib.request.Request(f"{daemon.url}/cluster/v1/nodes/{name}/join", json.dumps(body).encode(),
+def join(daemon, name: str, token: str, url: str | None = None, **body) -> tuple[int, dict]:
+    """A raw join over TLS, trusting the head's CA (or at ``url``)."""
+    body = {"address": "https://127.0.0.1:1", "instance": "raw", "versions": versions(),
+            "csr": NodeIdentity().signing_request(), **body}
+    req = urllib.request.Request(f"{url or daemon.cluster_url}/cluster/v1/nodes/{name}/join",
+                                 json.dumps(body).encode(),
                                  {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    context = client_context((daemon.state / "tls" / "ca.crt").read_bytes())
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
@@ -91,7 +102,7 @@ def join(daemon, name: str, token: str, **body) -> tuple[int, dict]:
 @pytest.fixture()
 def cluster(tmp_path):
     h = head(tmp_path)
-    workers = {n: worker(tmp_path, n, h.url, token_file(tmp_path)) for n in ("w1", "w2")}
+    workers = {n: worker(tmp_path, n, h) for n in ("w1", "w2")}
     try:
         wait_for(lambda: node_ready(h, "w1") and node_ready(h, "w2"), 30, "workers joined")
         yield h, workers
@@ -110,7 +121,9 @@ def test_joins_are_refused_with_the_reason(tmp_path, cluster):
     assert status == 409 and body["reason"] == "NameInUse"
     assert [e["reason"] for e in node_events(h, "w3")] == ["Unauthorized", "VersionMismatch"]
     assert node_events(h, "w2")[-1]["reason"] == "NameInUse"
-    stray = worker(tmp_path, "w9", h.url, token_file(tmp_path, "not-the-token"))
+    wrong = tmp_path / "wrong-join-token"
+    wrong.write_text(str(JoinToken(JoinToken.parse(join_token(h).read_text()).ca_hash, "not-the-token")))
+    stray = worker(tmp_path, "w9", h, wrong)
     try:
         wait_for(lambda: any(e["reason"] == "Unauthorized" for e in node_events(h, "w9")), 30, "refusal event")
         assert "w9" not in nodes(h)
@@ -211,7 +224,7 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
     # the head is killed and restarted: its Nodes and the placement are intact
     h.stop(signal.SIGKILL)
     h2 = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token_file(tmp_path)),
-                      "--memory-limit", "1Mi", "--node-name", "head", port=h.port)
+                      "--memory-limit", "1Mi", "--node-name", "head", port=h.port, cluster_port=h.cluster_port)
     try:
         assert {"w1", "w2"} <= set(nodes(h2))
         assert [r["node"] for r in get(h2, "model", "m")["status"]["replicas"]] == [other]
@@ -219,7 +232,7 @@ def test_replicas_spread_route_by_prefix_and_survive_a_lost_node(forged, tmp_pat
         assert chat(h2.url, prompts[0]).choices[0].message.content == alone[0]
 
         # the lost Node comes back and is reconciled: the replica goes back on it
-        workers[home] = worker(tmp_path, home, h2.url, token_file(tmp_path))
+        workers[home] = worker(tmp_path, home, h2)
         wait_for(lambda: get(h2, "model", "m")["status"].get("readyReplicas") == 2, 120, "two replicas again")
     finally:
         h2.stop(signal.SIGKILL)
@@ -318,16 +331,20 @@ def test_every_api_reaches_a_replica_on_another_node_as_that_node_answers(forged
     stream.response.close()
     wait_for(lambda: running() == 0, 15, "the worker cancelling the request its client left")
 
-    def generate_on_worker(body: bytes, token: str | None) -> tuple[int, dict]:
+    def generate_on_worker(url: str, body: bytes, token: str | None) -> tuple[int, dict]:
         headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-        req = urllib.request.Request(f"{there.url}/apis/specd.dev/v1alpha1/models/m/generate", body, headers)
+        req = urllib.request.Request(f"{url}/apis/specd.dev/v1alpha1/models/m/generate", body, headers)
+        context = client_context((h.state / "tls" / "ca.crt").read_bytes()) if url.startswith("https") else None
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=10, context=context) as r:
                 return r.status, {}
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read())
-    assert generate_on_worker(b'{"prompt_tokens": [1]}', None)[0] == 401  # only the head, with the token
-    status, body = generate_on_worker(b'{"prompt_tokens": [1]}', "s3cret-cluster-token")
+    request = b'{"prompt_tokens": [1]}'
+    assert generate_on_worker(there.cluster_url, request, None)[0] == 401  # only the head, with the token
+    status, body = generate_on_worker(there.url, request, "s3cret-cluster-token")
+    assert status == 403 and "over TLS" in body["message"], body  # and never in clear text
+    status, body = generate_on_worker(there.cluster_url, request, "s3cret-cluster-token")
     assert status == 400 and "not a generation request" in body["message"], body
 
 
@@ -340,8 +357,7 @@ def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_l
     token = token_file(tmp_path)
     h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "160Mi",
                      "--node-name", "head")
-    workers = {name: start_daemon(tmp_path / name, {}, True, "--join", h.url, "--token-file", str(token),
-                                  "--node-name", name, "--memory-limit", limit)
+    workers = {name: worker(tmp_path, name, h, None, "--memory-limit", limit)
                for name, limit in (("w1", "160Mi"), ("w2", "190Mi"))}
     budgets = {"kvCache": "{maxBytes: 64Mi}", "prefixCache": "{maxBytes: 64Mi}"}
     share = -(-1116416 // 2) + 32 * 2**20 + 32 * 2**20 + 64 * 2**20  # weights 1,116,416, budgets, overhead
@@ -404,8 +420,7 @@ def test_a_group_models_replicas_are_groups_each_with_rank_0_on_its_own_node(for
     token = token_file(tmp_path)
     h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "1Gi",
                      "--node-name", "head")
-    w1 = start_daemon(tmp_path / "w1", {}, True, "--join", h.url, "--token-file", str(token), "--node-name", "w1",
-                      "--memory-limit", "1Gi")
+    w1 = worker(tmp_path, "w1", h, None, "--memory-limit", "1Gi")
     try:
         wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
         (tmp_path / "groups.yaml").write_text(
@@ -418,7 +433,8 @@ def test_a_group_models_replicas_are_groups_each_with_rank_0_on_its_own_node(for
         assert get(h, "model", "split")["status"]["replicas"] == [
             {"node": "head", "ready": True, "phase": "Ready", "hosts": ["head", "spare2"]},
             {"node": "w1", "ready": True, "phase": "Ready", "hosts": ["w1", "spare1"]}]
-        w1.admin_token = "s3cret-cluster-token"  # a worker's control plane answers its head only
+        # a worker's control plane answers its head only: the token, over TLS
+        w1.admin_token, w1.trust = "s3cret-cluster-token", (h.state / "tls" / "ca.crt").read_bytes()
 
         def on_w1(path: str) -> tuple[int, dict]:
             status, body = w1.get(f"/apis/specd.dev/v1alpha1/{path}")
@@ -441,7 +457,7 @@ def test_a_group_models_replicas_are_groups_each_with_rank_0_on_its_own_node(for
         # the head is killed and restarted: its own group starts again, w1's keeps running
         h.stop(signal.SIGKILL)
         h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token),
-                         "--memory-limit", "1Gi", "--node-name", "head", port=h.port)
+                         "--memory-limit", "1Gi", "--node-name", "head", port=h.port, cluster_port=h.cluster_port)
         wait_for(lambda: get(h, "model", "split")["status"].get("readyReplicas") == 2, 180, "both groups again")
         assert on_w1("models/split")[1]["status"]["group"]["ranks"] == group["ranks"]  # the same processes
         assert complete(OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120),
@@ -465,12 +481,10 @@ def test_a_worker_on_another_host_serves_is_cut_off_and_comes_back(forged, tmp_p
                      "--node-name", "head", host=f"{netns_hosts.subnet}.1", admin_token="head-admin-token")
     daemons = [h]
     try:
-        daemons.append(w1 := worker(tmp_path, "w1", h.url, token))
-        daemons.append(w2 := start_daemon(tmp_path / "w2", {}, True, "--join", h.url, "--token-file", str(token),
-                                          "--node-name", "w2", "--memory-limit", "2Gi",
-                                          host=f"{netns_hosts.subnet}.2", netns=netns_hosts.ns))
+        daemons.append(w1 := worker(tmp_path, "w1", h))
+        daemons.append(w2 := worker(tmp_path, "w2", h, host=f"{netns_hosts.subnet}.2", netns=netns_hosts.ns))
         wait_for(lambda: node_ready(h, "w1") and node_ready(h, "w2"), 30, "workers joined")
-        assert nodes(h)["w2"]["spec"]["address"] == w2.url
+        assert nodes(h)["w2"]["spec"]["address"] == w2.cluster_url
         manifest = yaml.safe_load(model_manifest("m", forged / "target", replicas=2, **BUDGETS))
         assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
         wait_for(lambda: model_status(h, "m").get("readyReplicas") == 2, 120, "two replicas")

@@ -27,7 +27,7 @@ class ReplicaPlacement:
     def __init__(self, ctx: ModelContext, memory: NodeMemory, lifecycle: Lifecycle, routing: str):
         self.ctx, self.memory, self.lifecycle = ctx, memory, lifecycle
         self.router = Router(routing)
-        self.remote = RemoteReplicas(ctx.cluster.token, ctx.spawn) if ctx.cluster is not None else None
+        self.remote = RemoteReplicas(ctx.cluster.session, ctx.spawn) if ctx.cluster is not None else None
 
     def placed_here(self, state: ModelState, want: Desired) -> bool:
         """Place the Model's replicas on Nodes by its memory request, apply the remote ones to
