@@ -15,7 +15,7 @@ from .control.plane import ControlPlane
 from .control.watcher import ManifestDirectory
 from .core.memory import return_freed_memory
 from .server.app import MAX_BODY_BYTES, create_app
-from .server.keys import ADMIN_OVER_TLS_ONLY, STARTED
+from .server.keys import ADMIN_OVER_TLS_ONLY, PLACEMENT_FENCE, STARTED
 from .server.response_store import ResponseStore
 
 HEAP_TRIM_SECONDS = 30.0
@@ -41,6 +41,7 @@ def daemon_app(control: ControlPlane, manifests: ManifestDirectory | None = None
                      max_body_bytes, stored_responses, drop_hosted_tools, fetch_image_urls)
     if agent is not None:
         app[ADMIN_OVER_TLS_ONLY] = True
+        app[PLACEMENT_FENCE] = agent.fence
 
     async def control_plane(app: web.Application):
         stop = asyncio.Event()

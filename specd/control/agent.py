@@ -11,7 +11,8 @@ certificate signing request and serves the head with the certificate it signs
 by: the node's memory and, for each Model it serves, whether it is ready and how
 busy it is. Its answer says what memory the head's groups hold here for ranks
 the head started on this Mac, which the worker then counts as held
-(``on_reserved``).
+(``on_reserved``), and where the head places each Model now, which fences a
+replica the head moved away (``serving/fence.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any, Callable
 import aiohttp
 import structlog
 
-from ..serving.cluster import HEARTBEAT_SECONDS, versions
+from ..serving.cluster import HEARTBEAT_SECONDS, MISSED_HEARTBEATS, versions
+from ..serving.fence import PlacementFence
 from ..serving.tls import CertificateMismatch, JoinToken, NodeIdentity, client_context, host_of, pinned_ca
 
 log = structlog.get_logger(__name__)
@@ -44,6 +46,9 @@ class NodeAgent:
         self.instance = uuid.uuid4().hex  # this daemon process: a restarted one is a new instance
         self.joined = False
         self.refusal = ""  # why the head last refused this Node, or why this Node refused the head
+        # the head's placements, as its heartbeat answers say (the replica API reads it); its lease is
+        # as long as the head waits before it counts this Node NotReady
+        self.fence = PlacementFence(MISSED_HEARTBEATS * HEARTBEAT_SECONDS)
 
     async def run(self) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers=self._headers) as session:
@@ -71,7 +76,9 @@ class NodeAgent:
                 "csr": self.identity.signing_request(), **self.report()}
         async with session.post(f"{self.head}/cluster/v1/nodes/{self.name}/join", json=body, ssl=self._ssl) as r:
             if r.status == 200:
-                self.identity.certify((await r.json())["certificate"], self.tls_dir)
+                answer = await r.json()
+                self.identity.certify(answer["certificate"], self.tls_dir)
+                self.fence.heard(answer.get("placements", {}))
                 self.joined, self.refusal = True, ""
                 log.info("joined the cluster", head=self.head, node=self.name, serves_as=host_of(self.address))
                 return
@@ -86,4 +93,6 @@ class NodeAgent:
                 self.joined = False
                 log.warning("heartbeat refused", status=r.status)
                 return
-            self.on_reserved((await r.json()).get("reserved", {}))
+            answer = await r.json()
+            self.fence.heard(answer.get("placements", {}))
+            self.on_reserved(answer.get("reserved", {}))

@@ -18,6 +18,7 @@ import structlog
 
 from ..api.paths import ADMIN_PREFIX as ADMIN, API_VERSION
 from ..serving.cluster import Member
+from ..serving.fence import EPOCH_ANNOTATION
 from ..store import StoredObject
 
 log = structlog.get_logger(__name__)
@@ -27,9 +28,10 @@ def _chosen(obj: StoredObject | None) -> tuple[str, int] | None:
     return None if obj is None else (obj.name, obj.generation)
 
 
-def _manifest(kind: str, obj: StoredObject, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": kind, "metadata": {"name": obj.name, "labels": obj.labels},
-            "spec": spec}
+def _manifest(kind: str, obj: StoredObject, spec: dict[str, Any], annotations: dict[str, str] | None = None
+              ) -> dict[str, Any]:
+    metadata = {"name": obj.name, "labels": obj.labels, **({"annotations": annotations} if annotations else {})}
+    return {"apiVersion": API_VERSION, "kind": kind, "metadata": metadata, "spec": spec}
 
 
 class RemoteReplicas:
@@ -37,28 +39,30 @@ class RemoteReplicas:
         self._session = session  # the cluster's: TLS to the workers, with the token (``Cluster.session``)
         self._spawn = spawn  # runs a call; its end looks at the Model again
         # (model, node) -> (generation, node instance, (pairing, its generation) or None, (policy, ..) or None,
-        #                   (group Topology, its spec) or None)
+        #                   (group Topology, its spec) or None, placement epoch)
         self._applied: dict[tuple[str, str], tuple] = {}
         self._busy: set[tuple[str, str]] = set()
         self._policies: dict[tuple[str, str], str] = {}  # (model, node) -> the policy chosen for it now
 
     def ensure(self, member: Member, model: StoredObject, pairing: StoredObject | None,
-               policy: StoredObject | None, group: dict[str, Any] | None = None) -> None:
-        """The worker runs this generation of the Model with this pairing and policy (applied once
-        per generation, pairing, policy and worker instance; one no longer chosen is deleted there).
-        A group Model's replica there is a group whose rank 0 runs on that worker: ``group`` is the
-        spec of a Topology of its hosts, applied under the Model's name for the Model to refer to."""
+               policy: StoredObject | None, group: dict[str, Any] | None = None, *, epoch: int) -> None:
+        """The worker runs this generation of the Model with this pairing and policy, placed there at
+        placement ``epoch`` (applied once per generation, pairing, policy, epoch and worker instance;
+        one no longer chosen is deleted there). A group Model's replica there is a group whose rank
+        0 runs on that worker: ``group`` is the spec of a Topology of its hosts, applied under the
+        Model's name for the Model to refer to."""
         key = (model.name, member.name)
         if policy is None:
             self._policies.pop(key, None)
         else:
             self._policies[key] = policy.name
         topology = None if group is None else (model.name, json.dumps(group, sort_keys=True))
-        version = (model.generation, member.instance, _chosen(pairing), _chosen(policy), topology)
+        version = (model.generation, member.instance, _chosen(pairing), _chosen(policy), topology, epoch)
         if self._applied.get(key) == version or key in self._busy:
             return
         spec = {k: v for k, v in model.spec.items() if k != "replicas"}  # one replica on that Node
-        items = [_manifest("Model", model, spec if group is None else {**spec, "topologyRef": model.name})]
+        items = [_manifest("Model", model, spec if group is None else {**spec, "topologyRef": model.name},
+                           {EPOCH_ANNOTATION: str(epoch)})]
         items += [_manifest(kind, obj, obj.spec) for kind, obj in (("DraftPairing", pairing), ("SpecPolicy", policy))
                   if obj is not None]
         if group is not None:

@@ -100,6 +100,7 @@ class Placed:
     """Where the Model's replicas, and its groups' ranks, are placed."""
 
     replica_nodes: list[str] = field(default_factory=list)  # on a head: the Nodes its replicas are placed on
+    epoch: int | None = None  # on a head: its placement epoch, moved when replica_nodes change (``serving/fence.py``)
     replicas_short: str = ""  # why some replicas fit no Node
     group_memory: dict[str, int] = field(default_factory=dict)  # a group's bytes on each Node its ranks run on
     group_hosts: list[str] = field(default_factory=list)  # the hosts of its group's ranks, rank 0 first

@@ -58,7 +58,8 @@ async def join(request: web.Request) -> web.Response:
                                                 await _body(request))
     except (Refused, KeyError, TypeError, ValueError) as err:
         return _refusal(err if isinstance(err, Refused) else Refused(400, "BadRequest", f"bad join: {err}"))
-    return web.json_response({"joined": request.match_info["name"], "certificate": certificate.decode()})
+    return web.json_response({"joined": request.match_info["name"], "certificate": certificate.decode(),
+                              "placements": request.app[CLUSTER].placements_for(request.match_info["name"])})
 
 
 @routes.post("/cluster/v1/nodes/{name}/heartbeat")
@@ -69,4 +70,5 @@ async def heartbeat(request: web.Request) -> web.Response:
         cluster.heartbeat(name, request.headers.get("Authorization", ""), await _body(request))
     except Refused as refused:
         return _refusal(refused)
-    return web.json_response({"reserved": cluster.reserved.get(name, {})})  # ranks the head started there
+    return web.json_response({"reserved": cluster.reserved.get(name, {}),  # ranks the head started there
+                              "placements": cluster.placements_for(name)})

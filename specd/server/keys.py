@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..serving.cluster import Cluster
+from ..serving.fence import PlacementFence
 from ..serving.registry import ModelRegistry
 from ..store import Store
 from .response_store import ResponseStore
@@ -34,6 +35,7 @@ CLUSTER = web.AppKey("cluster", Cluster)  # absent: this daemon is no head
 ADMIN_TOKEN = web.AppKey("admin_token", str)  # absent: no admin token configured
 # a worker's: its admin API is its head's, and answers only on its cluster port (TLS)
 ADMIN_OVER_TLS_ONLY = web.AppKey("admin_over_tls_only", bool)
+PLACEMENT_FENCE = web.AppKey("placement_fence", PlacementFence)  # a worker's: which head calls its replicas refuse
 API_KEYS = web.AppKey("api_keys", tuple)  # absent or empty: the inference routes are open
 CORS_ORIGINS = web.AppKey("cors_origins", tuple)  # origins browsers may call the inference routes from
 STARTED = web.AppKey("started", asyncio.Event)

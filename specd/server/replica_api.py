@@ -24,20 +24,27 @@ from ..core.request import merge_outputs
 from ..engine.embedder import Embedder, EmbeddingFailed
 from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
+from ..serving.fence import EPOCH_HEADER, applied_epoch, sent_epoch
 from ..serving.remote import engine_report, output_to_json, request_from_json
 from ..engine.scheduler import RequestRejected
 from .bodies import BodyError, json_body
 from .errors import StatusError, status_error
-from .keys import REGISTRY
+from .keys import PLACEMENT_FENCE, REGISTRY, STORE
 
 routes = web.RouteTableDef()
 
 
 async def _engine(request: web.Request, task: str | None = None) -> ServingEngine | Embedder:
     """The Model's engine for ``task`` (None: its own) on this daemon, once loaded (a replica
-    at zero starts loading)."""
+    at zero starts loading), unless a worker's fence refuses the call (409)."""
     name = request.match_info["name"]
     registry = request.app[REGISTRY]
+    fence = request.app.get(PLACEMENT_FENCE)
+    stored = request.app[STORE].find("Model", name)
+    if fence is not None and stored is not None:
+        why = fence.refusal(name, applied_epoch(stored.annotations), sent_epoch(request.headers.get(EPOCH_HEADER)))
+        if why is not None:
+            raise StatusError(409, "StalePlacement", why)
     served = registry.models.get(name)
     task = task or (served.task if served is not None else "generate")
     try:

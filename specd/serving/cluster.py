@@ -78,6 +78,9 @@ class Cluster:
         # memory the head's groups hold on Nodes for ranks it started there: Node -> {holder: bytes},
         # sent back on each heartbeat so that the worker counts it as held
         self.reserved: dict[str, dict[str, int]] = {}
+        # each Model's placement epoch and the Nodes its replicas are placed on, told to every Node
+        # on its heartbeats so a replica moved away is fenced (``serving/fence.py``)
+        self.placements: dict[str, tuple[int, list[str]]] = {}
         for obj in store.list("Node"):  # a restarted head knows its Nodes, each NotReady until it is heard from
             spec = obj.spec
             self.members[obj.name] = Member(obj.name, spec["address"], spec.get("instance", ""), spec.get("chip", ""),
@@ -138,6 +141,19 @@ class Cluster:
             self.store.record_event("Node", name, "Normal", "NodeReady", "heartbeats received")
             self.write_status(member)
         self.on_heartbeat(name)
+
+    def place(self, model: str, epoch: int, nodes: list[str]) -> None:
+        """The Model's replicas are placed on ``nodes`` at placement ``epoch``."""
+        self.placements[model] = (epoch, list(nodes))
+
+    def unplace(self, model: str) -> None:
+        """The Model is gone: its replicas anywhere are deleted, not fenced."""
+        self.placements.pop(model, None)
+
+    def placements_for(self, node: str) -> dict[str, Any]:
+        """What a Node's heartbeat answer says of placements: every Model's epoch, and those placed there."""
+        return {"epochs": {m: epoch for m, (epoch, _) in self.placements.items()},
+                "placed": sorted(m for m, (_, nodes) in self.placements.items() if node in nodes)}
 
     def reserve(self, model: str, on_nodes: dict[str, int]) -> None:
         """The Model's group holds these bytes on these Nodes now (nothing elsewhere)."""

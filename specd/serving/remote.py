@@ -32,6 +32,7 @@ from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.interface import ServingEngine
 from ..engine.scheduler import RequestRejected, check_request
 from ..api.paths import MODEL_EMBED as EMBED, MODEL_GENERATE as GENERATE
+from .fence import EPOCH_HEADER
 
 WATCH_SECONDS = 2.0  # how often a replica with answers open looks at its Node's health
 
@@ -89,11 +90,12 @@ class _Remote:
     image_refusal = "images are not sent to a replica on another Node yet"
 
     def __init__(self, name: str, node: str, address: str, session: Callable[..., aiohttp.ClientSession], tokenizer,
-                 engine: dict[str, Any], lost: Callable[[], str | None]):
+                 engine: dict[str, Any], lost: Callable[[], str | None], epoch: Callable[[], int]):
         self.name, self.node, self.address, self.tokenizer = name, node, address.rstrip("/"), tokenizer
         self.update(engine)
         self._lost = lost  # why the Node cannot serve now (NotReady), or None
         self._new_session = session  # the cluster's: TLS to the workers, with the token (``Cluster.session``)
+        self._epoch = epoch  # the Model's placement epoch now, sent with each call (``serving/fence.py``)
         self._in_flight = 0
         self._session: aiohttp.ClientSession | None = None
         self._open: dict[aiohttp.ClientResponse, None] = {}  # answers being read
@@ -123,7 +125,8 @@ class _Remote:
                                               read_bufsize=2**20)
         self._in_flight += 1
         try:
-            async with self._session.post(self.address + path.format(self.name), json=body) as response:
+            async with self._session.post(self.address + path.format(self.name), json=body,
+                                          headers={EPOCH_HEADER: str(self._epoch())}) as response:
                 if response.status != 200:
                     raise _refusal(response.status, await response.text(), self.node)
                 self._open[response] = None

@@ -32,6 +32,7 @@ from ..engine.scheduler import check_request
 from ..metrics import Metrics
 from ..speculation.config import PolicySettings
 from .cluster import HEARTBEAT_SECONDS, Cluster, Member
+from .fence import EPOCH_HEADER
 from .routing import Router
 
 log = structlog.get_logger(__name__)
@@ -51,6 +52,7 @@ class Replicas:
         self._local = local  # the head's own replica's engine, while it is loaded
         self._tokenizer = tokenizer  # what the head tokenizes the Model's requests with (None: not yet)
         self.nodes: list[str] = []  # where the Model's replicas are placed (the Model reconciler keeps it)
+        self.epoch = 0  # the placement's epoch, sent with every call to a worker (``serving/fence.py``)
         self._remote: dict[str, tuple[tuple, RemoteEngine | RemoteEmbedder]] = {}  # node -> ((address, instance), it)
         self._woken: dict[str, float] = {}  # node -> when its replica at zero answered that it loaded
         self._incarnations: dict[str, tuple] = {}  # node -> the engine the router's RAM index describes
@@ -115,7 +117,7 @@ class Replicas:
         kind = RemoteEngine if self.task == "generate" else RemoteEmbedder
         lost = (lambda m=member: None if m.ready else f"NotReady ({m.reason})")
         remote = kind(self.name, member.name, member.address, self.cluster.session, self._tokenizer(), engine,
-                      lost)
+                      lost, lambda: self.epoch)
         self._remote[member.name] = (key, remote)
         return remote
 
@@ -129,7 +131,8 @@ class Replicas:
                 continue
             try:
                 async with self.cluster.session() as s:
-                    async with s.get(member.address + MODEL_ENGINE.format(self.name)) as r:
+                    async with s.get(member.address + MODEL_ENGINE.format(self.name),
+                                     headers={EPOCH_HEADER: str(self.epoch)}) as r:
                         if r.status == 200:
                             self._remote_engine(member, await r.json())
                             self._woken[node] = time.monotonic()

@@ -60,18 +60,20 @@ class GroupPlacement:
                 ctx.event(state.name, "Warning", "Rescheduled",
                           f"the group with rank 0 on Node {gone} moved: Node {lost[0]} is NotReady")
         placed.remote_groups, placed.replicas_short = groups, short
-        placed.replica_nodes = [ctx.node.name, *groups] if spec.replicas > 1 else []
+        nodes = [ctx.node.name, *groups] if spec.replicas > 1 else []
+        epoch = self.replicas.advance_epoch(state, obj, nodes)
+        placed.replica_nodes = nodes
         self.reserve_ranks(state)
         if spec.replicas == 1:
             if state.serving.replica_set is not None:  # it had groups elsewhere: only its own serves now
                 state.serving.replica_set.replicas.nodes = [ctx.node.name]
             return
-        self.replicas.serve_replicas(state, spec, placed.replica_nodes)
+        self.replicas.serve_replicas(state, spec, placed.replica_nodes, epoch)
         applied_with = self.replicas.applied_with(want)
         listed = {h["name"]: h for h in want.topology.spec["hosts"]}
         for node, hosts in groups.items():
             self.replicas.remote.ensure(members[node], obj, *applied_with,
-                                        {**want.topology.spec, "hosts": [listed[h] for h in hosts]})
+                                        {**want.topology.spec, "hosts": [listed[h] for h in hosts]}, epoch=epoch)
 
     def reserve_ranks(self, state: ModelState) -> None:
         """On a head: reserve on each Node what ranks of the Model's groups that no daemon of that

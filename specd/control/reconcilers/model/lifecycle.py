@@ -197,6 +197,7 @@ class Lifecycle:
             ctx.spawn(state.serving.replica_set.shutdown(ctx.drain_grace), name)
         if ctx.cluster is not None:
             ctx.cluster.reserve(name, {})  # its group's ranks elsewhere
+            ctx.cluster.unplace(name)
             for member in ctx.cluster.ready():  # its replicas there are deleted
                 ctx.enqueue("Node", member.name)
         log.info("model removed", model=name)

@@ -52,6 +52,7 @@ class ReplicaPlacement:
         else:
             nodes, short = place(spec.replicas, request.total, current, candidates)
         gone, new = sorted(set(placed.replica_nodes) - set(nodes)), sorted(set(nodes) - set(placed.replica_nodes))
+        epoch = self.advance_epoch(state, obj, nodes)
         for name in gone:
             self.router.forget(state.name, name)
             ctx.enqueue("Node", name)  # what it still runs of the Model is deleted from it
@@ -59,11 +60,11 @@ class ReplicaPlacement:
                 ctx.event(state.name, "Warning", "Rescheduled", f"replica on Node {name} moved to Node {new.pop(0)}: "
                           f"the Node is {'NotReady' if name in members and not members[name].ready else 'gone'}")
         placed.replica_nodes, placed.replicas_short = nodes, short
-        self.serve_replicas(state, spec, nodes)
+        self.serve_replicas(state, spec, nodes, epoch)
         applied_with = self.applied_with(want)
         for name in nodes:
             if name != node.name:
-                self.remote.ensure(members[name], obj, *applied_with)
+                self.remote.ensure(members[name], obj, *applied_with, epoch=epoch)
         here = node.name in nodes
         state.serving.elsewhere = bool(nodes) and not here
         if not here and state.serving.engine is not None:
@@ -71,6 +72,17 @@ class ReplicaPlacement:
         if not here:
             state.serving.phase, state.serving.reason = Phase.PENDING, short or f"replicas on {', '.join(nodes)}"
         return here
+
+    def advance_epoch(self, state: ModelState, obj: StoredObject, nodes: list[str]) -> int:
+        """The Model's placement epoch with its replicas on ``nodes``: the next one when the Nodes
+        change (a restarted head goes on from the one it stored), told to the cluster's Nodes."""
+        placed = state.placed
+        if placed.epoch is None:
+            placed.epoch = obj.status.get("placementEpoch", 0)
+        if set(nodes) != set(placed.replica_nodes):
+            placed.epoch += 1
+        self.ctx.cluster.place(state.name, placed.epoch, nodes)
+        return placed.epoch
 
     def settling(self, state: ModelState, nodes: list[str]) -> bool:
         """Whether this head, restarted, has yet to hear from one of these Nodes: then the Model's
@@ -88,7 +100,7 @@ class ReplicaPlacement:
         return (store.find("DraftPairing", pairing.name) if pairing else None,
                 store.find("SpecPolicy", policy.name) if policy and want.spec.task == "generate" else None)
 
-    def serve_replicas(self, state: ModelState, spec: ModelSpec, nodes: list[str]) -> None:
+    def serve_replicas(self, state: ModelState, spec: ModelSpec, nodes: list[str], epoch: int) -> None:
         """The Model's requests go to its replicas through a ``ReplicaSet``, which tokenizes
         with the Model's tokenizer, loaded here (or its own engine's, meanwhile)."""
         ctx, served = self.ctx, state.serving
@@ -96,7 +108,7 @@ class ReplicaPlacement:
         if replica_set is None:
             replica_set = served.replica_set = ReplicaSet(state.name, spec.task, ctx.node.name, ctx.cluster,
                                                           self.router, ctx.metrics, lambda: served.engine)
-        replica_set.replicas.nodes = nodes
+        replica_set.replicas.nodes, replica_set.replicas.epoch = nodes, epoch
         source = (spec.source, spec.revision)
         if replica_set.tokenizer_source != source:
             replica_set.tokenizer_source = source

@@ -70,6 +70,8 @@ def _replicas(obj: StoredObject, state: ModelState, node_name: str, status: dict
                            **({"hosts": placed.remote_groups.get(n, placed.group_hosts)} if spec.topology_ref else {})}
                           for n in placed.replica_nodes]
     status["readyReplicas"] = len(routable)
+    if placed.epoch is not None:
+        status["placementEpoch"] = placed.epoch
     if placed.replicas_short:
         status["conditions"].append(condition("Scheduled", False, "Unschedulable", placed.replicas_short,
                                               obj.generation, obj.status))

@@ -1,0 +1,147 @@
+"""Faults a cluster of Macs meets: a partition that outlasts the head's patience, so a replica
+moves while its old copy lives on, and heals; a lossy, jittery link. Placement epochs fence the old
+copy (``serving/fence.py``); nothing hangs, and the cluster converges without a restart."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import yaml
+
+from conftest import code_sample, model_manifest, start_daemon
+from daemons import model_status, wait_for
+from specd.core.request import GenerationRequest
+from specd.core.sampling import SamplingParams
+from specd.serving.fence import EPOCH_HEADER, PlacementFence
+from specd.serving.remote import request_to_json
+from test_cluster import BUDGETS, chat, node_events, node_ready, routed, token_file, worker
+
+SECRET = "s3cret-cluster-token"
+GENERATE = "/apis/specd.dev/v1alpha1/models/m/generate"
+
+
+def served(daemon) -> set[str]:
+    """The Models a daemon serves (its own ``/v1/models``)."""
+    return {m["id"] for m in json.loads(daemon.get("/v1/models")[1])["data"]}
+
+
+def call_from_inside(netns_hosts, w, h, epoch: int) -> tuple[int, str]:
+    """A call to the worker's replica API from its own side of the link (its namespace), as
+    anything still holding the old placement would send it: the token, over TLS, at ``epoch``."""
+    body = json.dumps(request_to_json(GenerationRequest("inside", [1, 2, 3], SamplingParams(temperature=0), 4)))
+    out = subprocess.run(["ip", "netns", "exec", netns_hosts.ns, "curl", "-s", "--max-time", "20",
+                          "--cacert", str(h.state / "tls" / "ca.crt"), "-o", "-", "-w", "\n%{http_code}",
+                          "-H", f"Authorization: Bearer {SECRET}", "-H", f"{EPOCH_HEADER}: {epoch}",
+                          "-H", "Content-Type: application/json", "-d", body, w.cluster_url + GENERATE],
+                         capture_output=True, text=True, timeout=30)
+    text, _, code = out.stdout.rpartition("\n")
+    return int(code or 0), text
+
+
+def test_a_partition_moves_the_replica_fences_the_old_copy_and_heals_without_a_restart(forged, tmp_path,
+                                                                                       netns_hosts):
+    """The replica runs on w2, in its own namespace; the link is cut for 30 s. The head counts w2
+    NotReady and moves the replica to w1 (a later placement epoch); requests through the head are
+    answered, or fail with an error naming the cause, none hangs. Meanwhile w2, not having heard
+    from its head for longer than the head waits, refuses a call under its old placement from its
+    own side of the link (409 StalePlacement): two replicas never serve one placement. The link
+    heals: w2 is Ready again, its old copy is deleted, the replica stays on w1, and the Model's
+    status is what was asked, without restarting anything."""
+    # no room of its own (every replica goes to a worker), on the link's address for the namespace
+    h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token_file(tmp_path)),
+                     "--memory-limit", "1Mi", "--node-name", "head", host=f"{netns_hosts.subnet}.1",
+                     admin_token="head-admin-token")
+    daemons = [h]
+    try:
+        daemons.append(w2 := worker(tmp_path, "w2", h, host=f"{netns_hosts.subnet}.2", netns=netns_hosts.ns))
+        wait_for(lambda: node_ready(h, "w2"), 30, "w2 joined")
+        manifest = yaml.safe_load(model_manifest("m", forged / "target", **BUDGETS))
+        assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
+        wait_for(lambda: model_status(h, "m").get("readyReplicas") == 1, 120, "the replica on w2")
+        old_epoch = model_status(h, "m")["placementEpoch"]
+        daemons.append(worker(tmp_path, "w1", h))
+        wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
+        assert [r["node"] for r in model_status(h, "m")["replicas"]] == ["w2"]
+        status, _ = call_from_inside(netns_hosts, w2, h, old_epoch)
+        assert status == 200  # the placement is current: the replica serves its head's calls
+
+        text = code_sample("speculation")
+        prompts = [[{"role": "user", "content": text[i * 200:i * 200 + 150]}] for i in range(40)]
+        outcomes: list[tuple[str, float]] = []
+
+        def ask(messages) -> None:
+            started = time.monotonic()
+            try:
+                chat(h.url, messages, max_tokens=8)
+                outcomes.append(("ok", time.monotonic() - started))
+            except Exception as err:  # noqa: BLE001: every failure is kept, with its message
+                outcomes.append((f"{type(err).__name__}: {err}", time.monotonic() - started))
+
+        cut_at = time.monotonic()
+        netns_hosts.cut(True)
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                for messages in prompts:  # steady traffic through the head while the link is down
+                    pool.submit(ask, messages)
+                    time.sleep(0.5)
+                wait_for(lambda: [r["node"] for r in model_status(h, "m")["replicas"]] == ["w1"], 60,
+                         "the replica moved to w1")
+                wait_for(lambda: model_status(h, "m").get("readyReplicas") == 1, 120, "w1's replica ready")
+            new_epoch = model_status(h, "m")["placementEpoch"]
+            assert new_epoch > old_epoch
+            status, answer = call_from_inside(netns_hosts, w2, h, old_epoch)
+            assert status == 409 and "StalePlacement" in answer and "not heard from its head" in answer, answer
+            time.sleep(max(0.0, 30 - (time.monotonic() - cut_at)))
+        finally:
+            netns_hosts.cut(False)
+        healed_at = time.monotonic()
+        wait_for(lambda: node_ready(h, "w2"), 30, "w2 heard from again")
+        wait_for(lambda: "m" not in served(w2), 60, "w2's old copy deleted")
+        converged = time.monotonic() - healed_at
+        status, answer = call_from_inside(netns_hosts, w2, h, new_epoch)
+        assert status == 404, answer  # gone from w2; never served there again
+
+        assert all(seconds < 60 for _, seconds in outcomes), outcomes  # nothing hung
+        failures = [o for o, _ in outcomes if o != "ok"]
+        print("failures:", failures)
+        assert all("w2" in f or "ready" in f.lower() or "503" in f for f in failures), failures
+        assert len(outcomes) == len(prompts)
+        before = routed(h)
+        for messages in prompts[:3]:
+            chat(h.url, messages, max_tokens=8)
+        after = routed(h)
+        assert after["w1"] == before["w1"] + 3 and after.get("w2", 0) == before.get("w2", 0), (before, after)
+        final = model_status(h, "m")
+        assert [r["node"] for r in final["replicas"]] == ["w1"] and final["readyReplicas"] == 1, final
+        assert next(c for c in final["conditions"] if c["type"] == "Ready")["status"] == "True"
+        assert any(e["reason"] == "NodeNotReady" for e in node_events(h, "w2"))
+        print(f"partition: {len(outcomes)} requests, {len(failures)} failed with a named cause, "
+              f"epochs {old_epoch} -> {new_epoch}, converged {converged:.1f}s after healing")
+    finally:
+        for d in daemons:
+            d.stop(signal.SIGKILL)
+
+
+def test_the_fence_follows_the_heads_word_and_its_lease():
+    """What a worker's replica admits of its head's calls, with a clock the test moves."""
+    now = [0.0]
+    fence = PlacementFence(6.0, clock=lambda: now[0])
+    assert fence.refusal("free", None, None) is None  # a Model no head placed here
+    assert "not heard from its head since it started" in fence.refusal("m", 3, 3)
+    fence.heard({"epochs": {"m": 3}, "placed": ["m"]})
+    assert fence.refusal("m", 3, 3) is None and fence.refusal("m", 3, 4) is None
+    assert "older than 3" in fence.refusal("m", 3, 2)
+    now[0] = 7.0  # silent past the lease: only a newer epoch (the head moved on, and calls here) runs
+    assert "not heard from its head for 7s" in fence.refusal("m", 3, 3)
+    assert fence.refusal("m", 3, 4) is None
+    fence.heard({"epochs": {"m": 4}, "placed": []})  # moved elsewhere
+    assert "on other Nodes at placement epoch 4" in fence.refusal("m", 3, 4)
+    assert "on other Nodes" in fence.refusal("m", 3, 9)
+    fence.heard({"epochs": {"m": 2}, "placed": []})  # an answer older than the apply fences nothing
+    assert fence.refusal("m", 3, 3) is None
+    fence.heard({"epochs": {"m": 5}, "placed": ["m"]})  # placed here again, later
+    assert fence.refusal("m", 5, 5) is None and "older than 5" in fence.refusal("m", 3, 4)
