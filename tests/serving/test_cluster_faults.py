@@ -1,5 +1,5 @@
 """Faults a cluster of Macs meets: a partition that outlasts the head's patience, so a replica
-moves while its old copy lives on, and heals; a lossy, jittery link. Placement epochs fence the old
+moves while its old copy lives on, and heals; a lossy, jittery link (``links.LinkProxy``). Placement epochs fence the old
 copy (``serving/fence.py``); nothing hangs, and the cluster converges without a restart."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
-from conftest import code_sample, model_manifest, start_daemon
+from conftest import code_sample, free_port, model_manifest, start_daemon
 from daemons import model_status, wait_for
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.serving.fence import EPOCH_HEADER, PlacementFence
 from specd.serving.remote import request_to_json
-from test_cluster import BUDGETS, chat, node_events, node_ready, routed, token_file, worker
+from links import LinkProxy
+from test_cluster import BUDGETS, chat, head, join_token, node_events, node_ready, routed, token_file, worker
 
 SECRET = "s3cret-cluster-token"
 GENERATE = "/apis/specd.dev/v1alpha1/models/m/generate"
@@ -145,3 +146,45 @@ def test_the_fence_follows_the_heads_word_and_its_lease():
     assert fence.refusal("m", 3, 3) is None
     fence.heard({"epochs": {"m": 5}, "placed": ["m"]})  # placed here again, later
     assert fence.refusal("m", 5, 5) is None and "older than 5" in fence.refusal("m", 3, 4)
+
+
+def test_a_lossy_jittery_link_delays_answers_but_never_changes_or_hangs_them(forged, tmp_path):
+    """Both ways between head and worker every chunk is delayed by up to 200 ms of jitter, and one in
+    twenty stalls a further second as a lost packet's retransmission does: requests through the
+    head get the tokens the worker gives them directly, each within a bound, and the Node stays
+    Ready through the heartbeats the link delays."""
+    h = head(tmp_path)
+    to_head = LinkProxy(h.cluster_port, jitter=0.2, loss=0.05, stall=1.0, seed=1)
+    worker_port = free_port()
+    to_worker = LinkProxy(worker_port, jitter=0.2, loss=0.05, stall=1.0, seed=2)
+    w = start_daemon(tmp_path / "w1", {}, True, "--join", f"https://127.0.0.1:{to_head.port}", "--token-file",
+                     str(join_token(h)), "--node-name", "w1", "--memory-limit", "2Gi",
+                     "--advertise", f"https://127.0.0.1:{to_worker.port}", cluster_port=worker_port)
+    try:
+        wait_for(lambda: node_ready(h, "w1"), 60, "w1 joined over the lossy link")
+        manifest = yaml.safe_load(model_manifest("m", forged / "target", **BUDGETS))
+        assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
+        wait_for(lambda: model_status(h, "m").get("readyReplicas") == 1, 180, "the replica on w1")
+        text = code_sample("speculation")
+        prompts = [[{"role": "user", "content": text[i * 300:i * 300 + 250]}] for i in range(9)]
+        direct = [chat(w.url, p, max_tokens=24).choices[0].message.content for p in prompts]
+        started = time.monotonic()
+        timings: list[float] = []
+
+        def through_head(messages) -> str:
+            began = time.monotonic()
+            answer = chat(h.url, messages, max_tokens=24).choices[0].message.content
+            timings.append(time.monotonic() - began)
+            return answer
+        with ThreadPoolExecutor(3) as pool:
+            lossy = list(pool.map(through_head, prompts))
+        assert lossy == direct
+        assert max(timings) < 60, timings
+        assert to_head.stalls + to_worker.stalls > 0  # the link did stall
+        assert node_ready(h, "w1")
+        assert not any(e["reason"] == "NodeNotReady" for e in node_events(h, "w1"))
+        print(f"lossy link: {len(prompts)} requests answered as directly in {time.monotonic() - started:.1f}s "
+              f"(slowest {max(timings):.1f}s), {to_head.stalls + to_worker.stalls} stalls")
+    finally:
+        for d in (h, w):
+            d.stop(signal.SIGKILL)

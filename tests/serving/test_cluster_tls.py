@@ -9,7 +9,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import threading
 
 import aiohttp
 import yaml
@@ -17,6 +16,7 @@ from aiohttp import web
 
 from conftest import ROOT, free_port, model_manifest, start_daemon
 from daemons import model_status, wait_for
+from links import LinkProxy
 from specd.control.agent import NodeAgent
 from specd.serving.cluster import Cluster
 from specd.serving.tls import ClusterCA, JoinToken, NodeIdentity
@@ -26,52 +26,15 @@ from test_cluster import BUDGETS, chat, head, join, join_token, node_ready, node
 SECRET = "s3cret-cluster-token"
 
 
-class RecordingProxy:
-    """A TCP forwarder on loopback that keeps every byte it carries, both ways."""
-
-    def __init__(self, target_port: int):
-        self.port, self.target_port, self.seen = free_port(), target_port, bytearray()
-        self._loop = asyncio.new_event_loop()
-        started = threading.Event()
-        threading.Thread(target=self._run, args=(started,), daemon=True).start()
-        started.wait(10)
-
-    def _run(self, started: threading.Event) -> None:
-        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(65536):
-                    self.seen += data
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                writer.close()
-
-        async def forward(client_reader, client_writer) -> None:
-            try:
-                server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-            except OSError:
-                client_writer.close()
-                return
-            await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
-
-        async def main() -> None:
-            await asyncio.start_server(forward, "127.0.0.1", self.port)
-            started.set()
-            await asyncio.Event().wait()
-        self._loop.run_until_complete(main())
-
-
 def test_traffic_between_head_and_worker_is_encrypted_both_ways(forged, tmp_path):
     """The worker joins the head, and the head reaches the worker, through recording proxies: a
     chat answered through the head by the worker's replica leaves neither its prompt, its reply,
     nor the cluster token readable on either link; the worker's address is its cluster port,
     https, and its plain port refuses the head's calls."""
     h = head(tmp_path)
-    to_head = RecordingProxy(h.cluster_port)
+    to_head = LinkProxy(h.cluster_port)
     worker_port = free_port()
-    to_worker = RecordingProxy(worker_port)
+    to_worker = LinkProxy(worker_port)
     w = start_daemon(tmp_path / "w1", {}, True, "--join", f"https://127.0.0.1:{to_head.port}", "--token-file",
                      str(join_token(h)), "--node-name", "w1", "--memory-limit", "2Gi",
                      "--advertise", f"https://127.0.0.1:{to_worker.port}", cluster_port=worker_port)
