@@ -1,8 +1,9 @@
 """Which Nodes run a Model's replicas: placed by memory, like pods on nodes.
 
-A replica stays where it runs while its Node is Ready; missing ones go to the
-Ready Nodes with room for the Model's memory request, the most free memory
-first, never two on one Node. A tensor- or pipeline-parallel group runs rank 0
+A replica stays where it runs while its Node is Ready, or while no Ready Node
+has room to take it from a NotReady one; missing ones go to the Ready Nodes
+with room for the Model's memory request, the most free memory first, never
+two on one Node. A tensor- or pipeline-parallel group runs rank 0
 beside the head and its other ranks on hosts of its Topology, the Nodes with
 room for a rank's share first; a group Model's further replicas are groups
 whose rank 0 runs on a worker Node of its Topology.
@@ -35,14 +36,23 @@ class Candidate:
 
 
 def place(replicas: int, need: int, current: list[str], candidates: list[Candidate]) -> tuple[list[str], str]:
-    """The Nodes for ``replicas`` replicas of ``need`` bytes, and why some are missing ("" if none are)."""
+    """The Nodes for ``replicas`` replicas of ``need`` bytes, and why some are missing or waiting ("" if
+    none are). A replica whose Node is NotReady moves to a Ready Node with room; where none has room it
+    stays placed on its Node (a Mac asleep or cut off comes back to the replica it runs, not to one
+    deleted and loaded again)."""
     ready = {c.node: c for c in candidates if c.ready}
     chosen = [n for n in current if n in ready][:replicas]
     room = sorted((c for c in ready.values() if c.node not in chosen and c.free >= need), key=lambda c: -c.free)
     chosen += [c.node for c in room[:replicas - len(chosen)]]
+    known = {c.node for c in candidates}
+    waiting = [n for n in current if n in known and n not in ready][:replicas - len(chosen)]
+    short = "" if len(chosen) == replicas else _why_short(need, chosen, candidates)
+    if waiting:
+        return chosen + waiting, (f"{len(waiting)} of {replicas} replicas wait for their NotReady Node, no Ready "
+                                  f"Node having room for them: {short}")
     if len(chosen) == replicas:
         return chosen, ""
-    return chosen, f"{replicas - len(chosen)} of {replicas} replicas fit no Node: " + _why_short(need, chosen, candidates)
+    return chosen, f"{replicas - len(chosen)} of {replicas} replicas fit no Node: {short}"
 
 
 def _why_short(need: int, chosen: list[str], candidates: list[Candidate]) -> str:

@@ -118,15 +118,16 @@ class _Remote:
     @asynccontextmanager
     async def _post(self, path: str, body: Any) -> AsyncIterator[aiohttp.ClientResponse]:
         """The worker's answer, refused (``_refusal``) unless it is a 200; watched while it is
-        read: a Node gone NotReady has its answers cut, and reading one raises ConnectionResetError
-        naming the Node."""
+        awaited and read: a Node gone NotReady has its calls and answers cut, and waiting for or
+        reading one raises ConnectionResetError naming the Node."""
         if self._session is None:  # made on the event loop that serves the requests
             self._session = self._new_session(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                               read_bufsize=2**20)
         self._in_flight += 1
+        sent = asyncio.ensure_future(self._session.post(self.address + path.format(self.name), json=body,
+                                                        headers={EPOCH_HEADER: str(self._epoch())}))
         try:
-            async with self._session.post(self.address + path.format(self.name), json=body,
-                                          headers={EPOCH_HEADER: str(self._epoch())}) as response:
+            async with await self._answered(sent) as response:
                 if response.status != 200:
                     raise _refusal(response.status, await response.text(), self.node)
                 self._open[response] = None
@@ -142,7 +143,16 @@ class _Remote:
                     self._open.pop(response, None)
                     self._cut.pop(response, None)
         finally:
+            sent.cancel()  # the answer never came (nothing if it did)
             self._in_flight -= 1
+
+    async def _answered(self, sent: asyncio.Future) -> aiohttp.ClientResponse:
+        """The worker's answer once its headers arrive. A Node that goes NotReady before they do (a
+        Mac that hangs or is cut off keeps the connection open) fails the call, naming the Node."""
+        while not (await asyncio.wait({sent}, timeout=WATCH_SECONDS))[0]:
+            if (why := self._lost()) is not None:
+                raise ConnectionResetError(f"Node {self.node} is {why}")
+        return sent.result()
 
     async def _watch(self) -> None:
         """While answers are open: one look at the Node's health every ``WATCH_SECONDS`` (a Mac that

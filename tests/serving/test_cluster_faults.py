@@ -1,5 +1,6 @@
 """Faults a cluster of Macs meets: a partition that outlasts the head's patience, so a replica
-moves while its old copy lives on, and heals; a lossy, jittery link (``links.LinkProxy``). Placement epochs fence the old
+moves while its old copy lives on, and heals; a lossy, jittery link (``links.LinkProxy``); a
+Mac that sleeps for a minute; a head killed mid-stream and restarted. Placement epochs fence the old
 copy (``serving/fence.py``); nothing hangs, and the cluster converges without a restart."""
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
+import pytest
 import yaml
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import code_sample, free_port, model_manifest, start_daemon
 from daemons import model_status, wait_for
@@ -19,7 +24,7 @@ from specd.core.sampling import SamplingParams
 from specd.serving.fence import EPOCH_HEADER, PlacementFence
 from specd.serving.remote import request_to_json
 from links import LinkProxy
-from test_cluster import BUDGETS, chat, head, join_token, node_events, node_ready, routed, token_file, worker
+from test_cluster import BUDGETS, NO_END, chat, head, join_token, node_events, node_ready, routed, token_file, worker
 
 SECRET = "s3cret-cluster-token"
 GENERATE = "/apis/specd.dev/v1alpha1/models/m/generate"
@@ -187,4 +192,137 @@ def test_a_lossy_jittery_link_delays_answers_but_never_changes_or_hangs_them(for
               f"(slowest {max(timings):.1f}s), {to_head.stalls + to_worker.stalls} stalls")
     finally:
         for d in (h, w):
+            d.stop(signal.SIGKILL)
+
+
+def test_a_mac_that_sleeps_for_a_minute_comes_back_ready_its_replicas_kept_or_removed(forged, tmp_path):
+    """A worker stopped for 60 s and resumed, as a Mac whose lid closed. Model m fits the other
+    worker too, so the head moves it there; Model k (a KV budget only the sleeping Mac has room for)
+    stays placed on it. Back, the Mac is Ready again: m's old copy is fenced and deleted, k is the
+    same engine, never loaded again, serving again. Every request sent meanwhile through the head
+    was answered or failed with a message, none hung."""
+    h = head(tmp_path)
+    big = worker(tmp_path, "big", h, None, "--memory-limit", "2Gi")
+    small = worker(tmp_path, "small", h, None, "--memory-limit", "320Mi")
+    daemons = [h, big, small]
+    try:
+        wait_for(lambda: node_ready(h, "big") and node_ready(h, "small"), 30, "workers joined")
+        docs = [yaml.safe_load(model_manifest("m", forged / "target", **BUDGETS)),
+                yaml.safe_load(model_manifest("k", forged / "target", kvCache="{maxBytes: 512Mi}",
+                                              prefixCache="{maxBytes: 16Mi}"))]
+        assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": docs})[0] == 200
+        for name in ("m", "k"):
+            wait_for(lambda n=name: model_status(h, n).get("readyReplicas") == 1, 120, f"{name} ready")
+        placed = {n: [r["node"] for r in model_status(h, n)["replicas"]] for n in ("m", "k")}
+        if placed["m"] != ["big"]:  # the head put m beside k only if it had most room there
+            assert placed["m"] == ["small"], placed
+        assert placed["k"] == ["big"], placed
+        big.admin_token, big.trust = SECRET, (h.state / "tls" / "ca.crt").read_bytes()
+
+        def loads_on_big(model: str) -> int:
+            events = json.loads(big.get(f"/apis/specd.dev/v1alpha1/models/{model}/events")[1])["items"]
+            return sum(e["reason"] == "Loading" for e in events)
+        k_loads = loads_on_big("k")
+        outcomes: list[tuple[str, str, float]] = []
+        stop = False
+
+        def traffic(model: str) -> None:
+            i = 0
+            while not stop:
+                began = time.monotonic()
+                try:
+                    client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+                    client.completions.create(model=model, prompt=f"def step_{i}(x):", max_tokens=8, temperature=0)
+                    outcomes.append((model, "ok", time.monotonic() - began))
+                except Exception as err:  # noqa: BLE001: every failure is kept, with its message
+                    outcomes.append((model, f"{type(err).__name__}: {err}", time.monotonic() - began))
+                    time.sleep(0.5)
+                i += 1
+        with ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(traffic, n) for n in ("m", "k")]
+            time.sleep(2)
+            big.proc.send_signal(signal.SIGSTOP)
+            slept_at = time.monotonic()
+            try:
+                if placed["m"] == ["big"]:
+                    wait_for(lambda: [r["node"] for r in model_status(h, "m")["replicas"]] == ["small"], 50,
+                             "m moved to small")
+                time.sleep(max(0.0, 60 - (time.monotonic() - slept_at)))
+            finally:
+                big.proc.send_signal(signal.SIGCONT)
+            woke_at = time.monotonic()
+            wait_for(lambda: node_ready(h, "big"), 30, "big Ready again")
+            wait_for(lambda: model_status(h, "k").get("readyReplicas") == 1, 60, "k serving again on big")
+            if placed["m"] == ["big"]:
+                wait_for(lambda: "m" not in served(big), 60, "m's old copy deleted from big")
+            converged = time.monotonic() - woke_at
+            time.sleep(2)
+            stop = True
+            for future in running:
+                future.result()
+        assert [r["node"] for r in model_status(h, "k")["replicas"]] == ["big"]
+        assert [r["node"] for r in model_status(h, "m")["replicas"]] == ["small"]
+        assert loads_on_big("k") == k_loads  # the same engine: kept, not loaded again
+        assert all(seconds < 30 for _, _, seconds in outcomes), [o for o in outcomes if o[2] >= 30]
+        failures = [o for _, o, _ in outcomes if o != "ok"]
+        assert all(("big" in f or "ready" in f.lower() or "replica" in f.lower()) for f in failures), failures
+        assert sum(o == "ok" for m, o, _ in outcomes if m == "m") > 0
+        assert any(o == "ok" for m, o, t in outcomes if m == "k")
+        print(f"sleep: {len(outcomes)} requests, {len(failures)} failed with a message, "
+              f"converged {converged:.1f}s after waking")
+    finally:
+        for d in daemons:
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGCONT)
+            d.stop(signal.SIGKILL)
+
+
+def test_a_head_killed_mid_stream_fails_the_stream_and_its_restart_adopts_the_workers_replicas(forged, tmp_path):
+    """The head is killed (``kill -9``) while it streams a completion a worker generates: the client's
+    stream ends with an error at once, not a hang, and the worker cancels the request. The worker
+    keeps its replica through the head's absence (it answers directly meanwhile); the restarted head
+    adopts it, the same engine, never loaded again, and serves through it."""
+    h = head(tmp_path)
+    w = worker(tmp_path, "w1", h)
+    daemons = [h, w]
+    try:
+        wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
+        manifest = yaml.safe_load(model_manifest("m", forged / "target", **BUDGETS))
+        assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
+        wait_for(lambda: model_status(h, "m").get("readyReplicas") == 1, 120, "the replica on w1")
+        w.admin_token, w.trust = SECRET, (h.state / "tls" / "ca.crt").read_bytes()
+
+        def loads() -> int:
+            events = json.loads(w.get("/apis/specd.dev/v1alpha1/models/m/events")[1])["items"]
+            return sum(e["reason"] == "Loading" for e in events)
+
+        def running_on_worker() -> float:
+            text = w.get("/metrics")[1].decode()
+            return sum(s.value for f in text_string_to_metric_families(text) if f.name == "specd_num_requests_running"
+                       for s in f.samples if s.labels.get("model_name") == "m")
+        loaded = loads()
+        client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model="m", prompt="def f():", max_tokens=1500, stream=True,
+                                           logit_bias=NO_END)
+        next(iter(stream))
+        wait_for(lambda: running_on_worker() == 1, 15, "the stream running on the worker")
+        h.stop(signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        failed_after = time.monotonic() - killed_at
+        assert failed_after < 5, failed_after
+        wait_for(lambda: running_on_worker() == 0, 15, "the worker cancelling the request the head left")
+        alone = chat(w.url, [{"role": "user", "content": "def g():"}]).choices[0].message.content  # still serving
+        h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token_file(tmp_path)),
+                         "--memory-limit", "1Mi", "--node-name", "head", port=h.port, cluster_port=h.cluster_port)
+        daemons.append(h)
+        wait_for(lambda: node_ready(h, "w1") and model_status(h, "m").get("readyReplicas") == 1, 60,
+                 "the restarted head adopting w1's replica")
+        assert chat(h.url, [{"role": "user", "content": "def g():"}]).choices[0].message.content == alone
+        assert loads() == loaded  # adopted, not loaded again
+        print(f"head restart: the stream failed {failed_after:.2f}s after the kill; the replica adopted")
+    finally:
+        for d in daemons:
             d.stop(signal.SIGKILL)
