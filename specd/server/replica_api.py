@@ -40,8 +40,7 @@ async def _engine(request: web.Request, task: str | None = None) -> ServingEngin
     name = request.match_info["name"]
     registry = request.app[REGISTRY]
     fence = request.app.get(PLACEMENT_FENCE)
-    stored = request.app[STORE].find("Model", name)
-    if fence is not None and stored is not None:
+    if fence is not None and (stored := request.app[STORE].find("Model", name)) is not None:  # a worker's
         why = fence.refusal(name, applied_epoch(stored.annotations), sent_epoch(request.headers.get(EPOCH_HEADER)))
         if why is not None:
             raise StatusError(409, "StalePlacement", why)
