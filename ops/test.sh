@@ -3,13 +3,14 @@
 source "$(dirname "$0")/env.sh"
 # The operations tests check the systemd unit with systemd-analyze and the
 # Prometheus config/rules with promtool (and scrape a daemon with a real
-# Prometheus).  Debian packages them; under CI=true they are required.
-if [ "$(uname -s)" = Linux ] && { ! command -v systemd-analyze >/dev/null || ! command -v promtool >/dev/null; } \
-    && command -v apt-get >/dev/null; then
+# Prometheus); the console's tests drive chromium with Playwright.  Debian
+# packages them; under CI=true they are required.
+if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null \
+    && { ! command -v systemd-analyze >/dev/null || ! command -v promtool >/dev/null || ! command -v chromium >/dev/null; }; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  echo "==> installing systemd and prometheus (systemd-analyze, promtool)"
+  echo "==> installing systemd, prometheus and chromium (systemd-analyze, promtool, the console's browser)"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends systemd prometheus >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends systemd prometheus chromium >/dev/null
 fi
 set +e
 python -m pytest "$@"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import sys
@@ -15,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from .api.manifest import SERVER_ANNOTATIONS, SOURCE_ANNOTATION, ManifestError, parse_documents, read_manifest_file
+from .api.diff import manifest_diff
+from .api.manifest import SOURCE_ANNOTATION, ManifestError, parse_documents, read_manifest_file
 from .api.paths import ADMIN_PREFIX as PREFIX, GROUP
 
 KIND_NAMES = {
@@ -124,30 +124,20 @@ def cmd_apply(client: Client, args) -> int:
     return 0
 
 
-def _comparable(obj: dict[str, Any]) -> str:
-    """What apply would write: name, labels, annotations (less the server's own) and spec."""
-    meta = dict(obj.get("metadata", {}))
-    meta["annotations"] = {k: v for k, v in (meta.get("annotations") or {}).items() if k not in SERVER_ANNOTATIONS}
-    view = {"metadata": {k: meta[k] for k in ("name", "labels", "annotations") if meta.get(k)},
-            "spec": obj.get("spec")}
-    return yaml.safe_dump(view, sort_keys=True)
-
-
 def cmd_diff(client: Client, args) -> int:
     changed = False
     for doc in read_documents(args.filename):
         name, kind = doc["metadata"]["name"], doc["kind"]
         try:
-            live = _comparable(client.request("GET", f"{PREFIX}/{PLURAL[kind]}/{name}"))
+            live = client.request("GET", f"{PREFIX}/{PLURAL[kind]}/{name}")
         except CommandError as err:
             if not str(err).startswith("404"):
                 raise
-            live = ""
-        wanted = _comparable(doc)
-        if live != wanted:
+            live = None
+        diff = manifest_diff(live, doc, kind, name)
+        if diff:
             changed = True
-            sys.stdout.writelines(difflib.unified_diff(
-                live.splitlines(True), wanted.splitlines(True), f"live/{kind}/{name}", f"merged/{kind}/{name}"))
+            sys.stdout.write(diff)
     return 1 if changed else 0
 
 

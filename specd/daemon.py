@@ -10,6 +10,7 @@ import ssl
 
 from aiohttp import web
 
+from .console.routes import add_console
 from .control.agent import NodeAgent
 from .control.plane import ControlPlane
 from .control.watcher import ManifestDirectory
@@ -39,6 +40,7 @@ def daemon_app(control: ControlPlane, manifests: ManifestDirectory | None = None
     ``/healthz`` and ``/readyz`` answer while weights load; a worker's ``agent`` joins its head."""
     app = create_app(control.registry, control.store, control, control.cluster, admin_token, api_keys, cors_origins,
                      max_body_bytes, stored_responses, drop_hosted_tools, fetch_image_urls)
+    add_console(app)
     if agent is not None:
         app[ADMIN_OVER_TLS_ONLY] = True
         app[PLACEMENT_FENCE] = agent.fence

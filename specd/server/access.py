@@ -79,12 +79,20 @@ async def api_access(request: web.Request, handler) -> web.StreamResponse:
         return web.Response(status=204, headers={"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                                                  "Access-Control-Allow-Headers": CORS_HEADERS,
                                                  "Access-Control-Max-Age": "600"})
-    keys = request.app.get(API_KEYS)
-    if keys and not key_matches(presented_key(request), keys):
-        error = APIError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key)",
-                         "invalid_request_error", None, "invalid_api_key")
+    error = refused_key(request)
+    if error is not None:
         return error.anthropic_response() if request.path.startswith("/v1/messages") else error.response()
     return await handler(request)
+
+
+def refused_key(request: web.Request) -> APIError | None:
+    """The 401 for a request without a configured API key (None: it may go on). The inference
+    routes and the console's views ask for the same keys."""
+    keys = request.app.get(API_KEYS)
+    if keys and not key_matches(presented_key(request), keys):
+        return APIError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key)",
+                        "invalid_request_error", None, "invalid_api_key")
+    return None
 
 
 async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import structlog
 from aiohttp import web
 
-from ..api.manifest import ManifestError, ModelSpec, Resource, parse_resource
+from ..api.diff import manifest_diff
+from ..api.manifest import ManifestError, ModelSpec, Resource, load_yaml, parse_resource
 from ..api.paths import ADMIN_PREFIX as PREFIX, API_VERSION
 from ..core.memory import gib
 from ..engine.resources import memory_request
@@ -28,6 +29,7 @@ from .keys import ADMIN_OVER_TLS_ONLY, ADMIN_TOKEN, CONTROL, STORE
 KINDS = {"models": "Model", "draftpairings": "DraftPairing", "specpolicies": "SpecPolicy",
          "topologies": "Topology"}
 PLURALS = {v: k for k, v in KINDS.items()}
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml")
 routes = web.RouteTableDef()
 log = structlog.get_logger(__name__)
 
@@ -131,12 +133,26 @@ def _apply(request: web.Request, docs: list[Any]) -> tuple[list[dict[str, Any]],
         seen.add((resource.kind, resource.name))
         resources.append(resource)
     warnings = _memory_warnings(request, resources)
+    store, dry_run = _store(request), _dry_run(request)
+    live = {(r.kind, r.name): _stored_manifest(store, r.kind, r.name) for r in resources} if dry_run else {}
     try:
-        results = _store(request).apply([r.store_item() for r in resources], dry_run=_dry_run(request))
+        results = store.apply([r.store_item() for r in resources], dry_run=dry_run)
     except Conflict as err:
         raise status_error(err) from None
-    return [{"kind": o.kind, "name": o.name, "action": action, "object": o.manifest(API_VERSION)}
-            for o, action in results], warnings
+    items = []
+    for o, action in results:
+        item = {"kind": o.kind, "name": o.name, "action": action, "object": o.manifest(API_VERSION)}
+        if dry_run:  # what it would change, as ``specd diff`` shows it
+            item["diff"] = manifest_diff(live[o.kind, o.name], item["object"], o.kind, o.name)
+        items.append(item)
+    return items, warnings
+
+
+def _stored_manifest(store: Store, kind: str, name: str) -> dict[str, Any] | None:
+    try:
+        return store.get(kind, name).manifest(API_VERSION)
+    except NotFound:
+        return None
 
 
 def _warned(body: Any, warnings: list[str], status: int = 200) -> web.Response:
@@ -149,12 +165,28 @@ def _warned(body: Any, warnings: list[str], status: int = 200) -> web.Response:
 
 @routes.post(PREFIX + "/apply")
 async def apply(request: web.Request) -> web.Response:
-    """specd's multi-object apply: ``{"items": [...]}``, all or nothing."""
-    body = await _json(request)
-    if not isinstance(body, dict) or not isinstance(body.get("items"), list):
-        raise StatusError(400, "BadRequest", 'body must be {"items": [manifest, ...]}')
-    items, warnings = await asyncio.to_thread(_apply, request, body["items"])  # file reads and a commit: off the loop
+    """specd's multi-object apply, all or nothing: ``{"items": [...]}``, or the manifests as a
+    YAML stream (``Content-Type: application/yaml``, as the console sends what was typed)."""
+    if request.content_type in YAML_TYPES:
+        docs = await _yaml_documents(request)
+    else:
+        body = await _json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("items"), list):
+            raise StatusError(400, "BadRequest", 'body must be {"items": [manifest, ...]}')
+        docs = body["items"]
+    items, warnings = await asyncio.to_thread(_apply, request, docs)  # file reads and a commit: off the loop
     return _warned({"items": items, "warnings": warnings}, warnings)
+
+
+async def _yaml_documents(request: web.Request) -> list[Any]:
+    """The documents of a YAML body, read as ``specd apply -f`` reads a file."""
+    try:
+        text = (await request.read()).decode("utf-8")
+        return load_yaml(text)
+    except UnicodeDecodeError as err:
+        raise StatusError(400, "BadRequest", f"the body is not UTF-8 text (byte {err.start})") from None
+    except ManifestError as err:
+        raise status_error(err, ": ".join(x for x in (err.path, err.reason) if x), err.path or None) from None
 
 
 def _node_objects(request: web.Request) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ LAYERS = [
     {"parallel"},
     {"serving"},              # the request path: engine registry, replica sets, router, remote engines, cluster membership
     {"control", "forge", "server"},   # control reconciles, server holds the routes: neither imports the other
-    {"client", "service", "serve"},
+    {"client", "service", "serve", "console"},   # console: the web console over the routes' keys
     {"daemon"},               # composes the control plane and the routes into the running daemon
     {"doctor"},
     {"cli"},

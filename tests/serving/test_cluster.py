@@ -9,7 +9,6 @@ import re
 import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
@@ -25,43 +24,11 @@ from specd.control.placement import Candidate, place, place_group, place_remote_
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
 from specd.serving.remote import output_from_json, output_to_json, request_from_json, request_to_json
+from clusters import head, join_token, node_ready, nodes, token_file, worker
 from daemons import get, model_status, ready, specd, topology, wait_for
 
 BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
 NO_END = {"0": -100, "2": -100}  # the forged tokenizer's end-of-text ids: a sampled reply runs its whole length
-
-
-def token_file(tmp: Path, token: str = "s3cret-cluster-token") -> Path:
-    path = tmp / f"token-{token}"
-    path.write_text(token + "\n")
-    return path
-
-
-def head(tmp: Path) -> object:
-    """A head with no room of its own (1 MiB): every replica goes to a worker."""
-    return start_daemon(tmp / "head", {}, True, "--cluster-token-file", str(token_file(tmp)),
-                        "--memory-limit", "1Mi", "--node-name", "head")
-
-
-def join_token(h) -> Path:
-    """The join token the head wrote: its secret and the hash of its CA."""
-    return h.state / "cluster-join-token"
-
-
-def worker(tmp: Path, name: str, h, token: Path | None = None, *extra: str, **kwargs) -> object:
-    """A worker joining ``h`` on its cluster port with its join token (or ``token``)."""
-    return start_daemon(tmp / name, {}, True, "--join", h.cluster_url, "--token-file", str(token or join_token(h)),
-                        "--node-name", name, *(extra or ("--memory-limit", "2Gi")), **kwargs)
-
-
-def nodes(daemon) -> dict[str, dict]:
-    items = json.loads(daemon.get("/apis/specd.dev/v1alpha1/nodes")[1])["items"]
-    return {n["metadata"]["name"]: n for n in items}
-
-
-def node_ready(daemon, name: str) -> bool:
-    node = nodes(daemon).get(name)
-    return node is not None and node["status"]["conditions"][0]["status"] == "True"
 
 
 def by_node(daemon, sample: str, **labels: str) -> dict[str, float]:

@@ -24,7 +24,8 @@ from specd.core.sampling import SamplingParams
 from specd.serving.fence import EPOCH_HEADER, PlacementFence
 from specd.serving.remote import request_to_json
 from links import LinkProxy
-from test_cluster import BUDGETS, NO_END, chat, head, join_token, node_events, node_ready, routed, token_file, worker
+from clusters import head, join_token, node_ready, token_file, worker
+from test_cluster import BUDGETS, NO_END, chat, node_events, routed
 
 SECRET = "s3cret-cluster-token"
 GENERATE = "/apis/specd.dev/v1alpha1/models/m/generate"

@@ -21,7 +21,8 @@ from specd.control.agent import NodeAgent
 from specd.serving.cluster import Cluster
 from specd.serving.tls import ClusterCA, JoinToken, NodeIdentity
 from specd.store import Store
-from test_cluster import BUDGETS, chat, head, join, join_token, node_ready, nodes, worker
+from clusters import head, join_token, node_ready, nodes, worker
+from test_cluster import BUDGETS, chat, join
 
 SECRET = "s3cret-cluster-token"
 

@@ -76,6 +76,12 @@ def _replicas(obj: StoredObject, state: ModelState, node_name: str, status: dict
         status["conditions"].append(condition("Scheduled", False, "Unschedulable", placed.replicas_short,
                                               obj.generation, obj.status))
     ready = bool(routable)
+    if served.elsewhere:  # the head runs no engine of it: its phase and health are its replicas'
+        loading = any(p == Phase.LOADING.value for p in phases.values())
+        status["phase"] = (Phase.READY if ready else Phase.LOADING if loading else served.phase).value
+        where = ", ".join(placed.replica_nodes) or "no Node yet"
+        status["conditions"][1] = condition("Degraded", False, "ServedElsewhere", f"its replicas run on {where}; "
+                                            "each Node reports its own engine's faults", obj.generation, obj.status)
     first = status["conditions"][0]
     status["conditions"][0] = condition(
         "Ready", ready, "ReplicasReady" if ready else first["reason"],

@@ -1,0 +1,42 @@
+"""A cluster under test: a head and the workers that join it with its join token, as
+``docs/cluster.md`` starts them, and what the head says of its Nodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import start_daemon
+
+
+def token_file(tmp: Path, token: str = "s3cret-cluster-token") -> Path:
+    path = tmp / f"token-{token}"
+    path.write_text(token + "\n")
+    return path
+
+
+def head(tmp: Path) -> object:
+    """A head with no room of its own (1 MiB): every replica goes to a worker."""
+    return start_daemon(tmp / "head", {}, True, "--cluster-token-file", str(token_file(tmp)),
+                        "--memory-limit", "1Mi", "--node-name", "head")
+
+
+def join_token(h) -> Path:
+    """The join token the head wrote: its secret and the hash of its CA."""
+    return h.state / "cluster-join-token"
+
+
+def worker(tmp: Path, name: str, h, token: Path | None = None, *extra: str, **kwargs) -> object:
+    """A worker joining ``h`` on its cluster port with its join token (or ``token``)."""
+    return start_daemon(tmp / name, {}, True, "--join", h.cluster_url, "--token-file", str(token or join_token(h)),
+                        "--node-name", name, *(extra or ("--memory-limit", "2Gi")), **kwargs)
+
+
+def nodes(daemon) -> dict[str, dict]:
+    items = json.loads(daemon.get("/apis/specd.dev/v1alpha1/nodes")[1])["items"]
+    return {n["metadata"]["name"]: n for n in items}
+
+
+def node_ready(daemon, name: str) -> bool:
+    node = nodes(daemon).get(name)
+    return node is not None and node["status"]["conditions"][0]["status"] == "True"
