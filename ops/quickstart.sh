@@ -98,6 +98,7 @@ SERVER=""
       export SPECD_SERVER=http://127.0.0.1:$PORT"
 cat <<EOF
 ==> specd is serving on http://127.0.0.1:$PORT (pid $DAEMON, log state/daemon.log)
+    Web console (Nodes, Models, a playground, apply): http://127.0.0.1:$PORT/ui/
     The specd command lives in .venv; in a new shell, activate it first:
       source .venv/bin/activate$SERVER
       specd get models
