@@ -229,13 +229,23 @@ def test_a_frozen_node_turns_not_ready_on_the_page(cluster, page, shots):
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
-    """A daemon with API keys and an admin token, and no Model."""
+def keyed(forged, tmp_path_factory):
+    """A daemon with API keys and an admin token, serving a vision-language Model (a tiny Gemma 3)."""
+    from specd.forge.vision import build
     tmp = tmp_path_factory.mktemp("console-keys")
     (tmp / "keys").write_text(SECRET_KEY + "\n")
-    daemon = start_daemon(tmp, {}, True, "--api-key-file", str(tmp / "keys"), admin_token=ADMIN_SECRET)
+    eyes = build("gemma3", tmp / "gemma3", forged / "target", seed=3)
+    daemon = start_daemon(tmp, {"eyes.yaml": model_manifest("eyes", eyes)}, True, "--api-key-file", str(tmp / "keys"),
+                          admin_token=ADMIN_SECRET)
     yield daemon
     daemon.stop(signal.SIGKILL)
+
+
+def enter_key(page, daemon) -> None:
+    page.goto(daemon.url + "/ui/")
+    page.get_by_label("API key").fill(SECRET_KEY)
+    page.get_by_role("button", name="Open the console").click()
+    page.get_by_role("tab", name="Nodes").wait_for()
 
 
 def test_with_api_keys_the_console_shows_nothing_but_the_key_prompt(keyed, forged, page, shots):
@@ -255,10 +265,8 @@ def test_with_api_keys_the_console_shows_nothing_but_the_key_prompt(keyed, forge
     page.get_by_role("alert").filter(has_text="refused").wait_for()
     assert page.get_by_role("tab").count() == 0
 
-    page.get_by_label("API key").fill(SECRET_KEY)
-    page.get_by_role("button", name="Open the console").click()
-    page.get_by_role("tab", name="Nodes").wait_for()
-    assert SECRET_KEY not in page.content()
+    enter_key(page, keyed)
+    assert SECRET_KEY not in page.content() and page.locator("[data-node]").count() == 1
 
     # applying needs the admin API's token: asked for when the admin API refuses, never shown
     open_view(page, keyed.url, "Apply")
@@ -270,3 +278,26 @@ def test_with_api_keys_the_console_shows_nothing_but_the_key_prompt(keyed, forge
     page.locator(".apply-result h3", has_text="Applied").wait_for()
     assert ADMIN_SECRET not in page.content() and SECRET_KEY not in page.content()
     assert json.loads(keyed.get("/apis/specd.dev/v1alpha1/models/later")[1])["metadata"]["name"] == "later"
+
+
+def test_the_playground_attaches_an_image_where_the_model_takes_images(keyed, page, shots, tmp_path):
+    from PIL import Image
+    Image.new("RGB", (64, 48), (200, 40, 40)).save(tmp_path / "red.png")
+    enter_key(page, keyed)
+    open_view(page, keyed.url, "Playground")
+    page.get_by_label("Model").select_option("eyes")
+    page.get_by_label("Temperature").fill("0")
+    page.get_by_label("Max tokens").fill("8")
+    page.get_by_label("Image").set_input_files(tmp_path / "red.png")
+    page.get_by_label("Message").fill("What colour is this?")
+    page.get_by_role("button", name="Send").click()
+    page.locator(".usage .prompt-tokens").wait_for(timeout=60_000)
+    assert page.get_by_role("img", name="attached image").count() == 1
+    with_image = int(page.locator(".usage .prompt-tokens").inner_text())
+    page.screenshot(path=shots / "console-playground-image.png", full_page=True)
+    accessible(page)
+    page.get_by_role("button", name="New chat").click()
+    page.get_by_label("Message").fill("What colour is this?")
+    page.get_by_role("button", name="Send").click()
+    page.locator(".usage .prompt-tokens").wait_for(timeout=60_000)
+    assert with_image > int(page.locator(".usage .prompt-tokens").inner_text())  # the image's tokens

@@ -51,8 +51,8 @@ function KeyPrompt({ onKey, refused }) {
     <p>This daemon asks for an API key, as its API does.</p>
     <form onSubmit=${submit}>
       <div class="row">
-        <label>API key<input type="password" autocomplete="off" value=${value}
-          onInput=${(e) => setValue(e.target.value)} required /></label>
+        <div class="field"><label for="field-api-key">API key</label><input id="field-api-key" type="password" autocomplete="off" value=${value}
+          onInput=${(e) => setValue(e.target.value)} required /></div>
         <button class="primary" type="submit">Open the console</button>
       </div>
       ${refused && html`<p class="error" role="alert">That key was refused.</p>`}
@@ -293,17 +293,17 @@ function Playground({ overview }) {
     <h2>Playground</h2>
     <form onSubmit=${send}>
       <div class="row">
-        <label>Model<select value=${name} onChange=${(e) => { setModel(e.target.value); setTurns([]); setReport(null); }}>
-          ${models.map((m) => html`<option value=${m.object.metadata.name}>${m.object.metadata.name}</option>`)}</select></label>
-        <label>Temperature<input type="number" min="0" max="2" step="0.1" value=${temperature}
-          onInput=${(e) => setTemperature(e.target.value)} /></label>
-        <label>Max tokens<input type="number" min="1" max="4096" value=${maxTokens}
-          onInput=${(e) => setMaxTokens(e.target.value)} /></label>
-        <label>Speculation<select value=${method} onChange=${(e) => setMethod(e.target.value)}>
+        <div class="field"><label for="field-model">Model</label><select id="field-model" value=${name} onChange=${(e) => { setModel(e.target.value); setTurns([]); setReport(null); }}>
+          ${models.map((m) => html`<option value=${m.object.metadata.name}>${m.object.metadata.name}</option>`)}</select></div>
+        <div class="field"><label for="field-temperature">Temperature</label><input id="field-temperature" type="number" min="0" max="2" step="0.1" value=${temperature}
+          onInput=${(e) => setTemperature(e.target.value)} /></div>
+        <div class="field"><label for="field-max-tokens">Max tokens</label><input id="field-max-tokens" type="number" min="1" max="4096" value=${maxTokens}
+          onInput=${(e) => setMaxTokens(e.target.value)} /></div>
+        <div class="field"><label for="field-speculation">Speculation</label><select id="field-speculation" value=${method} onChange=${(e) => setMethod(e.target.value)}>
           <option value="">the Model's own</option>
-          ${METHODS.map((m) => html`<option value=${m}>${m}</option>`)}</select></label>
-        ${method && method !== "none" && html`<label>Draft tokens<input type="number" min="1" max="16" value=${k}
-          onInput=${(e) => setK(e.target.value)} /></label>`}
+          ${METHODS.map((m) => html`<option value=${m}>${m}</option>`)}</select></div>
+        ${method && method !== "none" && html`<div class="field"><label for="field-draft-tokens">Draft tokens</label><input id="field-draft-tokens" type="number" min="1" max="16" value=${k}
+          onInput=${(e) => setK(e.target.value)} /></div>`}
         <button type="button" onClick=${() => { setTurns([]); setReport(null); setError(""); }}>New chat</button>
       </div>
       <div class="transcript" aria-live="polite" aria-label="Conversation">
@@ -313,12 +313,12 @@ function Playground({ overview }) {
           ${t.image && html`<img src=${t.image} alt="attached image" />`}<span class="text">${t.shown ?? t.content}</span></div>`)}
       </div>
       <div class="row">
-        <label class="grow">Message<textarea rows="3" value=${prompt} onInput=${(e) => setPrompt(e.target.value)}
-          onKeyDown=${(e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) send(e); }}></textarea></label>
+        <div class="field grow"><label for="field-message">Message</label><textarea id="field-message" rows="3" value=${prompt} onInput=${(e) => setPrompt(e.target.value)}
+          onKeyDown=${(e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) send(e); }}></textarea></div>
       </div>
       <div class="row">
-        ${takesImages && html`<label>Image<input type="file" accept="image/*" ref=${fileInput}
-          onChange=${async (e) => setImage(e.target.files[0] ? await readImage(e.target.files[0]) : null)} /></label>`}
+        ${takesImages && html`<div class="field"><label for="field-image">Image</label><input id="field-image" type="file" accept="image/*" ref=${fileInput}
+          onChange=${async (e) => setImage(e.target.files[0] ? await readImage(e.target.files[0]) : null)} /></div>`}
         <button class="primary" type="submit" disabled=${busy}>${busy ? "Streaming…" : "Send"}</button>
       </div>
     </form>
@@ -368,11 +368,11 @@ function ApplyView({ onApplied }) {
     <h2>Apply</h2>
     ${needsToken && html`<form class="card" onSubmit=${saveToken}>
       <p>Changes go through the admin API, and it asks for its token.</p>
-      <div class="row"><label>Admin token<input type="password" autocomplete="off" value=${token}
-        onInput=${(e) => setToken(e.target.value)} required /></label>
+      <div class="row"><div class="field"><label for="field-admin-token">Admin token</label><input id="field-admin-token" type="password" autocomplete="off" value=${token}
+        onInput=${(e) => setToken(e.target.value)} required /></div>
         <button class="primary" type="submit">Use this token</button></div></form>`}
-    <label class="grow">Manifests (YAML)<textarea rows="14" spellcheck="false" value=${yaml}
-      onInput=${(e) => setYaml(e.target.value)}></textarea></label>
+    <div class="field grow"><label for="field-manifests-yaml">Manifests (YAML)</label><textarea id="field-manifests-yaml" rows="14" spellcheck="false" value=${yaml}
+      onInput=${(e) => setYaml(e.target.value)}></textarea></div>
     <div class="row">
       <button type="button" onClick=${() => run(true)} disabled=${busy || !yaml.trim()}>Dry run and diff</button>
       <button class="primary" type="button" onClick=${() => run(false)} disabled=${busy || !yaml.trim()}>Apply</button>
