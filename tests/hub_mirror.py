@@ -92,7 +92,7 @@ def _byte_range(header: str, size: int) -> tuple[int, int] | None:
 
 
 class HubMirror:
-    """Serves ``repos`` (repo id -> local directory, one commit each) as a Hub on 127.0.0.1."""
+    """Serves ``repos`` (repo id -> local directory, one commit each) as a Hub on loopback (or a given address)."""
 
     tree_page_size: int = 1000  # entries per tree page (the Hub's); lower it to exercise the Link pagination
 
@@ -110,16 +110,17 @@ class HubMirror:
         self._runner: web.AppRunner | None = None
         self.endpoint = ""
 
-    def start(self) -> str:
-        """Serve on a free loopback port from a thread with its own event loop (so a synchronous
-        test can drive the client meanwhile); returns the endpoint URL for ``HF_ENDPOINT``."""
+    def start(self, host: str = "127.0.0.1") -> str:
+        """Serve on a free port of ``host`` (loopback, or the address a network namespace reaches)
+        from a thread with its own event loop (so a synchronous test can drive the client
+        meanwhile); returns the endpoint URL for ``HF_ENDPOINT``."""
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hub-mirror", daemon=True)
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop).result(timeout=10)
-        self.endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.endpoint = f"http://{host}:{sock.getsockname()[1]}"
         return self.endpoint
 
     def stop(self) -> None:

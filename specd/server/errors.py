@@ -21,6 +21,7 @@ from ..engine.engine import EngineOverloaded, EngineUnavailable
 from ..engine.scheduler import RequestRejected
 from ..serving.cluster import Refused
 from ..serving.registry import ModelNotFound, ModelNotReady, WrongTask
+from ..serving.remote import ReplicaUnreachable
 from ..store import Conflict, NotFound
 from .bodies import BodyError
 
@@ -78,6 +79,7 @@ ERRORS: dict[type[Exception], ErrorKind] = {
     ModelNotReady: ErrorKind(503, "service_unavailable", "model_not_ready"),  # with its Retry-After
     RequestRejected: ErrorKind(400, code=INVALID_VALUE),
     EngineOverloaded: ErrorKind(429, "rate_limit_error", "queue_full"),
+    ReplicaUnreachable: ErrorKind(503, "service_unavailable", "replica_unreachable"),  # before EngineUnavailable: a kind of it
     EngineUnavailable: ErrorKind(503, "service_unavailable", "model_not_ready"),
     EmbeddingFailed: ErrorKind(500, "server_error", "engine_error"),
     ManifestError: ErrorKind(422, code=INVALID_VALUE),

@@ -37,6 +37,11 @@ from .fence import EPOCH_HEADER
 WATCH_SECONDS = 2.0  # how often a replica with answers open looks at its Node's health
 
 
+class ReplicaUnreachable(EngineUnavailable):
+    """The replica's Node failed before the request's first token (HTTP 503: nothing was
+    generated, so the client may send it again); after one, the stream ends with an error."""
+
+
 def engine_report(engine: ServingEngine | Embedder) -> dict[str, Any]:
     """What a head needs of a worker's engine to check and route requests to it, and to show it."""
     if isinstance(engine, Embedder):
@@ -196,6 +201,7 @@ class RemoteEngine(_Remote):
         check_request(request, self.name, self.drafter, self.max_context, self.vocab_size)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
+        answered = False
         try:
             async with self._post(GENERATE, request_to_json(request)) as response:
                 pending = b""
@@ -203,11 +209,14 @@ class RemoteEngine(_Remote):
                     *lines, pending = (pending + chunk).split(b"\n")
                     for line in lines:
                         out = output_from_json(json.loads(line))
+                        answered = True
                         yield out
                         if out.finish_reason is not None or out.error is not None:
                             return
                 raise ConnectionResetError("the worker ended the stream early")
         except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
+            if not answered:
+                raise ReplicaUnreachable(self._failed(exc)) from None
             yield StepOutput("", [], None, error=self._failed(exc))
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:

@@ -27,7 +27,7 @@ from ..engine.embedder import Embedder, check_rows
 from ..engine.engine import EngineUnavailable
 from ..engine.interface import ServingEngine
 from ..api.paths import MODEL_ENGINE
-from .remote import RemoteEmbedder, RemoteEngine
+from .remote import RemoteEmbedder, RemoteEngine, ReplicaUnreachable
 from ..engine.scheduler import check_request
 from ..metrics import Metrics
 from ..speculation.config import PolicySettings
@@ -273,14 +273,18 @@ class ReplicaSet:
         tokens = self.metrics.replica_tokens
         generated = tokens.labels(self.name, node, "generation")  # looked up once, not at every step
         with self.replicas.serving(node):
-            async for out in replica.generate(request):
-                generated.inc(len(out.tokens))
-                if out.error is not None:
-                    self.metrics.replica_failed_requests.labels(self.name, node).inc()
-                elif out.finish_reason is not None:
-                    tokens.labels(self.name, node, "prompt").inc(out.prompt_tokens)
-                    tokens.labels(self.name, node, "cached").inc(out.cached_tokens)
-                yield out
+            try:
+                async for out in replica.generate(request):
+                    generated.inc(len(out.tokens))
+                    if out.error is not None:
+                        self.metrics.replica_failed_requests.labels(self.name, node).inc()
+                    elif out.finish_reason is not None:
+                        tokens.labels(self.name, node, "prompt").inc(out.prompt_tokens)
+                        tokens.labels(self.name, node, "cached").inc(out.cached_tokens)
+                    yield out
+            except ReplicaUnreachable:
+                self.metrics.replica_failed_requests.labels(self.name, node).inc()
+                raise
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """Each replica's daemon applies policies to its own engine."""

@@ -1,5 +1,5 @@
 """Faults a cluster of Macs meets: a partition that outlasts the head's patience, so a replica
-moves while its old copy lives on, and heals; a lossy, jittery link (``links.LinkProxy``); a
+moves while its old copy lives on, and heals; a partition while a worker loads a Model; a lossy, jittery link (``links.LinkProxy``); a
 Mac that sleeps for a minute; a head killed mid-stream and restarted. Placement epochs fence the old
 copy (``serving/fence.py``); nothing hangs, and the cluster converges without a restart."""
 
@@ -23,12 +23,14 @@ from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.serving.fence import EPOCH_HEADER, PlacementFence
 from specd.serving.remote import request_to_json
+from hub_mirror import HubMirror
 from links import LinkProxy
 from clusters import head, join_token, node_ready, token_file, worker
 from test_cluster import BUDGETS, NO_END, chat, node_events, routed
 
 SECRET = "s3cret-cluster-token"
 GENERATE = "/apis/specd.dev/v1alpha1/models/m/generate"
+HUB_REPO = "specd/tiny"  # the forged target, served by a hub mirror
 
 
 def served(daemon) -> set[str]:
@@ -47,6 +49,20 @@ def call_from_inside(netns_hosts, w, h, epoch: int) -> tuple[int, str]:
                          capture_output=True, text=True, timeout=30)
     text, _, code = out.stdout.rpartition("\n")
     return int(code or 0), text
+
+
+def serving_on(h, node: str) -> None:
+    """Wait for Model m's one replica to be placed on ``node`` and to serve there."""
+    wait_for(lambda: [r["node"] for r in model_status(h, "m")["replicas"]] == [node], 60, f"the replica on {node}")
+    wait_for(lambda: model_status(h, "m").get("readyReplicas") == 1, 120, f"{node}'s replica ready")
+
+
+def healed(h, w2) -> float:
+    """Seconds until w2, its link healed, is Ready again and its copy of m is gone."""
+    healed_at = time.monotonic()
+    wait_for(lambda: node_ready(h, "w2"), 30, "w2 heard from again")
+    wait_for(lambda: "m" not in served(w2), 60, "w2's copy deleted")
+    return time.monotonic() - healed_at
 
 
 def test_a_partition_moves_the_replica_fences_the_old_copy_and_heals_without_a_restart(forged, tmp_path,
@@ -95,9 +111,7 @@ def test_a_partition_moves_the_replica_fences_the_old_copy_and_heals_without_a_r
                 for messages in prompts:  # steady traffic through the head while the link is down
                     pool.submit(ask, messages)
                     time.sleep(0.5)
-                wait_for(lambda: [r["node"] for r in model_status(h, "m")["replicas"]] == ["w1"], 60,
-                         "the replica moved to w1")
-                wait_for(lambda: model_status(h, "m").get("readyReplicas") == 1, 120, "w1's replica ready")
+                serving_on(h, "w1")
             new_epoch = model_status(h, "m")["placementEpoch"]
             assert new_epoch > old_epoch
             status, answer = call_from_inside(netns_hosts, w2, h, old_epoch)
@@ -105,10 +119,7 @@ def test_a_partition_moves_the_replica_fences_the_old_copy_and_heals_without_a_r
             time.sleep(max(0.0, 30 - (time.monotonic() - cut_at)))
         finally:
             netns_hosts.cut(False)
-        healed_at = time.monotonic()
-        wait_for(lambda: node_ready(h, "w2"), 30, "w2 heard from again")
-        wait_for(lambda: "m" not in served(w2), 60, "w2's old copy deleted")
-        converged = time.monotonic() - healed_at
+        healed_in = healed(h, w2)
         status, answer = call_from_inside(netns_hosts, w2, h, new_epoch)
         assert status == 404, answer  # gone from w2; never served there again
 
@@ -127,10 +138,65 @@ def test_a_partition_moves_the_replica_fences_the_old_copy_and_heals_without_a_r
         assert next(c for c in final["conditions"] if c["type"] == "Ready")["status"] == "True"
         assert any(e["reason"] == "NodeNotReady" for e in node_events(h, "w2"))
         print(f"partition: {len(outcomes)} requests, {len(failures)} failed with a named cause, "
-              f"epochs {old_epoch} -> {new_epoch}, converged {converged:.1f}s after healing")
+              f"epochs {old_epoch} -> {new_epoch}, converged {healed_in:.1f}s after healing")
     finally:
         for d in daemons:
             d.stop(signal.SIGKILL)
+
+
+def test_a_partition_during_a_models_load_leaves_one_replica_and_converges(forged, tmp_path, netns_hosts):
+    """The link to w2 is cut for 30 s while w2 is still downloading the Model's weights from the hub
+    (a Mac cut off mid-load). The head counts w2 NotReady and places the replica on w1, which loads
+    and serves it; w2's load, cut off, never serves. Healed, w2 is Ready again, its copy of the
+    Model is deleted, the replica stays on w1 and every request goes there: one replica, no
+    restart."""
+    subnet = netns_hosts.subnet
+    mirror = HubMirror({HUB_REPO: forged / "target"}, bytes_per_second=200_000)
+    endpoint = mirror.start(host=f"{subnet}.1")  # reachable from the namespace, until the cut
+
+    def hub(name: str) -> dict[str, str]:
+        return {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / name / "hub"), "HF_HUB_OFFLINE": "0",
+                "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "", "HF_HUB_ETAG_TIMEOUT": "5",
+                "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token_file(tmp_path)),
+                     "--memory-limit", "1Mi", "--node-name", "head", host=f"{subnet}.1", env=hub("head"),
+                     admin_token="head-admin-token")
+    daemons = [h]
+    try:
+        daemons.append(w2 := worker(tmp_path, "w2", h, host=f"{subnet}.2", netns=netns_hosts.ns, env=hub("w2")))
+        wait_for(lambda: node_ready(h, "w2"), 30, "w2 joined")
+        manifest = yaml.safe_load(model_manifest("m", HUB_REPO, **BUDGETS))
+        assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
+        # the head reads only the weights' header; a megabyte of them is w2's download under way
+        wait_for(lambda: mirror.bytes_sent.get("model.safetensors", 0) > 2**20, 60, "w2 downloading the weights")
+        daemons.append(worker(tmp_path, "w1", h, env=hub("w1")))
+        wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
+        assert [r["node"] for r in model_status(h, "m")["replicas"]] == ["w2"]
+        assert model_status(h, "m").get("readyReplicas", 0) == 0  # w2 has not loaded it yet
+
+        cut_at = time.monotonic()
+        netns_hosts.cut(True)
+        mirror.set_rate(None)
+        try:
+            serving_on(h, "w1")
+            assert chat(h.url, [{"role": "user", "content": "def f(x):"}], max_tokens=4).usage.completion_tokens
+            time.sleep(max(0.0, 30 - (time.monotonic() - cut_at)))
+        finally:
+            netns_hosts.cut(False)
+        healed_in = healed(h, w2)
+        before = routed(h)
+        for i in range(3):
+            chat(h.url, [{"role": "user", "content": f"def g{i}(x):"}], max_tokens=4)
+        after = routed(h)
+        assert after["w1"] == before["w1"] + 3 and after.get("w2", 0) == 0, (before, after)
+        final = model_status(h, "m")
+        assert [(r["node"], r["phase"]) for r in final["replicas"]] == [("w1", "Ready")], final
+        assert final["readyReplicas"] == 1 and final["phase"] == "Ready", final
+        print(f"partition during a load: placed on w1, w2's copy gone {healed_in:.1f}s after healing")
+    finally:
+        for d in daemons:
+            d.stop(signal.SIGKILL)
+        mirror.stop()
 
 
 def test_the_fence_follows_the_heads_word_and_its_lease():
@@ -236,7 +302,8 @@ def test_a_mac_that_sleeps_for_a_minute_comes_back_ready_its_replicas_kept_or_re
                     client.completions.create(model=model, prompt=f"def step_{i}(x):", max_tokens=8, temperature=0)
                     outcomes.append((model, "ok", time.monotonic() - began))
                 except Exception as err:  # noqa: BLE001: every failure is kept, with its message
-                    outcomes.append((model, f"{type(err).__name__}: {err}", time.monotonic() - began))
+                    status, code = getattr(err, "status_code", None), getattr(err, "code", None)
+                    outcomes.append((model, f"{type(err).__name__} {status} {code}: {err}", time.monotonic() - began))
                     time.sleep(0.5)
                 i += 1
         with ThreadPoolExecutor(2) as pool:
@@ -267,6 +334,8 @@ def test_a_mac_that_sleeps_for_a_minute_comes_back_ready_its_replicas_kept_or_re
         assert all(seconds < 30 for _, _, seconds in outcomes), [o for o in outcomes if o[2] >= 30]
         failures = [o for _, o, _ in outcomes if o != "ok"]
         assert all(("big" in f or "ready" in f.lower() or "replica" in f.lower()) for f in failures), failures
+        # a request the sleeping Mac took and never began is a 503 (send it again), not a 500
+        assert any(" 503 replica_unreachable: " in f and "Node big" in f for f in failures), failures
         assert sum(o == "ok" for m, o, _ in outcomes if m == "m") > 0
         assert any(o == "ok" for m, o, t in outcomes if m == "k")
         print(f"sleep: {len(outcomes)} requests, {len(failures)} failed with a message, "
