@@ -93,17 +93,20 @@ async def _json(request: web.Request) -> Any:
 
 def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[str]:
     """What ``apply`` warns of, as ``kubectl`` does, and refuses: a Model that could never fit
-    this node, and a ``resources.memory`` below what the weights alone take. Read from
+    any Node (this one, or on a head the largest that joined), and a ``resources.memory`` below
+    what the weights alone take. Read from
     checkpoints already on this machine only (a hub checkpoint not yet downloaded is checked
     when it loads)."""
     control = request.app[CONTROL]
+    # the Node with the most room a replica could take: this one, or on a head the largest Node
+    room, where = max((n["status"].get("allocatable", 0), n["metadata"]["name"]) for n in control.nodes())
     warnings = []
     for i, resource in enumerate(resources):
         spec = resource.spec
         if resource.kind != "Model" or not isinstance(spec, ModelSpec) or spec.topology_ref is not None:
             continue
         try:
-            request = memory_request(spec, None, control.allocatable, local_only=True)
+            request = memory_request(spec, None, room, local_only=True)
         except Exception:  # not on this machine yet, or not a checkpoint: the load says why
             continue
         if spec.memory is not None and spec.memory < request.weights:
@@ -111,9 +114,9 @@ def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[st
             raise StatusError(422, "Invalid", f"{path}: {gib(spec.memory)} is less than the weights alone take "
                                               f"({gib(request.weights)})", path)
         need = request.total
-        if need > control.allocatable:
-            warnings.append(f'Model "{resource.name}" requests {gib(need)} but the node {control.node_name} has '
-                            f"{gib(control.allocatable)} allocatable: it will stay Unschedulable")
+        if need > room:
+            warnings.append(f'Model "{resource.name}" requests {gib(need)} but the node {where} has '
+                            f"{gib(room)} allocatable: it will stay Unschedulable")
     return warnings
 
 

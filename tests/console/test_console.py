@@ -202,7 +202,9 @@ def test_apply_shows_the_field_path_stores_nothing_then_applies(cluster, forged,
     page.get_by_role("button", name="Dry run and diff").click()
     page.locator(".apply-result", has_text="Dry run").wait_for()
     assert page.locator(".apply-result .action").inner_text() == "created"
-    assert "+  name: idle" in page.locator(".apply-result pre.diff").inner_text()
+    diff = page.locator(".apply-result pre.diff").inner_text()
+    assert "+metadata:\n+  name: idle\n" in diff, diff  # line by line
+    assert page.locator(".apply-result .error").count() == 0  # it fits a worker: no warning
     assert h.get("/apis/specd.dev/v1alpha1/models/idle")[0] == 404  # a dry run stores nothing
     page.screenshot(path=shots / "console-apply-diff.png", full_page=True)
     accessible(page)

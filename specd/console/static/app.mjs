@@ -337,8 +337,8 @@ function Playground({ overview }) {
 // ------------------------------------------------------------------ Apply
 
 function Diff({ text, name }) {
-  return html`<pre class="diff" tabindex="0" aria-label=${`what apply changes in ${name}`}>${text.split("\n").map((line) => html`<span
-    class=${line.startsWith("+") && !line.startsWith("+++") ? "add" : line.startsWith("-") && !line.startsWith("---") ? "del" : ""}>${line}\n</span>`)}</pre>`;
+  return html`<pre class="diff" tabindex="0" aria-label=${`what apply changes in ${name}`}>${text.replace(/\n$/, "").split("\n").map((line) => html`<span
+    class=${line.startsWith("+") && !line.startsWith("+++") ? "add" : line.startsWith("-") && !line.startsWith("---") ? "del" : ""}>${`${line}\n`}</span>`)}</pre>`;
 }
 
 function ApplyView({ onApplied }) {
