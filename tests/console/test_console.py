@@ -151,8 +151,16 @@ def test_the_playground_streams_a_reply_token_by_token_and_shows_its_usage(clust
         new MutationObserver(() => { const t = document.querySelector('.turn.assistant .text');
           if (t && window.seen[window.seen.length - 1] !== t.textContent) window.seen.push(t.textContent); })
         .observe(document.querySelector('.transcript'), {subtree: true, childList: true, characterData: true}); }""")
+    # a slow link (8 kB/s down, through chromium's own throttling) so the stream's events arrive
+    # apart, as they do from a big model: a fast worker's whole reply can come in one read
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 8000,
+                                                   "uploadThroughput": -1})
     page.get_by_role("button", name="Send").click()
     page.locator(".usage .completion-tokens").wait_for(timeout=60_000)
+    cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": -1,
+                                                   "uploadThroughput": -1})
     seen = page.evaluate("window.seen")
     reply = page.locator(".turn.assistant .text").inner_text()
     assert len(seen) >= 3 and all(a != b and b.startswith(a) for a, b in zip(seen, seen[1:])), seen
