@@ -15,8 +15,12 @@ cannot serve (a request a frozen Node held, or one sent while no replica was rea
 sees each fail. Anything else, or a request that took longer than ``--bound`` seconds, is
 unexpected. Every 10 s it samples each daemon's RSS and threads and the processes under it.
 
-Reports, per daemon: RSS growth (the last five minutes' median and peak against minutes 2 to 7,
-and at rest after the load), threads and child processes at the start and end; the outcomes;
+Every ``--rest-every`` minutes (between freezes) the clients pause for ``--rest-seconds`` and each
+daemon's RSS is read at rest, the same state each time.
+
+Reports, per daemon: RSS at rest over the hour (its slope across the rest spells, MB per minute),
+RSS growth under load (the last five minutes' median and peak against minutes 2 to 7, and at rest
+after the load), threads and child processes at the start and end; the outcomes;
 and whether the desired state equals the observed at the end (the Model Ready with both replicas
 on the two workers, each Node Ready).
 
@@ -98,6 +102,8 @@ async def disturb(soak: ClusterSoak, session: aiohttp.ClientSession, workers: li
     turn = 0
     while time.monotonic() < soak.deadline - args.freeze_seconds - 30:
         await asyncio.sleep(1)
+        if soak.resting:  # nothing changes during a rest spell: what follows it waits
+            continue
         if time.monotonic() >= next_freeze:
             proc = workers[turn % len(workers)]
             events.append({"t_s": round(time.monotonic() - soak.started), "freeze": turn % len(workers)})
@@ -113,6 +119,36 @@ async def disturb(soak: ClusterSoak, session: aiohttp.ClientSession, workers: li
             events.append({"t_s": round(time.monotonic() - soak.started), "scale_to_zero": soak.scale_to_zero[0]})
             await soak.apply(session, 64, 2)
             next_zero += (args.zero_every if soak.scale_to_zero[0] is False else 2) * 60
+
+
+async def rest_spells(soak: ClusterSoak, daemons: dict[str, int], args, rests: list[dict[str, Any]]) -> None:
+    """Every ``--rest-every`` minutes (half a period off the freezes), once no worker is frozen
+    and the Model is not at zero: ``--rest-seconds`` without requests, then each daemon's RSS.
+    Readings at rest, the same state each time, tell memory that accumulates from the working
+    sets of requests in flight."""
+    next_rest = soak.started + args.rest_every * 30
+    while time.monotonic() < soak.deadline - args.rest_seconds - 30:
+        await asyncio.sleep(1)
+        frozen = any(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("T") for pid in daemons.values())
+        if time.monotonic() < next_rest or frozen or soak.scale_to_zero[0]:
+            continue
+        soak.resting = True
+        try:
+            await asyncio.sleep(args.rest_seconds)
+            rests.append({"t_s": round(time.monotonic() - soak.started),
+                          **{n: rss(pid) for n, pid in daemons.items()}})
+        finally:
+            soak.resting = False
+        next_rest += args.rest_every * 60
+
+
+def rest_slope(rests: list[dict[str, Any]], name: str) -> float | None:
+    """MB per minute of a daemon's RSS at rest, fitted over the rest spells (least squares)."""
+    if len(rests) < 2:
+        return None
+    minutes = [r["t_s"] / 60 for r in rests]
+    megabytes = [r[name] / 1e6 for r in rests]
+    return round(statistics.linear_regression(minutes, megabytes).slope, 3)
 
 
 async def observe(session: aiohttp.ClientSession, head: str, daemons: dict[str, int], soak: ClusterSoak,
@@ -151,6 +187,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
                                 stderr=subprocess.STDOUT, start_new_session=True)
     head = f"http://127.0.0.1:{ports['head'][0]}"
     timeout = aiohttp.ClientTimeout(total=args.bound)
+    rests: list[dict[str, Any]] = []
     try:
         daemons["head"] = start("head", "--cluster-token-file", str(workdir / "secret"), "--memory-limit", "1Mi")
         join_token = workdir / "head" / "cluster-join-token"
@@ -188,6 +225,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             events: list[dict[str, Any]] = []
             pids = {n: p.pid for n, p in daemons.items()}
             await asyncio.gather(observe(session, head, pids, soak, samples), soak.control(session),
+                                 rest_spells(soak, pids, args, rests),
                                  disturb(soak, session, [daemons["w1"], daemons["w2"]], args, events),
                                  *(soak.client(session, seed) for seed in range(args.clients)))
             soak.scale_to_zero[0] = False
@@ -211,7 +249,8 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
     first = next((s for s in samples if s["t_s"] >= 120), samples[0])
-    per_daemon = {n: {"rss_median_growth": growth(samples, n, statistics.median),
+    per_daemon = {n: {"rss_at_rest_mb_per_minute": rest_slope(rests, n),
+                      "rss_median_growth": growth(samples, n, statistics.median),
                       "rss_peak_growth": growth(samples, n, max),
                       "rss_at_minute_2": first[n]["rss_bytes"], "rss_at_rest": rest[n]["rss_bytes"],
                       "threads_at_minute_2": first[n]["threads"], "threads_at_rest": rest[n]["threads"],
@@ -223,7 +262,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             "requests": sum(soak.outcomes.values()), "disturbances": events, "daemons": per_daemon,
             "desired_equals_observed": final.get("readyReplicas") == 2 and replicas == ["w1", "w2"]
             and all(ready.values()),
-            "final_replicas": replicas, "final_nodes_ready": ready, "converged_s": round(converged_s, 1),
+            "rests": rests, "final_replicas": replicas, "final_nodes_ready": ready, "converged_s": round(converged_s, 1),
             "samples": samples, "head_log_tail": anchor.log_tail(workdir / "head.log", 20)}
 
 
@@ -236,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freeze-every", type=float, default=10.0, help="minutes between frozen workers")
     parser.add_argument("--freeze-seconds", type=float, default=30.0)
     parser.add_argument("--zero-every", type=float, default=7.0, help="minutes between scale-to-zero spells")
+    parser.add_argument("--rest-every", type=float, default=10.0, help="minutes between rest spells")
+    parser.add_argument("--rest-seconds", type=float, default=45.0, help="how long a rest spell lasts")
     parser.add_argument("--bound", type=float, default=120.0, help="seconds any request may take")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)

@@ -97,6 +97,7 @@ class Soak:
         self.unexpected: list[str] = []
         self.latency: dict[int, list[float]] = {}  # minute -> whole chat request seconds
         self.samples: list[dict[str, float]] = []
+        self.resting = False  # clients send nothing while set (a rest spell: what is held without load)
 
     def minute(self) -> int:
         return int((time.monotonic() - self.started) // 60)
@@ -115,6 +116,9 @@ class Soak:
     async def client(self, session: aiohttp.ClientSession, seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < self.deadline:
+            if self.resting:
+                await asyncio.sleep(0.5)
+                continue
             kinds = ["chat", "chat", "stream", "completion", "choices", "json", "ngram", "disconnect", "invalid"]
             kind = rng.choice(kinds + (["context", "context"] if self.disk_bytes is not None else []))
             question = f"Write Python to {rng.choice(TOPICS)}."
