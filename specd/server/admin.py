@@ -91,15 +91,17 @@ async def _json(request: web.Request) -> Any:
         raise status_error(err) from None
 
 
-def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[str]:
+def _largest_node(request: web.Request) -> tuple[int, str]:
+    """The most memory a replica could take on one Node, and that Node: this one, or on a head the
+    largest that joined (read on the event loop, which changes the Nodes)."""
+    return max((n["status"].get("allocatable", 0), n["metadata"]["name"]) for n in request.app[CONTROL].nodes())
+
+
+def _memory_warnings(resources: list[Resource], room: int, where: str) -> list[str]:
     """What ``apply`` warns of, as ``kubectl`` does, and refuses: a Model that could never fit
-    any Node (this one, or on a head the largest that joined), and a ``resources.memory`` below
-    what the weights alone take. Read from
-    checkpoints already on this machine only (a hub checkpoint not yet downloaded is checked
-    when it loads)."""
-    control = request.app[CONTROL]
-    # the Node with the most room a replica could take: this one, or on a head the largest Node
-    room, where = max((n["status"].get("allocatable", 0), n["metadata"]["name"]) for n in control.nodes())
+    any Node (``room`` bytes on the Node ``where``), and a ``resources.memory`` below what the
+    weights alone take. Read from checkpoints already on this machine only (a hub checkpoint not
+    yet downloaded is checked when it loads)."""
     warnings = []
     for i, resource in enumerate(resources):
         spec = resource.spec
@@ -120,7 +122,7 @@ def _memory_warnings(request: web.Request, resources: list[Resource]) -> list[st
     return warnings
 
 
-def _apply(request: web.Request, docs: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
+def _apply(request: web.Request, docs: list[Any], room: tuple[int, str]) -> tuple[list[dict[str, Any]], list[str]]:
     """Validate every document, then store all of them in one transaction; also what to warn of."""
     resources = []
     seen: set[tuple[str, str]] = set()
@@ -135,7 +137,7 @@ def _apply(request: web.Request, docs: list[Any]) -> tuple[list[dict[str, Any]],
                               f"items[{i}].metadata.name")
         seen.add((resource.kind, resource.name))
         resources.append(resource)
-    warnings = _memory_warnings(request, resources)
+    warnings = _memory_warnings(resources, *room)
     store, dry_run = _store(request), _dry_run(request)
     live = {(r.kind, r.name): _stored_manifest(store, r.kind, r.name) for r in resources} if dry_run else {}
     try:
@@ -177,7 +179,8 @@ async def apply(request: web.Request) -> web.Response:
         if not isinstance(body, dict) or not isinstance(body.get("items"), list):
             raise StatusError(400, "BadRequest", 'body must be {"items": [manifest, ...]}')
         docs = body["items"]
-    items, warnings = await asyncio.to_thread(_apply, request, docs)  # file reads and a commit: off the loop
+    # file reads and a commit: off the loop
+    items, warnings = await asyncio.to_thread(_apply, request, docs, _largest_node(request))
     return _warned({"items": items, "warnings": warnings}, warnings)
 
 
@@ -260,7 +263,7 @@ async def put_object(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or body.get("kind") != kind or \
             not isinstance(body.get("metadata"), dict) or body["metadata"].get("name") != name:
         raise StatusError(400, "BadRequest", f'body must be a {kind} named "{name}"')
-    results, warnings = await asyncio.to_thread(_apply, request, [body])
+    results, warnings = await asyncio.to_thread(_apply, request, [body], _largest_node(request))
     return _warned(results[0]["object"], warnings, 201 if results[0]["action"] == "created" else 200)
 
 

@@ -190,7 +190,8 @@ def test_every_control_is_reachable_by_keyboard(cluster, page):
     for _ in range(controls + 5):
         page.keyboard.press("Tab")
         reached.add(page.evaluate("""() => { const e = document.activeElement;
-            return e.tagName + ':' + (e.id || e.getAttribute('aria-label') || e.labels?.[0]?.textContent || e.textContent).trim(); }"""))
+            const name = e.id || e.getAttribute('aria-label') || e.labels?.[0]?.textContent || e.textContent;
+            return e.tagName + ':' + name.trim(); }"""))
     focusable = {r for r in reached if not r.startswith("BODY")}
     assert len(focusable) >= controls, (controls, sorted(focusable))
 

@@ -1,7 +1,8 @@
 """Faults a cluster of Macs meets: a partition that outlasts the head's patience, so a replica
-moves while its old copy lives on, and heals; a partition while a worker loads a Model; a lossy, jittery link (``links.LinkProxy``); a
-Mac that sleeps for a minute; a head killed mid-stream and restarted. Placement epochs fence the old
-copy (``serving/fence.py``); nothing hangs, and the cluster converges without a restart."""
+moves while its old copy lives on, and heals; a partition while a worker loads a Model; a lossy,
+jittery link (``links.LinkProxy``); a Mac that sleeps for a minute; a head killed mid-stream and
+restarted. Placement epochs fence the old copy (``serving/fence.py``); nothing hangs, and the
+cluster converges without a restart."""
 
 from __future__ import annotations
 
