@@ -8,6 +8,8 @@ from pathlib import Path
 
 from conftest import start_daemon
 
+BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}  # small caches: room on any Node
+
 
 def token_file(tmp: Path, token: str = "s3cret-cluster-token") -> Path:
     path = tmp / f"token-{token}"

@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from clusters import head, node_ready, worker
+from clusters import BUDGETS, head, node_ready, worker
 from conftest import model_manifest, start_daemon
 from daemons import get, specd, wait_for
 
 CHROMIUM = "/usr/bin/chromium"
 BROWSER_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
-BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
 SECRET_KEY = "sk-console-key-4b1d"
 ADMIN_SECRET = "admin-console-token-9f3e"
 

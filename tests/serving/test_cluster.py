@@ -24,10 +24,9 @@ from specd.control.placement import Candidate, place, place_group, place_remote_
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
 from specd.serving.remote import output_from_json, output_to_json, request_from_json, request_to_json
-from clusters import head, join_token, node_ready, nodes, token_file, worker
+from clusters import BUDGETS, head, join_token, node_ready, nodes, token_file, worker
 from daemons import get, model_status, ready, specd, topology, wait_for
 
-BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}
 NO_END = {"0": -100, "2": -100}  # the forged tokenizer's end-of-text ids: a sampled reply runs its whole length
 
 
