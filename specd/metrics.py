@@ -7,6 +7,7 @@ Dashboards written for vLLM translate 1:1 by swapping ``vllm:`` for
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import suppress
 
 import mlx.core as mx
@@ -232,10 +233,13 @@ class Metrics:
         self.node_memory_bytes.labels(node, "capacity").set(capacity)
         self.node_memory_bytes.labels(node, "allocatable").set(allocatable)
 
-    def node_memory(self, requested: int, in_use: int, loaded: int) -> None:
-        self.node_memory_bytes.labels(self.node, "requested").set(requested)
-        self.node_memory_bytes.labels(self.node, "in_use").set(in_use)
-        self.models_loaded.set(loaded)
+    def node_memory_from(self, requested: Callable[[], int], in_use: Callable[[], int],
+                         loaded: Callable[[], int]) -> None:
+        """The node's memory gauges, read when they are scraped (on the event loop, as the
+        reconcilers' state is) rather than computed again at every reconcile."""
+        self.node_memory_bytes.labels(self.node, "requested").set_function(requested)
+        self.node_memory_bytes.labels(self.node, "in_use").set_function(in_use)
+        self.models_loaded.set_function(loaded)
 
     def prefix_disk_status(self, name: str, status: dict, fresh: bool = False) -> None:
         """Mirror a disk tier's status (``DiskTier.status``: its counters only grow; called from

@@ -27,13 +27,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import structlog
 
 from .api.manifest import SERVER_ANNOTATIONS
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
@@ -133,6 +135,10 @@ def _row(row: tuple) -> StoredObject:
                         json.loads(spec), json.loads(status))
 
 
+def _names(objects: list[StoredObject]) -> list[str]:
+    return [o.name for o in objects]
+
+
 def _values(o: StoredObject) -> tuple:
     """An object as its ``objects`` row."""
     return (o.kind, o.name, o.uid, o.generation, o.resource_version, o.created, json.dumps(o.labels),
@@ -210,6 +216,8 @@ class Store:
         self._closed = False
         self._watchers: list[Callable[[str, str], None]] = []
         self._status_watchers: list[Callable[[str, str], None]] = []
+        self._kind_versions: dict[str, int] = {}  # moves when an object of the kind is applied or deleted
+        self._derived: dict[tuple[str, Callable], tuple[int, Any]] = {}  # (kind, derive): (version, value)
         self._writer = threading.Thread(target=self._write_queued, name="store-writer", daemon=True)
         self._writer.start()
         atexit.register(self.close)  # a store left open still commits what it queued
@@ -246,6 +254,9 @@ class Store:
         self._status_watchers.append(callback)
 
     def _notify(self, changed: list[tuple[str, str]]) -> None:
+        with self._lock:
+            for kind in {kind for kind, _ in changed}:
+                self._kind_versions[kind] = self._kind_versions.get(kind, 0) + 1
         for kind, name in changed:
             for callback in self._watchers:
                 callback(kind, name)
@@ -276,7 +287,23 @@ class Store:
             return None
 
     def names(self, kind: str) -> list[str]:
-        return [name for (name,) in self._read("SELECT name FROM objects WHERE kind=? ORDER BY name", (kind,))]
+        return list(self.derived(kind, _names))
+
+    def derived(self, kind: str, derive: Callable[[list[StoredObject]], T]) -> T:
+        """``derive(self.list(kind))``, computed again only after an object of ``kind`` was
+        applied or deleted: the reconcilers ask for these (a Model's pairing, the policies, the
+        names) at every look, and a burst of applies would read the same rows hundreds of times.
+        For what follows from specs and metadata only: a status write does not move it. The
+        value is shared by every caller: not to be changed."""
+        with self._lock:
+            version = self._kind_versions.get(kind, 0)
+            cached = self._derived.get((kind, derive))
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        value = derive(self.list(kind))  # a change meanwhile moved the version: computed again next time
+        with self._lock:
+            self._derived[(kind, derive)] = (version, value)
+        return value
 
     def list(self, kind: str | None = None) -> list[StoredObject]:
         with self._lock:

@@ -66,6 +66,13 @@ class ControlPlane:
     def restart(self, model: str) -> None:
         self.models.restart(model)
 
+    def largest_node(self) -> tuple[int, str]:
+        """This node or, on a head, the largest that joined: read without the Nodes' full status,
+        as every apply asks it."""
+        here = (self.models.node.allocatable, self.models.node.name)
+        members = self.cluster.members.values() if self.cluster is not None else ()
+        return max([here, *((m.allocatable, m.name) for m in members)])
+
     def nodes(self) -> list[dict[str, Any]]:
         """This daemon's node and, on a head, the Nodes that joined it, as ``get nodes`` shows them."""
         models, cluster = self.models, self.cluster

@@ -94,7 +94,7 @@ async def _json(request: web.Request) -> Any:
 def _largest_node(request: web.Request) -> tuple[int, str]:
     """The most memory a replica could take on one Node, and that Node: this one, or on a head the
     largest that joined (read on the event loop, which changes the Nodes)."""
-    return max((n["status"].get("allocatable", 0), n["metadata"]["name"]) for n in request.app[CONTROL].nodes())
+    return request.app[CONTROL].largest_node()
 
 
 def _memory_warnings(resources: list[Resource], room: int, where: str) -> list[str]:
@@ -230,8 +230,19 @@ async def restart_model(request: web.Request) -> web.Response:
 async def _stored(build: Callable[[], Any]) -> web.Response:
     """``build()``'s object as JSON, read from the store and encoded off the event loop: a list of
     hundreds of objects, or a delete's commit, holds up no stream."""
-    body = await asyncio.to_thread(lambda: json.dumps(build()))
+    body = await asyncio.to_thread(lambda: _encoded(build()))
     return web.Response(text=body, content_type="application/json")
+
+
+def _encoded(body: Any) -> str:
+    """JSON, a list's ``items`` one ``json.dumps`` each: the C encoder holds the GIL for a whole
+    call, and one call over hundreds of objects would stop the engines' threads for
+    milliseconds (a token's time) however far from the event loop it runs."""
+    items = body.get("items") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        return json.dumps(body)
+    rest = json.dumps({k: v for k, v in body.items() if k != "items"})
+    return rest[:-1] + (", " if len(rest) > 2 else "") + '"items": [' + ", ".join(map(json.dumps, items)) + "]}"
 
 
 @routes.get(PREFIX + "/{plural}")

@@ -24,6 +24,9 @@ class ControlView(Protocol):
     def nodes(self) -> list[dict[str, Any]]:
         """This node and, on a head, the Nodes that joined it, as ``get nodes`` shows them."""
 
+    def largest_node(self) -> tuple[int, str]:
+        """The most memory a replica could take on one Node (its allocatable bytes), and that Node."""
+
     def restart(self, model: str) -> None:
         """``rollout restart``: load the Model again now (KeyError: no such Model runs)."""
 

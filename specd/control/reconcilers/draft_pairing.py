@@ -20,11 +20,22 @@ KIND = "DraftPairing"
 
 def chosen_pairings(store: Store) -> dict[str, Pairing]:
     """One pairing per target Model: the oldest wins."""
+    return store.derived(KIND, _chosen)
+
+
+def _chosen(pairings: list[StoredObject]) -> dict[str, Pairing]:
     chosen: dict[str, Pairing] = {}
-    for obj in sorted(store.list(KIND), key=lambda o: (o.created, o.name)):
+    for obj in sorted(pairings, key=lambda o: (o.created, o.name)):
         spec: DraftPairingSpec = SPEC_PARSERS[KIND](obj.spec)
         chosen.setdefault(spec.target_ref, Pairing(obj.name, obj.generation, spec))
     return chosen
+
+
+def _by_target(pairings: list[StoredObject]) -> dict[str, list[str]]:
+    targets: dict[str, list[str]] = {}
+    for obj in pairings:
+        targets.setdefault(obj.spec.get("targetRef"), []).append(obj.name)
+    return targets
 
 
 class DraftPairingReconciler:
@@ -38,7 +49,7 @@ class DraftPairingReconciler:
 
     def targeting(self, model: str) -> list[str]:
         """The pairings whose target is ``model`` (they report on it)."""
-        return [o.name for o in self.store.list(KIND) if o.spec.get("targetRef") == model]
+        return list(self.store.derived(KIND, _by_target).get(model, ()))
 
     def reconcile(self, name: str) -> Result:
         obj = self.store.find(KIND, name)

@@ -10,14 +10,18 @@ from ...api.manifest import SPEC_PARSERS
 from ..conditions import condition
 from ..manager import Result
 from ..state import ModelState, Policy
-from ...store import Store
+from ...store import Store, StoredObject
 
 KIND = "SpecPolicy"
 
 
 def stored_policies(store: Store) -> list[Policy]:
     """Every SpecPolicy, by name: the order in which they are matched."""
-    return [Policy(o.name, o.generation, SPEC_PARSERS[KIND](o.spec)) for o in store.list(KIND)]
+    return store.derived(KIND, _policies)
+
+
+def _policies(objects: list[StoredObject]) -> list[Policy]:
+    return [Policy(o.name, o.generation, SPEC_PARSERS[KIND](o.spec)) for o in objects]
 
 
 def policy_for(policies: list[Policy], labels: dict[str, str]) -> Policy | None:

@@ -58,6 +58,9 @@ class ModelReconciler:
         self.speculation = SpeculationSettings(ctx)
         registry.on_demand = ctx.look
         ctx.metrics.node_info(ctx.node.name, ctx.node.capacity, ctx.node.allocatable)
+        ctx.metrics.node_memory_from(lambda: ctx.node.requested(self.memory.holdings()),
+                                     lambda: sum(self.memory.in_use().values()),
+                                     lambda: sum(1 for m in ctx.states.values() if m.serving.engine is not None))
 
     # what other parts of the daemon ask of it
     @property
@@ -118,8 +121,6 @@ class ModelReconciler:
                     self.speculation.pairing(state, want.pairing)
                 self.speculation.policy(state, want.policy)
         ctx.store.set_status(KIND, name, model_status(ctx, want.obj, state))
-        ctx.metrics.node_memory(ctx.node.requested(self.memory.holdings()), sum(self.memory.in_use().values()),
-                                sum(1 for m in ctx.states.values() if m.serving.engine is not None))
         state.serving.notify()
         return Result(self._next_look(state))
 
