@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 from conftest import start_daemon
+from daemons import wait_for
 
 BUDGETS = {"kvCache": "{maxBytes: 16Mi}", "prefixCache": "{maxBytes: 16Mi}"}  # small caches: room on any Node
 
@@ -42,3 +46,16 @@ def nodes(daemon) -> dict[str, dict]:
 def node_ready(daemon, name: str) -> bool:
     node = nodes(daemon).get(name)
     return node is not None and node["status"]["conditions"][0]["status"] == "True"
+
+
+@contextlib.contextmanager
+def joined(tmp: Path, names: tuple[str, ...] = ("w1", "w2")) -> Iterator[tuple[object, dict[str, object]]]:
+    """A head and the workers ``names``, each Ready on the head; all killed at the end."""
+    h = head(tmp)
+    workers = {n: worker(tmp, n, h) for n in names}
+    try:
+        wait_for(lambda: all(node_ready(h, n) for n in names), 30, "workers joined")
+        yield h, workers
+    finally:
+        for d in [h, *workers.values()]:
+            d.stop(signal.SIGKILL)

@@ -34,6 +34,14 @@ LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")  # listed with a
 CHUNK = 1 << 20  # bytes per write when unthrottled
 
 
+def hub_env(cache: Path, endpoint: str | None = None) -> dict[str, str]:
+    """A daemon's environment for a hub: a Hugging Face cache of its own at ``cache``, online,
+    with no token and no telemetry, and short timeouts; ``endpoint``: this mirror's URL."""
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
+           "HF_TOKEN": "", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    return env if endpoint is None else {**env, "HF_ENDPOINT": endpoint}
+
+
 @dataclass(frozen=True)
 class _File:
     path: Path

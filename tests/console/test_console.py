@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from clusters import BUDGETS, head, node_ready, worker
+from clusters import BUDGETS, joined
 from conftest import model_manifest, start_daemon
 from daemons import get, specd, wait_for
 
@@ -81,17 +81,11 @@ def shots(tmp_path_factory) -> Path:
 def cluster(forged, tmp_path_factory):
     """A head (no room of its own) and workers w1 and w2 on loopback, Model m with a replica on each."""
     tmp = tmp_path_factory.mktemp("console-cluster")
-    h = head(tmp)
-    workers = {n: worker(tmp, n, h) for n in ("w1", "w2")}
-    try:
-        wait_for(lambda: node_ready(h, "w1") and node_ready(h, "w2"), 30, "workers joined")
+    with joined(tmp) as (h, workers):
         (tmp / "m.yaml").write_text(model_manifest("m", forged / "target", replicas=2, **BUDGETS))
         specd(h, "apply", "-f", str(tmp / "m.yaml"))
         wait_for(lambda: get(h, "model", "m")["status"].get("readyReplicas") == 2, 120, "two replicas")
         yield h, workers
-    finally:
-        for d in [h, *workers.values()]:
-            d.stop(signal.SIGKILL)
 
 
 def accessible(page) -> None:

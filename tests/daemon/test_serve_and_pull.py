@@ -19,6 +19,7 @@ import yaml
 
 from conftest import ROOT, free_port, start_daemon
 from daemons import model_status, scrape, wait_for
+import hub_mirror
 from hub_mirror import HubMirror
 from specd.api.manifest import parse_documents
 from specd.engine.resources import safetensors_bytes
@@ -39,8 +40,7 @@ def ready_reason(daemon, name: str) -> str | None:
 @pytest.fixture
 def hub_env(tmp_path):
     """A Hugging Face cache of this test's own, online, with no token and no telemetry."""
-    return {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_TOKEN": "", "HF_HUB_ETAG_TIMEOUT": "5", "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+    return hub_mirror.hub_env(tmp_path / "hub")
 
 
 def test_serve_one_command(forged, tmp_path):

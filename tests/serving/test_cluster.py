@@ -24,7 +24,7 @@ from specd.control.placement import Candidate, place, place_group, place_remote_
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
 from specd.serving.remote import output_from_json, output_to_json, request_from_json, request_to_json
-from clusters import BUDGETS, head, join_token, node_ready, nodes, token_file, worker
+from clusters import BUDGETS, join_token, joined, node_ready, nodes, token_file, worker
 from daemons import get, model_status, ready, specd, topology, wait_for
 
 NO_END = {"0": -100, "2": -100}  # the forged tokenizer's end-of-text ids: a sampled reply runs its whole length
@@ -67,14 +67,8 @@ def join(daemon, name: str, token: str, url: str | None = None, **body) -> tuple
 
 @pytest.fixture()
 def cluster(tmp_path):
-    h = head(tmp_path)
-    workers = {n: worker(tmp_path, n, h) for n in ("w1", "w2")}
-    try:
-        wait_for(lambda: node_ready(h, "w1") and node_ready(h, "w2"), 30, "workers joined")
+    with joined(tmp_path) as (h, workers):
         yield h, workers
-    finally:
-        for d in [h, *workers.values()]:
-            d.stop(signal.SIGKILL)
 
 
 def test_joins_are_refused_with_the_reason(tmp_path, cluster):

@@ -24,7 +24,7 @@ from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.serving.fence import EPOCH_HEADER, PlacementFence
 from specd.serving.remote import request_to_json
-from hub_mirror import HubMirror
+from hub_mirror import HubMirror, hub_env
 from links import LinkProxy
 from clusters import head, join_token, node_ready, token_file, worker
 from test_cluster import BUDGETS, NO_END, chat, node_events, routed
@@ -156,9 +156,7 @@ def test_a_partition_during_a_models_load_leaves_one_replica_and_converges(forge
     endpoint = mirror.start(host=f"{subnet}.1")  # reachable from the namespace, until the cut
 
     def hub(name: str) -> dict[str, str]:
-        return {"HF_ENDPOINT": endpoint, "HF_HUB_CACHE": str(tmp_path / name / "hub"), "HF_HUB_OFFLINE": "0",
-                "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": "", "HF_HUB_ETAG_TIMEOUT": "5",
-                "HF_HUB_DOWNLOAD_TIMEOUT": "5"}
+        return hub_env(tmp_path / name / "hub", endpoint)
     h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token_file(tmp_path)),
                      "--memory-limit", "1Mi", "--node-name", "head", host=f"{subnet}.1", env=hub("head"),
                      admin_token="head-admin-token")
