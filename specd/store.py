@@ -294,7 +294,8 @@ class Store:
         applied or deleted: the reconcilers ask for these (a Model's pairing, the policies, the
         names) at every look, and a burst of applies would read the same rows hundreds of times.
         For what follows from specs and metadata only: a status write does not move it. The
-        value is shared by every caller: not to be changed."""
+        value is shared by every caller: not to be changed. It is kept per ``derive``, so that
+        is a module's function, never a lambda made per call."""
         with self._lock:
             version = self._kind_versions.get(kind, 0)
             cached = self._derived.get((kind, derive))

@@ -256,3 +256,32 @@ def test_a_process_killed_after_an_acknowledged_apply_keeps_it(tmp_path):
     assert [e["reason"] for e in store.events("Model", "a")] == ["Ready"]
     assert store.get("Model", "b").status == {} and store.events("Model", "b") == []  # queued after: lost
     store.close()
+
+
+def test_what_is_derived_from_a_kind_is_computed_again_only_when_one_of_them_changes(tmp_path):
+    """``Store.derived``: a status write or an unchanged apply keeps the value; an apply that changes
+    an object of the kind, a new one or a delete computes it again; other kinds do not touch it."""
+    store = Store(tmp_path / "specd.db")
+    calls: list[list[str]] = []
+
+    def targets(objects):
+        calls.append([o.name for o in objects])
+        return {o.name: o.spec["targetRef"] for o in objects}
+
+    try:
+        store.apply([item("DraftPairing", "a", targetRef="m")])
+        assert store.derived("DraftPairing", targets) == {"a": "m"} and len(calls) == 1
+        store.set_status("DraftPairing", "a", {"observedGeneration": 1})
+        store.apply([item("DraftPairing", "a", targetRef="m"), item("Model", "m", source="x")])
+        assert store.derived("DraftPairing", targets) == {"a": "m"} and len(calls) == 1
+        store.apply([item("DraftPairing", "a", targetRef="n")])
+        assert store.derived("DraftPairing", targets) == {"a": "n"} and len(calls) == 2
+        store.apply([item("DraftPairing", "b", targetRef="m")])
+        assert store.derived("DraftPairing", targets) == {"a": "n", "b": "m"}
+        store.delete("DraftPairing", "a")
+        assert store.derived("DraftPairing", targets) == {"b": "m"} and calls[-1] == ["b"]
+        assert store.names("DraftPairing") == ["b"] and store.names("Model") == ["m"]
+        store.apply([item("DraftPairing", "a", targetRef="m")], dry_run=True)
+        assert store.derived("DraftPairing", targets) == {"b": "m"} and len(calls) == 4
+    finally:
+        store.close()
