@@ -268,10 +268,6 @@ class Store:
         queued = self._statuses.get((row[0], row[1]))
         return row if queued is None or queued.uid != row[2] else (*row[:9], queued.text)
 
-    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
-
     def get(self, kind: str, name: str) -> StoredObject:
         with self._lock:
             rows = self._db.execute("SELECT * FROM objects WHERE kind=? AND name=?", (kind, name)).fetchall()
