@@ -91,12 +91,6 @@ async def _json(request: web.Request) -> Any:
         raise status_error(err) from None
 
 
-def _largest_node(request: web.Request) -> tuple[int, str]:
-    """The most memory a replica could take on one Node, and that Node: this one, or on a head the
-    largest that joined (read on the event loop, which changes the Nodes)."""
-    return request.app[CONTROL].largest_node()
-
-
 def _memory_warnings(resources: list[Resource], room: int, where: str) -> list[str]:
     """What ``apply`` warns of, as ``kubectl`` does, and refuses: a Model that could never fit
     any Node (``room`` bytes on the Node ``where``), and a ``resources.memory`` below what the
@@ -179,8 +173,8 @@ async def apply(request: web.Request) -> web.Response:
         if not isinstance(body, dict) or not isinstance(body.get("items"), list):
             raise StatusError(400, "BadRequest", 'body must be {"items": [manifest, ...]}')
         docs = body["items"]
-    # file reads and a commit: off the loop
-    items, warnings = await asyncio.to_thread(_apply, request, docs, _largest_node(request))
+    # file reads and a commit: off the loop; the largest Node read on it (the loop changes the Nodes)
+    items, warnings = await asyncio.to_thread(_apply, request, docs, request.app[CONTROL].largest_node())
     return _warned({"items": items, "warnings": warnings}, warnings)
 
 
@@ -274,7 +268,7 @@ async def put_object(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or body.get("kind") != kind or \
             not isinstance(body.get("metadata"), dict) or body["metadata"].get("name") != name:
         raise StatusError(400, "BadRequest", f'body must be a {kind} named "{name}"')
-    results, warnings = await asyncio.to_thread(_apply, request, [body], _largest_node(request))
+    results, warnings = await asyncio.to_thread(_apply, request, [body], request.app[CONTROL].largest_node())
     return _warned(results[0]["object"], warnings, 201 if results[0]["action"] == "created" else 200)
 
 
