@@ -117,6 +117,9 @@ class RowCache(Protocol):
 
     def tree_attention(self, ancestry: mx.array): ...
 
+    def allow_padding(self, columns: int) -> None:
+        """Columns of padding the KV budget has room for beyond the rows' own (a block layout's)."""
+
 
 class BatchRowCache:
     """``RowCache`` over a model's layer caches (``layers``, what its forward
@@ -250,6 +253,10 @@ class BatchRowCache:
         finally:
             for leaf in self._attention():
                 leaf.tree = None
+
+    def allow_padding(self, columns: int) -> None:
+        for leaf in self._attention():
+            leaf.room = columns
 
     def _attention(self) -> list[RowKV]:
         return [leaf for group in self.attention for leaf in group]
@@ -413,6 +420,9 @@ class RowwiseCache:
 
     def shared_tokens(self, b: int) -> int:
         return 0  # mlx-lm's caches: a row holds all its columns
+
+    def allow_padding(self, columns: int) -> None:
+        """Rows run one by one: none is padded."""
 
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")

@@ -15,8 +15,9 @@ laid out one of two ways, chosen for every forward (``RowKV._arrange``):
   kv heads, capacity, D), written for all rows by one scatter and attended by
   one batched call under a mask (``attention.attend_block``): a few ops per
   layer, where rows cost a few per row. Taken when no row reads a prefix in
-  place, no prefill padding is still to come, the block holds no more than the
-  KV budget charges the rows for (a round's growth each), and ``core.layout``
+  place, no prefill padding is still to come, the shorter rows' padding to the
+  longest fits what the KV budget has left beyond what it charges the rows (a
+  round's growth each; ``room``, set before each round), and ``core.layout``
   measured it cheaper for these rows on this device.
 
 Either way, rolling back a row's rejected tokens is a change of its length (a
@@ -91,6 +92,7 @@ class RowKV:
         self._offset: mx.array | None = None
         self._shape: AttentionShape | None = None  # what the layouts' costs depend on, seen at the first ``attend``
         self._costs: LayoutCosts | None = None
+        self.room = 0  # columns of padding beyond the rows' own that the KV budget has room for (a block's)
 
     @property
     def offset(self) -> mx.array:
@@ -154,7 +156,7 @@ class RowKV:
             return False
         held = [h + width for h in self.held]
         capacity = _rounded(max(held))
-        if capacity * len(held) > sum(_rounded(h + STEP) for h in self.held):  # more than the budget charges
+        if capacity * len(held) - sum(_rounded(h + STEP) for h in self.held) > self.room:  # padding past the budget
             return False
         if layout.LAYOUT != "auto":
             return layout.LAYOUT == "block"

@@ -16,7 +16,10 @@ the scheduler decides before each step, not after an allocation fails:
   queue with its tokens and is recomputed from them (the prefix cache usually
   holds most: what the row held is recorded as it leaves), so its output does
   not change;
-- no row may outgrow the budget alone: ``max_tokens`` caps the Model's context.
+- no row may outgrow the budget alone: ``max_tokens`` caps the Model's context;
+- what the budget has left beside the rows (``room``) may pad shorter rows to
+  the longest, where attention runs faster over the rows as one block
+  (``core.kv``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ class KVManager:
     def fits(self, lengths: Iterable[int]) -> bool:
         """Whether rows of these lengths fit the budget, each after a round."""
         return sum(self.row_bytes(n) for n in lengths) <= self.max_bytes
+
+    def room(self, lengths: Iterable[int]) -> int:
+        """Columns of every layer's padding the budget holds beside rows of these lengths, each
+        after a round: what a block layout may pad shorter rows with (``RowKV.room``)."""
+        if not self.token_bytes:
+            return UNBOUNDED
+        return max(0, self.max_bytes - sum(self.row_bytes(n) for n in lengths)) // self.token_bytes
 
     @property
     def max_tokens(self) -> int:

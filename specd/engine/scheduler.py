@@ -262,9 +262,13 @@ class Scheduler:
 
     def _make_room(self) -> None:
         """Preempt the rows that joined last until every row, and every row
-        still prefilling, fits the KV budget after this round; one row always stays."""
+        still prefilling, fits the KV budget after this round; one row always stays.
+        What the budget has left beyond them may pad the rows in a block layout."""
         while len(self.batch) > 1 and not self.kv.fits(self._own_tokens()):
             self._preempt(len(self.batch) - 1)
+        room = self.kv.room(self._own_tokens())
+        self.batch.cache.allow_padding(room)
+        self.speculator.allow_padding(room)
 
     def _preempt(self, b: int) -> None:
         """Row b leaves the batch to be recomputed later: what it holds is recorded in the

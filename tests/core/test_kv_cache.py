@@ -396,17 +396,18 @@ def test_block_attention_equals_row_by_row_attention(lengths, n, window, group, 
 def test_the_layout_is_the_one_measured_cheaper(monkeypatch):
     """``auto`` (the default) lays rows out as one block only where the costs measured for the
     layer's attention shape on this device say a block is cheaper, changing layout only for a
-    clear saving, and never past what the KV budget charges the rows; the costs this device
-    measures are lines with no negative part."""
+    clear saving, and never padding the rows past what the KV budget has room for beside
+    them; the costs this device measures are lines with no negative part."""
     monkeypatch.setattr(layout, "LAYOUT", "auto")
     counter = iter(range(1, 10**6))
     measured = layout.measure(layout.AttentionShape(1, 2, D, D, mx.float32, None, False))
     assert min(measured.per_row, measured.per_column, measured.fixed, measured.per_cell) >= 0
     assert measured.rows([64] * 16, 1, None) > 0 and measured.block([64] * 16, 1) > 0
 
-    def batch(costs: layout.LayoutCosts, lengths: list[int]) -> RowKV:
+    def batch(costs: layout.LayoutCosts, lengths: list[int], room: int = 0) -> RowKV:
         monkeypatch.setattr(layout, "costs", lambda shape: costs)
         cache = RowKV([0])
+        cache.room = room
         write(cache, [[next(counter) for _ in range(lengths[0])]])
         for length in lengths[1:]:
             other = RowKV([0])
@@ -418,7 +419,11 @@ def test_the_layout_is_the_one_measured_cheaper(monkeypatch):
     cheap_block = layout.LayoutCosts(per_row=1e-4, per_column=1e-9, fixed=1e-5, per_cell=1e-9)
     assert batch(cheap_rows, [5, 9, 3]).block is None
     assert batch(cheap_block, [5, 9, 3]).block is not None
-    assert batch(cheap_block, [5, 300]).block is None  # a block would hold the short row at the long one's width
+    # a block holds the short row at the long one's width, 320 columns: 128 more than the budget
+    # charges the two rows (128 and 384, a round's growth each), taken only where it has room for them
+    assert batch(cheap_block, [5, 300]).block is None
+    assert batch(cheap_block, [5, 300], room=127).block is None
+    assert batch(cheap_block, [5, 300], room=128).block is not None
     # within the margin, a layout is kept
     near = layout.LayoutCosts(per_row=1e-4, per_column=0.0, fixed=1.9e-4, per_cell=0.0)  # rows 2e-4, block 1.9e-4
     assert not near.prefers_block([10, 10], 1, None, now_block=False) and near.prefers_block([10, 10], 1, None, True)

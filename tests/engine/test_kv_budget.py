@@ -11,7 +11,10 @@ import pytest
 
 from conftest import code_sample, head_for, run_engine
 from specd.api.manifest import ManifestError, parse_documents
+from specd.core import layout
 from specd.core.cache import kv_bytes
+from specd.core.columns import STEP
+from specd.core.kv import RowKV
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
 from specd.engine.scheduler import RequestRejected
@@ -66,6 +69,37 @@ def test_preempted_requests_give_the_same_tokens(pair, prompts, case, prefix_cac
                             kv_cache_bytes=token_bytes * 64 * 7)
     assert status["preemptions"] > 0 and 0 < status["peakBytes"] <= status["maxBytes"]
     assert bounded == unbounded
+
+
+def test_a_block_pads_shorter_rows_only_within_the_room_the_budget_has(pair, prompts, monkeypatch):
+    """Rows laid out as one block pad the shorter ones to the longest: that is taken where the KV
+    budget has room for the padding beside what it charges the rows, and never past it; the tokens
+    are the same either way."""
+    model, tokenizer, _ = pair
+    monkeypatch.setattr(layout, "LAYOUT", "block")  # a block wherever the budget allows one
+    weighed = []  # per forward of several rows: (laid out as a block, padding past the rows' charges, room)
+    block_pays = RowKV._block_pays
+
+    def watched(self: RowKV, width: int) -> bool:
+        taken = block_pays(self, width)
+        if len(self.held) > 1 and not any(self.pending) and not any(self.shared_columns):
+            capacity = -(-(max(self.held) + width) // STEP) * STEP
+            weighed.append((taken, capacity * len(self.held) - sum(-(-(h + STEP) // STEP) * STEP
+                                                                   for h in self.held), self.room))
+        return taken
+    monkeypatch.setattr(RowKV, "_block_pays", watched)
+    mixed = [prompts[0][:6], prompts[1], prompts[5] * 4, prompts[3]]  # 6 to 240 tokens
+    outputs = {}
+    for budget in (None, kv_bytes(model)[0] * 64 * 12):
+        weighed.clear()
+        outputs[budget], status = serve(model, tokenizer, mixed, [None] * 4, kv_cache_bytes=budget)
+        assert all(padding <= room for taken, padding, room in weighed if taken)
+        assert status["peakBytes"] <= status["maxBytes"]
+        if budget is None:
+            assert any(taken and padding > 0 for taken, padding, _ in weighed)
+        else:
+            assert any(not taken and padding > room for taken, padding, room in weighed)
+    assert outputs[None] == outputs[kv_bytes(model)[0] * 64 * 12]
 
 
 def test_sampled_requests_keep_their_tokens_through_preemption(pair, prompts):
