@@ -16,9 +16,10 @@ sees each fail. Anything else, or a request that took longer than ``--bound`` se
 unexpected. Every 10 s it samples each daemon's RSS and threads and the processes under it.
 
 Every ``--rest-every`` minutes (between freezes) the clients pause for ``--rest-seconds`` and each
-daemon's RSS is read at rest, the same state each time.
+daemon's RSS is read at rest, the same state each time; and in each scale-to-zero spell the clients
+pause until no replica is loaded, and each daemon's RSS is read unloaded (no weights, KV or caches).
 
-Reports, per daemon: RSS at rest over the hour (its slope across the rest spells, MB per minute),
+Reports, per daemon: RSS at rest and unloaded over the hour (slopes across those spells, MB per minute),
 RSS growth under load (the last five minutes' median and peak against minutes 2 to 7, and at rest
 after the load), threads and child processes at the start and end; the outcomes;
 and whether the desired state equals the observed at the end (the Model Ready with both replicas
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
@@ -79,6 +80,7 @@ class ClusterSoak(Soak):
     def __init__(self, *args, bound: float, scale_to_zero: list[bool], **kwargs):
         super().__init__(*args, **kwargs)
         self.bound, self.scale_to_zero = bound, scale_to_zero
+        self.zero_spells = 0  # scale-to-zero spells begun
 
     def record(self, kind: str, status: int, expected: set[int], detail: str = "") -> None:
         node_fault = status in (500, 503) and any(w in detail for w in ("Node", "replica", "not ready", "loading"))
@@ -116,21 +118,44 @@ async def disturb(soak: ClusterSoak, session: aiohttp.ClientSession, workers: li
             next_freeze += args.freeze_every * 60
         if time.monotonic() >= next_zero:
             soak.scale_to_zero[0] = not soak.scale_to_zero[0]
+            soak.zero_spells += soak.scale_to_zero[0]
             events.append({"t_s": round(time.monotonic() - soak.started), "scale_to_zero": soak.scale_to_zero[0]})
             await soak.apply(session, 64, 2)
             next_zero += (args.zero_every if soak.scale_to_zero[0] is False else 2) * 60
 
 
-async def rest_spells(soak: ClusterSoak, daemons: dict[str, int], args, rests: list[dict[str, Any]]) -> None:
+async def rest_spells(soak: ClusterSoak, daemons: dict[str, int], args, rests: list[dict[str, Any]],
+                      unloaded: list[dict[str, Any]], replicas: Callable[[], Awaitable[int]]) -> None:
     """Every ``--rest-every`` minutes (half a period off the freezes), once no worker is frozen
     and the Model is not at zero: ``--rest-seconds`` without requests, then each daemon's RSS.
     Readings at rest, the same state each time, tell memory that accumulates from the working
-    sets of requests in flight."""
+    sets of requests in flight. And once in each scale-to-zero spell (no worker frozen): no
+    requests until no replica is loaded anywhere, then each daemon's RSS (``unloaded``): with the
+    weights, KV and prefix caches gone, what is left is the daemon's own, so readings that rise
+    from spell to spell are a leak, not a cache filling."""
     next_rest = soak.started + args.rest_every * 30
+    zero_spells_read = 0
     while time.monotonic() < soak.deadline - args.rest_seconds - 30:
         await asyncio.sleep(1)
         frozen = any(Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("T") for pid in daemons.values())
-        if time.monotonic() < next_rest or frozen or soak.scale_to_zero[0]:
+        if frozen:
+            continue
+        if soak.scale_to_zero[0] and zero_spells_read < soak.zero_spells:
+            zero_spells_read = soak.zero_spells
+            soak.resting = True
+            try:
+                waited = time.monotonic()
+                while await replicas() and time.monotonic() - waited < 120:
+                    await asyncio.sleep(1)
+                if not await replicas():
+                    await asyncio.sleep(5)  # the unload's own frees
+                    unloaded.append({"t_s": round(time.monotonic() - soak.started),
+                                     "waited_s": round(time.monotonic() - waited),
+                                     **{n: rss(pid) for n, pid in daemons.items()}})
+            finally:
+                soak.resting = False
+            continue
+        if time.monotonic() < next_rest or soak.scale_to_zero[0]:
             continue
         soak.resting = True
         try:
@@ -188,6 +213,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
     head = f"http://127.0.0.1:{ports['head'][0]}"
     timeout = aiohttp.ClientTimeout(total=args.bound)
     rests: list[dict[str, Any]] = []
+    unloaded: list[dict[str, Any]] = []
     try:
         daemons["head"] = start("head", "--cluster-token-file", str(workdir / "secret"), "--memory-limit", "1Mi")
         join_token = workdir / "head" / "cluster-join-token"
@@ -203,6 +229,9 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             async def status() -> dict[str, Any]:
                 async with session.get(head + ADMIN + f"/models/{MODEL}") as r:
                     return (await r.json()).get("status", {}) if r.status == 200 else {}
+
+            async def loaded_replicas() -> int:
+                return len((await status()).get("replicas") or [])
 
             async def nodes_ready() -> dict[str, bool]:
                 async with session.get(head + ADMIN + "/nodes") as r:
@@ -225,7 +254,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             events: list[dict[str, Any]] = []
             pids = {n: p.pid for n, p in daemons.items()}
             await asyncio.gather(observe(session, head, pids, soak, samples), soak.control(session),
-                                 rest_spells(soak, pids, args, rests),
+                                 rest_spells(soak, pids, args, rests, unloaded, loaded_replicas),
                                  disturb(soak, session, [daemons["w1"], daemons["w2"]], args, events),
                                  *(soak.client(session, seed) for seed in range(args.clients)))
             soak.scale_to_zero[0] = False
@@ -250,6 +279,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
                 os.killpg(proc.pid, signal.SIGKILL)
     first = next((s for s in samples if s["t_s"] >= 120), samples[0])
     per_daemon = {n: {"rss_at_rest_mb_per_minute": rest_slope(rests, n),
+                      "rss_unloaded_mb_per_minute": rest_slope(unloaded, n),
                       "rss_median_growth": growth(samples, n, statistics.median),
                       "rss_peak_growth": growth(samples, n, max),
                       "rss_at_minute_2": first[n]["rss_bytes"], "rss_at_rest": rest[n]["rss_bytes"],
@@ -262,7 +292,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             "requests": sum(soak.outcomes.values()), "disturbances": events, "daemons": per_daemon,
             "desired_equals_observed": final.get("readyReplicas") == 2 and replicas == ["w1", "w2"]
             and all(ready.values()),
-            "rests": rests, "final_replicas": replicas, "final_nodes_ready": ready, "converged_s": round(converged_s, 1),
+            "rests": rests, "unloaded_rests": unloaded, "final_replicas": replicas, "final_nodes_ready": ready, "converged_s": round(converged_s, 1),
             "samples": samples, "head_log_tail": anchor.log_tail(workdir / "head.log", 20)}
 
 
