@@ -230,8 +230,8 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
                 async with session.get(head + ADMIN + f"/models/{MODEL}") as r:
                     return (await r.json()).get("status", {}) if r.status == 200 else {}
 
-            async def loaded_replicas() -> int:
-                return len((await status()).get("replicas") or [])
+            async def loaded_replicas() -> int:  # a replica scaled to zero stays placed, Idle
+                return sum(r["phase"] in ("Loading", "Ready") for r in (await status()).get("replicas") or [])
 
             async def nodes_ready() -> dict[str, bool]:
                 async with session.get(head + ADMIN + "/nodes") as r:

@@ -14,7 +14,7 @@ from specd.api.manifest import ManifestError, parse_documents
 from specd.core import layout
 from specd.core.cache import kv_bytes
 from specd.core.columns import STEP
-from specd.core.kv import RowKV
+from specd.core.kv import RowKV, _rounded
 from specd.core.request import GenerationRequest, SpeculationConfig
 from specd.core.sampling import SamplingParams
 from specd.engine.scheduler import RequestRejected
@@ -83,9 +83,8 @@ def test_a_block_pads_shorter_rows_only_within_the_room_the_budget_has(pair, pro
     def watched(self: RowKV, width: int) -> bool:
         taken = block_pays(self, width)
         if len(self.held) > 1 and not any(self.pending) and not any(self.shared_columns):
-            capacity = -(-(max(self.held) + width) // STEP) * STEP
-            weighed.append((taken, capacity * len(self.held) - sum(-(-(h + STEP) // STEP) * STEP
-                                                                   for h in self.held), self.room))
+            charged = sum(_rounded(h + STEP) for h in self.held)  # a round's growth each
+            weighed.append((taken, _rounded(max(self.held) + width) * len(self.held) - charged, self.room))
         return taken
     monkeypatch.setattr(RowKV, "_block_pays", watched)
     mixed = [prompts[0][:6], prompts[1], prompts[5] * 4, prompts[3]]  # 6 to 240 tokens
