@@ -292,7 +292,8 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
             "requests": sum(soak.outcomes.values()), "disturbances": events, "daemons": per_daemon,
             "desired_equals_observed": final.get("readyReplicas") == 2 and replicas == ["w1", "w2"]
             and all(ready.values()),
-            "rests": rests, "unloaded_rests": unloaded, "final_replicas": replicas, "final_nodes_ready": ready, "converged_s": round(converged_s, 1),
+            "rests": rests, "unloaded_rests": unloaded, "final_replicas": replicas, "final_nodes_ready": ready,
+            "converged_s": round(converged_s, 1),
             "samples": samples, "head_log_tail": anchor.log_tail(workdir / "head.log", 20)}
 
 

@@ -264,9 +264,11 @@ class Scheduler:
         """Preempt the rows that joined last until every row, and every row
         still prefilling, fits the KV budget after this round; one row always stays.
         What the budget has left beyond them may pad the rows in a block layout."""
-        while len(self.batch) > 1 and not self.kv.fits(self._own_tokens()):
+        own = self._own_tokens()
+        while len(self.batch) > 1 and not self.kv.fits(own):
             self._preempt(len(self.batch) - 1)
-        room = self.kv.room(self._own_tokens())
+            own = self._own_tokens()
+        room = self.kv.room(own)
         self.batch.cache.allow_padding(room)
         self.speculator.allow_padding(room)
 

@@ -112,15 +112,20 @@ class Speculator:
         """What one row of the drafter's cache holds: (bytes per token, recurrent state bytes)."""
         return self.drafter.row_bytes if self.drafter is not None else (0, 0)
 
+    @property
+    def _drafter_cache(self) -> RowCache | None:
+        """The drafter's batched cache, while it has rows."""
+        return self.drafter.rows.cache if self.drafter is not None else None
+
     def allow_padding(self, columns: int) -> None:
         """Columns of padding the KV budget has room for beyond the drafter's rows' own."""
-        cache = self.drafter.rows.cache if self.drafter is not None else None
+        cache = self._drafter_cache
         if cache is not None:
             cache.allow_padding(columns)
 
     def drafter_cache_bytes(self) -> int:
         """Bytes the drafter's rows hold now."""
-        cache = self.drafter.rows.cache if self.drafter is not None else None
+        cache = self._drafter_cache
         return cache.nbytes if cache is not None else 0
 
     @property
