@@ -9,10 +9,11 @@ includes placing and loading it), then tokens/s of a 128-token completion on
 it, now loaded; then the same two on ``warm``. Medians are reported.
 
 It also measures an engine's memory beyond its budgets (the ``ENGINE_OVERHEAD``
-every request counts, ``control/resources.py``): the daemon's RSS with ``cold``
-loaded and idle (and its peak from the load to the end of its first requests),
-minus its RSS with ``cold`` unloaded, minus the weights and what its KV and
-prefix caches hold.
+every request counts, ``engine/resources.py``) after short prompts: the daemon's
+RSS with ``cold`` loaded and idle (and its peak from the load to the end of its
+first requests), minus its RSS with ``cold`` unloaded, minus the weights and
+what its KV and prefix caches hold. (What a long prompt's prefill holds beyond
+them, MLX's own peak, is ``tests/engine/test_step_memory.py``'s.)
 
 Models: the demo pair (``models/demo``, the target with its draft pairing) and a
 random-weight Llama of about 1 GB (float32), built with the test pair's tokenizer.

@@ -307,7 +307,9 @@ def attend_columns(queries: mx.array, pieces: Pieces, held: int, window: int | N
 # The most scores (heads x queries x columns) a row's queries attend over in one pass on the CPU. A
 # prefill chunk over a long context is cut into blocks of queries within it: each block's scores,
 # written and read by each op of the softmax in turn, then stay in the CPU's caches rather than go
-# out to memory (``ops/bench/attention.py``: a prefill over 14,000 columns).
+# out to memory (``ops/bench/attention.py``: a prefill over 14,000 columns). The blocks run one
+# after another, so what a chunk holds of them is bounded however long the context
+# (``engine.resources.ENGINE_OVERHEAD`` counts it).
 BLOCK_SCORES = 1 << 21
 
 
@@ -321,8 +323,10 @@ def _in_blocks(queries: mx.array, pieces: Pieces, held: int, window: int | None,
     for first in range(0, n, block):
         last = min(n, first + block)
         end = held - (n - last)
-        out.append(attend_columns(queries[:, :, first:last], pieces_between(pieces, 0, end), end, window,
-                                  quantization, sinks))
+        block_queries = queries[:, :, first:last]
+        if out:  # after the block before: one block's scores at a time, not every block's at once
+            block_queries = mx.depends(block_queries, out[-1])
+        out.append(attend_columns(block_queries, pieces_between(pieces, 0, end), end, window, quantization, sinks))
     return mx.concatenate(out, axis=2)
 
 

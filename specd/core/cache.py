@@ -120,6 +120,11 @@ class RowCache(Protocol):
     def allow_padding(self, columns: int) -> None:
         """Columns of padding the KV budget has room for beyond the rows' own (a block layout's)."""
 
+    def reserve(self, columns: list[int]) -> None:
+        """Each row's own columns to come (a prefill's whole context and a round's growth; 0: none
+        named): its buffers grow to them at their next growth, rather than chunk by chunk, each
+        growth a copy of every column held beside the old buffer."""
+
 
 class BatchRowCache:
     """``RowCache`` over a model's layer caches (``layers``, what its forward
@@ -257,6 +262,11 @@ class BatchRowCache:
     def allow_padding(self, columns: int) -> None:
         for leaf in self._attention():
             leaf.room = columns
+
+    def reserve(self, columns: list[int]) -> None:
+        for leaf in self._attention():
+            if leaf.window is None:  # a window's layers hold no more than the window after a round
+                leaf.reserved = list(columns)
 
     def _attention(self) -> list[RowKV]:
         return [leaf for group in self.attention for leaf in group]
@@ -423,6 +433,9 @@ class RowwiseCache:
 
     def allow_padding(self, columns: int) -> None:
         """Rows run one by one: none is padded."""
+
+    def reserve(self, columns: list[int]) -> None:
+        """mlx-lm's caches grow their own way."""
 
     def tree_attention(self, ancestry: mx.array):
         raise ValueError("a row-by-row cache verifies draft chains only")

@@ -4,7 +4,9 @@ Each row of a batch keeps its own keys and values for every attention layer,
 laid out one of two ways, chosen for every forward (``RowKV._arrange``):
 
 - **rows**: each row's columns in a buffer of its own that grows ``STEP``
-  columns at a time, so a row holds memory for its own tokens only, never for
+  columns at a time (a row prefilled in several chunks at once to its whole
+  prompt and a round, ``reserved``: growing chunk by chunk would copy every
+  column held at each chunk), so a row holds memory for its own tokens only, never for
   the longest row's. A row that joins or leaves touches only its own buffers.
   A row that starts from a cached prefix reads the prefix cache's columns in
   place (``shared``: the tree's immutable pieces, held alive by the row's
@@ -72,7 +74,8 @@ class RowKV:
     """
 
     EVICT_SLACK = 16  # columns past twice the window before evicting
-    _ROW_FIELDS = ("keys", "values", "shared", "shared_columns", "held", "positions", "pending", "shifts")
+    _ROW_FIELDS = ("keys", "values", "shared", "shared_columns", "held", "positions", "pending", "shifts",
+                   "reserved")
 
     def __init__(self, padding: list[int], window: int | None = None, quantization: KVQuantization | None = None):
         self.keys: list[Side | None] = [None] * len(padding)
@@ -85,6 +88,7 @@ class RowKV:
         self.positions = [0] * len(padding)
         self.pending = list(padding)
         self.shifts = [0] * len(padding)  # added to a row's RoPE offset (after a Qwen-VL prompt's images)
+        self.reserved = [0] * len(padding)  # own columns a row's buffer grows to at once (``BatchRowCache.reserve``)
         self.window = window
         self.tree: mx.array | None = None
         self.attends = 0  # calls of ``attend``: 0 after a forward means the model's attention bypasses it
@@ -193,9 +197,10 @@ class RowKV:
     def _append(self, b: int, keys: Side, values: Side) -> None:
         own, n = self.held[b] - self.shared_columns[b], side_columns(keys)
         if self.keys[b] is None or own + n > side_columns(self.keys[b]):
-            self.keys[b] = regrown(None if self.keys[b] is None else side_slice(self.keys[b], 0, own), keys, own + n)
+            need = max(own + n, self.reserved[b])
+            self.keys[b] = regrown(None if self.keys[b] is None else side_slice(self.keys[b], 0, own), keys, need)
             self.values[b] = regrown(None if self.values[b] is None else side_slice(self.values[b], 0, own),
-                                     values, own + n)
+                                     values, need)
         for buffer, new in ((self.keys[b], keys), (self.values[b], values)):
             for a, x in zip(parts(buffer), parts(new)):
                 a[..., own:own + n, :] = x

@@ -25,7 +25,11 @@ from ..core.loader import UNDECLARED_CONTEXT, declared_window, is_local_source, 
 from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
 from ..core.download import DRAFTER_FILES, MODEL_FILES, DownloadProgress, download
 
-ENGINE_OVERHEAD = 64 << 20  # an engine's threads and MLX's working buffers for a step's activations, beyond its budgets
+# An engine's threads and MLX's working buffers for a step's activations, beyond its budgets: at
+# most a long prompt's prefill, whose attention on the CPU keeps a bounded number of blocks of
+# scores in flight however long the context (``core.attention._in_blocks``;
+# tests/engine/test_step_memory.py)
+ENGINE_OVERHEAD = 256 << 20
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 

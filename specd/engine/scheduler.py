@@ -41,7 +41,7 @@ from ..core.vision import VisionTower
 from ..metrics import Metrics
 from ..core.request import DRAFTERS, Method, SpeculationConfig
 from ..speculation.speculator import Speculator
-from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
+from .kv_manager import ROUND_GROWTH, KVManager, default_max_bytes as default_kv_bytes
 from .plan import DecodeStep, PrefillChunk, PrefillGroup
 from .runner import ModelRunner
 
@@ -370,6 +370,9 @@ class Scheduler:
         self.metrics.prefix_cache_hits.labels(self.name).inc(sum(cached))
         tokens = mx.array([[0] * (width - len(c)) + s.prefill_tokens for s, c in zip(seqs, contexts)])
         cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts, self.kv_quantization)
+        own = [len(c) - cache.shared_tokens(b) for b, c in enumerate(contexts)]
+        chunk = self._chunk_columns(len(seqs))  # a row prefilled in one chunk grows once anyway
+        cache.reserve([n + ROUND_GROWTH if n > chunk else 0 for n in own])
         vision = self.runner.vision
         if vision is not None and vision.mrope is not None:  # text after a Qwen-VL prompt's images sits further on
             cache.shift([0 if s.request.images is None else s.request.images.rope_delta for s in seqs])
@@ -381,13 +384,16 @@ class Scheduler:
         group = self.prefill
         if group is None or group.done == group.width:  # a one-token prompt, or a context all cached
             return None
-        chunk = max(1, self.config.prefill_step_tokens // len(group.seqs))
-        end = min(group.width, group.done + chunk)
+        end = min(group.width, group.done + self._chunk_columns(len(group.seqs)))
         if self.disk is not None and self.disk.tier.stateful and len(group.seqs) == 1 and end < group.width:
             # a recurrent model resumes from disk only where a block ends with its state: end there
             aligned = end // self.disk.block * self.disk.block
             end = aligned if aligned > group.done else end
         return PrefillChunk(group, group.done, end)
+
+    def _chunk_columns(self, rows: int) -> int:
+        """Columns of each row a prefill chunk of a group of ``rows`` rows runs."""
+        return max(1, self.config.prefill_step_tokens // rows)
 
     def _join(self, group: PrefillGroup) -> None:
         """After a group's last chunk its rows join the running batch, each row's next input its
