@@ -52,7 +52,8 @@ log = structlog.get_logger(__name__)
 class EngineConfig:
     max_batch_size: int = 32  # as many rows as mlx_lm.server decodes together by default
     max_waiting: int = 64
-    prefill_step_tokens: int = 512
+    prefill_step_tokens: int = 512  # a prefill chunk's tokens while rows decode (each waits for it between tokens)
+    prefill_alone_tokens: int = 2048  # ... and while none does, at least (mlx-lm's prefill_step_size)
     max_context: int | None = None
     prefix_cache_bytes: int | None = None  # None: a tenth of the host's memory; 0: off
     kv_cache_bytes: int | None = None  # None: kv_manager.default_max_bytes
@@ -379,8 +380,7 @@ class Scheduler:
         self.prefill = PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
 
     def _plan_prefill(self) -> PrefillChunk | None:
-        """The prefill group's next chunk: at most ``prefill_step_tokens`` tokens over its rows,
-        so decoding keeps flowing (None: nothing left to run, or no group)."""
+        """The prefill group's next chunk (``_chunk_columns``; None: nothing left to run, or no group)."""
         group = self.prefill
         if group is None or group.done == group.width:  # a one-token prompt, or a context all cached
             return None
@@ -392,8 +392,15 @@ class Scheduler:
         return PrefillChunk(group, group.done, end)
 
     def _chunk_columns(self, rows: int) -> int:
-        """Columns of each row a prefill chunk of a group of ``rows`` rows runs."""
-        return max(1, self.config.prefill_step_tokens // rows)
+        """Columns of each row a prefill chunk of a group of ``rows`` rows runs: ``prefill_step_tokens``
+        in all while rows decode, so that they keep flowing; more while none does, as larger
+        chunks run faster (``ops/bench/prefill.py``) and no row waits for them. A model with
+        recurrent state keeps its chunks: the prefix cache can resume it only where a chunk ended."""
+        tokens = self.config.prefill_step_tokens
+        tree = self.prefixes.tree
+        if not self.batch and (tree is None or not tree.stateful):
+            tokens = max(tokens, self.config.prefill_alone_tokens)
+        return max(1, tokens // rows)
 
     def _join(self, group: PrefillGroup) -> None:
         """After a group's last chunk its rows join the running batch, each row's next input its
