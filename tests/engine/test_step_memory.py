@@ -4,8 +4,6 @@ the context (MLX's peak memory, read around the request)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -47,11 +45,11 @@ def beyond_weights_and_kv(model, tokenizer, prompt_tokens: int) -> int:
 
 
 def test_a_long_prefill_holds_no_more_than_the_overhead_counted_however_long_the_context(many_heads):
-    """A 3,072-token and a 6,144-token prompt, prefilled in chunks of 512: what the steps hold
-    beyond the weights and the KV cache stays within ``ENGINE_OVERHEAD`` and does not grow
-    with the context. (Before: a chunk's attention over a long context held every block of
-    its scores at once, 0.6 GB here at 6k tokens; and a row's KV buffer was copied to a
-    larger one at every chunk.)"""
+    """A 3,072-token and a 6,144-token prompt, each prefilled alone (chunks of 2,048): what the
+    steps hold beyond the weights and the KV cache stays within ``ENGINE_OVERHEAD`` and does
+    not grow with the context. (Before: a chunk's attention over a long context held every
+    block of its scores at once, 0.6 GB here at 6k tokens in chunks of 512; and a row's KV
+    buffer was copied to a larger one at every chunk.)"""
     model, tokenizer = many_heads
     short = beyond_weights_and_kv(model, tokenizer, 3072)
     long = beyond_weights_and_kv(model, tokenizer, 6144)
