@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import model_manifest, start_daemon
 from specd.api.manifest import parse_resource
+from specd.core.memory import gib
 from specd.engine.resources import ENGINE_OVERHEAD, memory_request, safetensors_bytes
 from daemons import get, specd, wait_for
 
@@ -96,7 +97,7 @@ def test_a_model_that_does_not_fit_is_unschedulable_until_room_appears(forged, t
     waiting = next(n for n in "abc" if condition(d, n)["status"] == "False")
     cond = wait_for(lambda: condition(d, waiting)["reason"] == "Unschedulable" and condition(d, waiting), 60,
                     "Unschedulable")
-    assert f"needs {need / 2**20:.1f} MiB" in cond["message"] and "free of" in cond["message"], cond
+    assert f"needs {gib(need)}" in cond["message"] and "free of" in cond["message"], cond
     assert any(e["reason"] == "Unschedulable" for e in events(d, waiting))
     status = node(d)
     assert status["requested"] == 2 * need and len(status["models"]) == 2

@@ -21,8 +21,10 @@ from conftest import code_sample, model_manifest, start_daemon
 from specd.serving.cluster import versions
 from specd.serving.tls import JoinToken, NodeIdentity, client_context
 from specd.control.placement import Candidate, place, place_group, place_remote_groups
+from specd.core import memory
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
+from specd.engine.resources import ENGINE_OVERHEAD
 from specd.serving.remote import output_from_json, output_to_json, request_from_json, request_to_json
 from clusters import BUDGETS, join_token, joined, node_ready, nodes, token_file, worker
 from daemons import get, model_status, ready, specd, topology, wait_for
@@ -311,18 +313,18 @@ def test_every_api_reaches_a_replica_on_another_node_as_that_node_answers(forged
 
 
 def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_lost(forged, tmp_path):
-    """Nodes of 160, 160 and 190 MiB; a Model that asks 193 MiB fits none (Unschedulable, with the
+    """Nodes of 352, 352 and 380 MiB; a Model that asks 385 MiB fits none (Unschedulable, with the
     numbers). On a Topology of two ranks over the head, w1 and w2 each rank asks half the weights
-    and budgets plus an engine's overhead (129 MiB): rank 0's share is held on the head, rank 1
+    and budgets plus an engine's overhead (321 MiB): rank 0's share is held on the head, rank 1
     goes to the Node with the most room (w2), which the head reserves it on. When w2 is lost the
     group fails at once, naming the Node, and starts again with rank 1 on w1."""
     token = token_file(tmp_path)
-    h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "160Mi",
+    h = start_daemon(tmp_path / "head", {}, True, "--cluster-token-file", str(token), "--memory-limit", "352Mi",
                      "--node-name", "head")
     workers = {name: worker(tmp_path, name, h, None, "--memory-limit", limit)
-               for name, limit in (("w1", "160Mi"), ("w2", "190Mi"))}
+               for name, limit in (("w1", "352Mi"), ("w2", "380Mi"))}
     budgets = {"kvCache": "{maxBytes: 64Mi}", "prefixCache": "{maxBytes: 64Mi}"}
-    share = -(-1116416 // 2) + 32 * 2**20 + 32 * 2**20 + 64 * 2**20  # weights 1,116,416, budgets, overhead
+    share = -(-1116416 // 2) + 32 * 2**20 + 32 * 2**20 + ENGINE_OVERHEAD  # weights 1,116,416, budgets, overhead
     client = OpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def held_on(node: str) -> dict[str, int]:
@@ -333,7 +335,7 @@ def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_l
         specd(h, "apply", "-f", str(tmp_path / "whole.yaml"))
         refused = wait_for(lambda: next((c for c in get(h, "model", "whole")["status"].get("conditions", [])
                                          if c["type"] == "Scheduled"), None), 60, "the whole Model refused")
-        assert refused["reason"] == "Unschedulable" and "each needs 193.1 MiB" in refused["message"], refused
+        assert refused["reason"] == "Unschedulable" and f"each needs {memory.gib(1116416 + 128 * 2**20 + ENGINE_OVERHEAD)}" in refused["message"], refused
         specd(h, "delete", "model", "whole")
 
         (tmp_path / "split.yaml").write_text(topology("pool", ("head", "w1", "w2"), tensorParallelSize=2) + "---\n"
@@ -344,7 +346,7 @@ def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_l
         assert status["group"]["memory"] == {"head": share, "w2": share}
         assert status["resources"]["requests"]["memory"] == share
         wait_for(lambda: held_on("w2").get("split ranks") == share, 30, "w2 counting rank 1's share")
-        assert nodes(h)["w2"]["status"]["free"] == 190 * 2**20 - share
+        assert nodes(h)["w2"]["status"]["free"] == 380 * 2**20 - share
         # sampled (no temperature), so end-of-text is barred as in the stream below
         assert client.completions.create(model="split", prompt="def f():", max_tokens=4,
                                          logit_bias=NO_END).usage.completion_tokens == 4
