@@ -335,7 +335,8 @@ def test_a_model_too_big_for_any_node_runs_as_a_group_and_moves_when_a_node_is_l
         specd(h, "apply", "-f", str(tmp_path / "whole.yaml"))
         refused = wait_for(lambda: next((c for c in get(h, "model", "whole")["status"].get("conditions", [])
                                          if c["type"] == "Scheduled"), None), 60, "the whole Model refused")
-        assert refused["reason"] == "Unschedulable" and f"each needs {memory.gib(1116416 + 128 * 2**20 + ENGINE_OVERHEAD)}" in refused["message"], refused
+        whole = 1116416 + 64 * 2**20 + 64 * 2**20 + ENGINE_OVERHEAD
+        assert refused["reason"] == "Unschedulable" and f"each needs {memory.gib(whole)}" in refused["message"], refused
         specd(h, "delete", "model", "whole")
 
         (tmp_path / "split.yaml").write_text(topology("pool", ("head", "w1", "w2"), tensorParallelSize=2) + "---\n"
