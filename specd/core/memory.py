@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 
 import mlx.core as mx
@@ -51,12 +52,16 @@ def reuse_freed_memory() -> None:
         _MALLOPT(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
 
 
-def return_freed_memory() -> None:
-    """Give what MLX keeps for reuse, and the C heap's free pages, back to the OS.
+def return_freed_memory(cycles: bool = False) -> None:
+    """Give what MLX keeps for reuse, and the C heap's free pages, back to the OS; with ``cycles``,
+    first collect the garbage that only refers to itself (a retired engine's objects refer to
+    one another, so its arrays are freed by a collection, not when its last reference goes).
 
     The heap keeps what was freed for reuse (``reuse_freed_memory``), so what a retired
     engine freed would stay in the daemon's RSS for good. macOS's allocator returns memory
     by itself (and Metal buffers are not on the heap)."""
+    if cycles:
+        gc.collect()
     mx.clear_cache()
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)

@@ -35,6 +35,7 @@ class _Worker(threading.Thread):
             except Exception:  # the engine's own loop catches its faults; this is a bug in it
                 log.exception("an engine thread's loop raised", thread=name)
             self.name = IDLE_NAME
+            del target  # an idle thread must not keep its last engine (its model's weights) alive
             with _lock:
                 _idle.append(self)
             done.set()

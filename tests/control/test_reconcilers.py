@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import mlx.core as mx
+
 from specd.control.plane import ControlPlane
 from specd.metrics import Metrics
 from specd.serving.registry import ModelRegistry, Phase
@@ -63,6 +65,22 @@ def test_the_model_reconciler_loads_scales_and_removes_a_model(forged, tmp_path)
         assert any(c["reason"] == "Unschedulable" for c in status["conditions"] if c["type"] == "Scheduled")
         store.delete("Model", "m")
         await until(lambda: "m" not in registry.models and "m" not in control.models.states)
+    run(tmp_path, scenario)
+
+
+def test_a_model_removed_hands_its_memory_back_once_drained(forged, tmp_path):
+    """Once a Model's engine has drained, the arrays it held (weights, KV, caches) are freed and
+    none stays in MLX's cache: an unloaded Model gives its memory back at once, not at the next
+    collection or load."""
+    async def scenario(store: Store, control: ControlPlane):
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        store.apply([model("m", forged / "target")])
+        await until(lambda: (m := control.registry.models.get("m")) is not None and m.engine is not None)
+        loaded = mx.get_active_memory() - before
+        store.delete("Model", "m")
+        await until(lambda: "m" not in control.registry.models)
+        await until(lambda: mx.get_active_memory() - before < loaded / 100 and not mx.get_cache_memory(), 30)
     run(tmp_path, scenario)
 
 

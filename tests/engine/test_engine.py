@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import time
+import weakref
 from pathlib import Path
 from unittest import mock
 
@@ -235,6 +237,18 @@ def test_engines_that_stop_leave_no_threads_behind(target):
             with_engine(target, two_rows)
             counts.append(threads())
     assert counts[1:] == [counts[0]] * 3, counts
+
+
+def test_an_engine_that_stops_leaves_its_model_to_be_freed(forged):
+    """The thread an engine ran on waits for the next engine: it must not keep the last one alive,
+    and with it the model's weights, or a Model scaled to zero would keep its memory."""
+    model, tokenizer = load(str(forged / "target"))
+    prompt = prompts(tokenizer, 1, 40)[0]
+    run_engine(model, tokenizer, lambda engine: run(engine, prompt, 4))
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None, [type(r).__name__ for r in gc.get_referrers(freed())]
 
 
 def test_a_request_becomes_a_sequence_on_the_engine_thread_never_on_the_event_loop(target):

@@ -125,8 +125,8 @@ class Lifecycle:
     async def drain(self, name: str, engine: ServingEngine) -> None:
         await engine.shutdown(self.ctx.drain_grace)
         log.info("engine drained", model=name)
-        del engine  # the last reference: the weights and caches are freed here, then handed back
-        await asyncio.to_thread(return_freed_memory)
+        del engine  # the last reference: the weights and caches are collected, then handed back
+        await asyncio.to_thread(return_freed_memory, cycles=True)
         if self.drains.get(name) is asyncio.current_task():
             del self.drains[name]
         self.ctx.look_at_all()  # the memory it held may place another Model
