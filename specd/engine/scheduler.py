@@ -344,7 +344,7 @@ class Scheduler:
                 self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
                 break
             if self.prefixes.admissible(contexts + [context], matches + [match], limits + [limit],
-                                        self.config.prefill_step_tokens):
+                                        self._chunk_tokens()):
                 seqs.append(seq)
                 contexts.append(context)
                 limits.append(limit)
@@ -391,16 +391,20 @@ class Scheduler:
             end = aligned if aligned > group.done else end
         return PrefillChunk(group, group.done, end)
 
-    def _chunk_columns(self, rows: int) -> int:
-        """Columns of each row a prefill chunk of a group of ``rows`` rows runs: ``prefill_step_tokens``
-        in all while rows decode, so that they keep flowing; more while none does, as larger
-        chunks run faster (``ops/bench/prefill.py``) and no row waits for them. A model with
-        recurrent state keeps its chunks: the prefix cache can resume it only where a chunk ended."""
+    def _chunk_tokens(self) -> int:
+        """Tokens a prefill chunk runs in all: ``prefill_step_tokens`` while rows decode, so that
+        they keep flowing; more while none does, as larger chunks run faster
+        (``ops/bench/prefill.py``) and no row waits for them. A model with recurrent state keeps
+        its chunks: the prefix cache can resume it only where a chunk ended."""
         tokens = self.config.prefill_step_tokens
         tree = self.prefixes.tree
         if not self.batch and (tree is None or not tree.stateful):
             tokens = max(tokens, self.config.prefill_alone_tokens)
-        return max(1, tokens // rows)
+        return tokens
+
+    def _chunk_columns(self, rows: int) -> int:
+        """Columns of each row a prefill chunk of a group of ``rows`` rows runs."""
+        return max(1, self._chunk_tokens() // rows)
 
     def _join(self, group: PrefillGroup) -> None:
         """After a group's last chunk its rows join the running batch, each row's next input its

@@ -588,21 +588,22 @@ def test_cached_tokens_metrics_and_status_over_http(daemon, client, tokenizer):
     assert "kvCache:" in described.stdout and "preemptions:" in described.stdout, described.stdout
 
 
-@pytest.mark.parametrize("chunk,together", [(512, True), (4, False)])
-def test_cached_prompts_resent_together_start_in_one_group_when_their_prefill_fits_one_chunk(forged, chunk,
+@pytest.mark.parametrize("step,alone,together", [(512, 512, True), (4, 4, False), (4, 512, True)])
+def test_cached_prompts_resent_together_start_in_one_group_when_their_prefill_fits_one_chunk(forged, step, alone,
                                                                                              together):
     """Clients that resend cached prompts at once (a benchmark's runs, an agent's parallel calls)
     start in one prefill group when the group's prefill fits one chunk, so every first token comes
     in the first step; when it does not, each row starting from a cached prefix waits for a group
-    of its own (its prefill attends to its whole context). Either way the tokens are the same."""
+    of its own (its prefill attends to its whole context). Either way the tokens are the same. With
+    no row decoding, the chunk is the larger one a prefill runs alone (``prefill_alone_tokens``)."""
     from specd.engine.scheduler import EngineConfig, Scheduler, StepInputs
     from specd.metrics import Metrics
     from specd.core.request import NO_SPECULATION
     model, tokenizer = load_model(str(forged / "target"))
     ids = tokenizer.encode(code_sample("engine"))
     prompts = [ids[i * 30: i * 30 + 40 + 3 * i] for i in range(4)]
-    scheduler = Scheduler("t", model, tokenizer, EngineConfig(prefill_step_tokens=chunk), Metrics(),
-                          NO_SPECULATION, None)
+    chunks = dict(prefill_step_tokens=step, prefill_alone_tokens=alone)
+    scheduler = Scheduler("t", model, tokenizer, EngineConfig(**chunks), Metrics(), NO_SPECULATION, None)
 
     def serve(tag: str, prompts: list[list[int]]) -> tuple[list[list[int]], int, list[int]]:
         """Every prompt at once: the tokens, how many rows had a token after the first step, and
@@ -616,7 +617,7 @@ def test_cached_prompts_resent_together_start_in_one_group_when_their_prefill_fi
         return [s.tokens for s in seqs], started, [s.cached_tokens for s in seqs]
     serve("cold", prompts)
     turns = [p + ids[400 + 5 * i: 405 + 5 * i] for i, p in enumerate(prompts)]  # each a next turn of 5 tokens
-    fresh = Scheduler("t", model, tokenizer, EngineConfig(prefill_step_tokens=chunk, prefix_cache_bytes=0), Metrics(),
+    fresh = Scheduler("t", model, tokenizer, EngineConfig(**chunks, prefix_cache_bytes=0), Metrics(),
                       NO_SPECULATION, None)
     uncached = []
     for i, turn in enumerate(turns):  # each alone, without a prefix cache
