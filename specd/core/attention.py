@@ -272,10 +272,10 @@ def attend_columns(queries: mx.array, pieces: Pieces, held: int, window: int | N
     concatenated, never the keys or values). Quantized pieces are read as mlx-lm's
     ``quantized_scaled_dot_product_attention`` reads them; ``sinks`` (heads,) are one more logit
     per head in the softmax, with no value (gpt-oss). Many queries over many columns attend in
-    blocks of queries whose scores stay within ``BLOCK_SCORES`` (``_in_blocks``)."""
+    blocks of queries whose scores stay within ``block_scores()`` (``_in_blocks``)."""
     _, heads, n, dims = queries.shape
     columns = seen_columns(held, n, window)
-    if seen is None and n > 1 and heads * n * columns > BLOCK_SCORES and mx.default_device() == mx.cpu:
+    if seen is None and n > 1 and heads * n * columns > block_scores():
         return _in_blocks(queries, pieces, held, window, quantization, sinks)
     kv_heads = parts(pieces[0][0])[0].shape[1]
     start = held - columns
@@ -311,14 +311,25 @@ def attend_columns(queries: mx.array, pieces: Pieces, held: int, window: int | N
 # after another, so what a chunk holds of them is bounded however long the context
 # (``engine.resources.ENGINE_OVERHEAD`` counts it).
 BLOCK_SCORES = 1 << 21
+# On a GPU the blocks bound memory only: a chunk's scores over a long context in one pass would be
+# gigabytes (2,048 queries x 16,000 columns x 32 heads: 4 GB in float32), where the overhead a
+# Model's request counts is 256 MiB. A block of 2^24 scores is 64 MB in float32, a few of which its
+# softmax holds at once, and still one large kernel per op (as many as a gathered call may compute,
+# ``GATHER_MAX_SCORES``).
+GPU_BLOCK_SCORES = 1 << 24
+
+
+def block_scores() -> int:
+    """The most scores a row's queries attend over in one pass on the default device."""
+    return BLOCK_SCORES if mx.default_device() == mx.cpu else GPU_BLOCK_SCORES
 
 
 def _in_blocks(queries: mx.array, pieces: Pieces, held: int, window: int | None,
                quantization: KVQuantization | None, sinks: mx.array | None) -> mx.array:
     """``attend_columns`` for queries (1, heads, n, D) in blocks of consecutive queries, each
-    over the columns up to its last query's (a query sees no later column), within ``BLOCK_SCORES``."""
+    over the columns up to its last query's (a query sees no later column), within ``block_scores()``."""
     _, heads, n, _ = queries.shape
-    block = max(1, BLOCK_SCORES // (heads * seen_columns(held, n, window)))
+    block = max(1, block_scores() // (heads * seen_columns(held, n, window)))
     out = []
     for first in range(0, n, block):
         last = min(n, first + block)

@@ -26,8 +26,8 @@ from .kv_manager import KVManager, default_max_bytes as default_kv_bytes
 from ..core.download import DRAFTER_FILES, MODEL_FILES, DownloadProgress, download
 
 # An engine's threads and MLX's working buffers for a step's activations, beyond its budgets: at
-# most a long prompt's prefill, whose attention on the CPU keeps a bounded number of blocks of
-# scores in flight however long the context (``core.attention._in_blocks``;
+# most a long prompt's prefill, whose attention keeps a bounded number of blocks of scores in flight
+# however long the context (``core.attention._in_blocks``;
 # tests/engine/test_step_memory.py)
 ENGINE_OVERHEAD = 256 << 20
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
