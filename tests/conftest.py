@@ -351,10 +351,10 @@ async def measure_plain_decoding_best(engine) -> None:
 
     speculator = engine.scheduler.speculator
     for bucket in (1, 2, 4, 8):
-        plain = speculator.realised[bucket] = Realised()
+        plain = speculator.feedback.realised[bucket] = Realised()
         plain.baseline_left, plain.next_try[Realised.PLAIN] = 0, 10 ** 9
     engine.set_policy(PolicySettings(), "goodput")
-    while speculator.controller.mode != "goodput":
+    while speculator.feedback.controller.mode != "goodput":
         await asyncio.sleep(0.001)
 
 

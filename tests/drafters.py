@@ -43,7 +43,7 @@ def mixed_batch_parity(model, tokenizer, drafter, mixes: list, sampled: list) ->
             *(generate(engine, p, spec, delay=0.01 * (i % 3)) for i, (p, spec) in enumerate(zip(rows, mixes))),
             *(generate(engine, rows[2 * i], spec, params) for i, spec in enumerate(sampled)))
         speculator = engine.scheduler.speculator
-        return plain, mixed[: len(rows)], speculator.drafted_total, speculator.accepted_total
+        return plain, mixed[: len(rows)], speculator.feedback.drafted_total, speculator.feedback.accepted_total
 
     return run_engine(model, tokenizer, both, draft_model=drafter, max_batch_size=16)
 
@@ -64,7 +64,7 @@ def beside_the_engine(model, tokenizer, drafter, spec: SpeculationConfig) -> tup
                                        for i, (prompt, params, grammar) in enumerate(cases))) for _ in range(2)]
 
     async def both(engine):
-        return await serve(engine, None), await serve(engine, spec), engine.scheduler.speculator.drafted_total
+        return await serve(engine, None), await serve(engine, spec), engine.scheduler.speculator.feedback.drafted_total
 
     return run_engine(model, tokenizer, both, draft_model=drafter, max_batch_size=8, prefix_cache_bytes=64 << 20)
 

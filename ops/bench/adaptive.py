@@ -102,7 +102,7 @@ async def bench(args) -> dict[str, Any]:
                 cell["summary"] = summarise(runs, [label for label, policy, _ in configs if policy is None])
                 table.setdefault(name, {})[conc] = cell
                 print_cell(name, conc, cell, [c[0] for c in configs])
-        costs = engine.scheduler.speculator.costs.snapshot()
+        costs = engine.scheduler.speculator.feedback.costs.snapshot()
     finally:
         await engine.shutdown(1)
     return {"table": table, "learned_costs": costs}

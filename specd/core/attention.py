@@ -86,6 +86,18 @@ def seen_columns(held: int, n: int, window: int | None) -> int:
     return held if window is None else min(held, n + window - 1)
 
 
+def tree_mask(tree: mx.array, n: int, held: int, window: int | None) -> mx.array:
+    """(n, held): what a row's ``n`` new tokens, nodes of a draft tree (``tree``, (n, n):
+    each node's ancestors and itself; the last of the row's ``held`` columns), may see: the
+    context within the window in each node's own position, and their ancestors."""
+    older = held - n
+    if window is None:
+        return mx.concatenate([mx.ones((n, older), dtype=mx.bool_), tree], axis=1)
+    depth = tree.sum(axis=-1) - 1  # a node's position is its depth past the context
+    old = (depth[:, None] + older - mx.arange(older)[None, :]) < window
+    return mx.concatenate([old, tree & ((depth[:, None] - depth[None, :]) < window)], axis=1)
+
+
 @dataclass
 class RowColumns:
     """What one row's queries of a forward attend over."""

@@ -242,14 +242,18 @@ class RowKV:
         self.attends += 1
         if sinks is not None and self.quantization is not None:
             raise ValueError("quantized KV does not support attention sinks (gpt-oss): leave kvCache.bits unset")
-        if self._shape is None:
-            self._shape = self._attention_shape(queries, sinks is not None)
+        if self._shape is None:  # a row's own columns show the layer's shapes
+            own = next((b for b, held in enumerate(self.held) if held - self.shared_columns[b]), None)
+            if own is not None:
+                self._shape = layout.attention_shape(self._pieces(own)[-1], queries, self.quantization,
+                                                     sinks is not None)
         queries = queries * scale  # once for every row
         if self.block is not None and self.tree is None:
             keys, values = self.block
             return attention.attend_block(queries, keys, values, self.held, self.window, self.quantization, sinks)
         rows = [attention.RowColumns(skip, n, self._pieces(b), self.held[b],
-                                     None if self.tree is None or not n else self._tree_mask(b, n, self.held[b]))
+                                     None if self.tree is None or not n
+                                     else attention.tree_mask(self.tree[b], n, self.held[b], self.window))
                 for b, (skip, n) in enumerate(self._written)]
         # one row attends as it is (gathering it would only copy its pieces together)
         if (len(rows) > 1 and self.tree is None and sinks is None and self.quantization is None
@@ -258,17 +262,6 @@ class RowKV:
             if gathered is not None:
                 return gathered
         return attention.attend_rows(queries, rows, self.window, self.quantization, sinks)
-
-    def _attention_shape(self, queries: mx.array, sinks: bool) -> AttentionShape | None:
-        """What this layer's attention costs depend on (None before any row holds a column)."""
-        b = next((b for b, held in enumerate(self.held) if held - self.shared_columns[b]), None)
-        sample = self._pieces(b)[-1] if b is not None else None
-        if sample is None:
-            return None
-        keys, values = (parts(side)[0] for side in sample)
-        value_dims = values.shape[-1] if self.quantization is None else values.shape[-1] * 32 // self.quantization.bits
-        return AttentionShape(keys.shape[1], queries.shape[1], queries.shape[-1], value_dims, queries.dtype,
-                              self.quantization, sinks)
 
     def attend_with(self, queries: mx.array, scale: float, keys: mx.array, values: mx.array,
                     ancestry: mx.array) -> mx.array:
@@ -285,21 +278,6 @@ class RowKV:
                 mx.concatenate([row_values, values[b:b + 1]], axis=2),
                 scale=scale, mask=mx.concatenate([context, ancestry[b]], axis=1)))
         return mx.concatenate(out)
-
-    def _tree_mask(self, b: int, n: int, held: int) -> mx.array:
-        """(n, held): what row b's ``n`` new tokens, nodes of a draft tree (the
-        last of its ``held`` columns), may see: the context within the window
-        in each node's own position, and their ancestors."""
-        tree = self.tree[b]
-        older = held - n
-        if self.window is None:
-            old = mx.ones((n, older), dtype=mx.bool_)
-            new = tree
-        else:
-            depth = tree.sum(axis=-1) - 1  # a node's position is its depth past the context
-            old = (depth[:, None] + older - mx.arange(older)[None, :]) < self.window
-            new = tree & ((depth[:, None] - depth[None, :]) < self.window)
-        return mx.concatenate([old, new], axis=1)
 
     # -- rolling back, joining, leaving ---------------------------------------------
 

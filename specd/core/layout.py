@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from .attention import RowColumns, attend_block, attend_rows, seen_columns
-from .columns import KVQuantization, stored
+from .columns import KVQuantization, Side, parts, stored
 
 # "auto": by measured cost; "rows" or "block": always that layout where it may be taken (tests and
 # benchmarks compare them)
@@ -45,6 +45,15 @@ class AttentionShape:
     dtype: mx.Dtype
     quantization: KVQuantization | None
     sinks: bool
+
+
+def attention_shape(sample: tuple[Side, Side], queries: mx.array, quantization: KVQuantization | None,
+                    sinks: bool) -> AttentionShape:
+    """A layer's shape from one row's piece of keys and values and its queries (B, heads, N, D)."""
+    keys, values = (parts(side)[0] for side in sample)
+    value_dims = values.shape[-1] if quantization is None else values.shape[-1] * 32 // quantization.bits
+    return AttentionShape(keys.shape[1], queries.shape[1], queries.shape[-1], value_dims, queries.dtype,
+                          quantization, sinks)
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,7 @@ class Engine:
 
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """Swap in the SpecPolicy's controller (None: speculate as requests ask)."""
-        self.inbox.between_steps(lambda: self.scheduler.speculator.set_policy(policy, name))
+        self.inbox.between_steps(lambda: self.scheduler.speculator.feedback.set_policy(policy, name))
 
     def submit(self, request: GenerationRequest, emit: Callable[[StepOutput], None]) -> None:
         """Queue a request; ``emit(StepOutput)`` is called from the engine thread. One the route

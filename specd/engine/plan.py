@@ -67,3 +67,37 @@ class DecodeStep:
     round: Round
 
 
+
+
+@dataclass(frozen=True)
+class ChunkSizes:
+    """How many prompt tokens a prefill chunk runs: ``step_tokens`` while rows decode, so
+    that they keep flowing; at least ``alone_tokens`` while none does, as larger chunks run
+    faster (``ops/bench/prefill.py``) and no row waits for them. A model with recurrent state
+    keeps its chunks (``stateful``): the prefix cache can resume it only where a chunk ended,
+    and its disk tier only where a block of ``disk_block`` tokens ends."""
+
+    step_tokens: int
+    alone_tokens: int
+    stateful: bool = False
+    disk_block: int | None = None  # a stateful model's disk tier's block
+
+    def tokens(self, decoding: bool) -> int:
+        """Tokens a chunk runs in all, with rows ``decoding`` or none."""
+        if decoding or self.stateful:
+            return self.step_tokens
+        return max(self.step_tokens, self.alone_tokens)
+
+    def columns(self, rows: int, decoding: bool) -> int:
+        """Columns of each row a chunk of a group of ``rows`` rows runs."""
+        return max(1, self.tokens(decoding) // rows)
+
+    def next_chunk(self, group: PrefillGroup | None, decoding: bool) -> PrefillChunk | None:
+        """The group's next chunk (None: nothing left to run, or no group)."""
+        if group is None or group.done == group.width:  # a one-token prompt, or a context all cached
+            return None
+        end = min(group.width, group.done + self.columns(len(group.seqs), decoding))
+        if self.disk_block is not None and len(group.seqs) == 1 and end < group.width:
+            aligned = end // self.disk_block * self.disk_block  # resumable from disk: end where a block ends
+            end = aligned if aligned > group.done else end
+        return PrefillChunk(group, group.done, end)

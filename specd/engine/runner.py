@@ -166,9 +166,9 @@ class ModelRunner:
                               proposal.drafts, None if tree is None else [[0] + c for c in tree.columns])
         outcome, logits = self._verify(batch, logits, proposal)
         forward_seconds = time.perf_counter() - started  # verification and rollback included
-        speculator.count(seqs, proposal, outcome)
+        speculator.feedback.count(seqs, proposal, outcome)
         deliver(seqs, logits, outcome.emitted)
-        speculator.observe_step(len(seqs), proposal, forward_seconds, time.perf_counter() - step_started)
+        speculator.feedback.observe_step(len(seqs), proposal, forward_seconds, time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in outcome.emitted]
 
     def _verify(self, batch: RunningBatch, logits: mx.array, proposal: Proposal) -> tuple[Outcome, mx.array]:
@@ -247,9 +247,10 @@ class ModelRunner:
         forward_seconds = time.perf_counter() - step_started
         outcome = Outcome([0] * len(emitted), emitted, [[0]] * len(emitted), launched.features)
         self.speculator.commit(proposal, outcome)
-        self.speculator.count(batch.seqs, proposal, outcome)
+        self.speculator.feedback.count(batch.seqs, proposal, outcome)
         deliver(batch.seqs, launched.logits, emitted)
-        self.speculator.observe_step(len(emitted), proposal, forward_seconds, time.perf_counter() - step_started)
+        self.speculator.feedback.observe_step(len(emitted), proposal, forward_seconds,
+                                              time.perf_counter() - step_started)
         batch.last_tokens = [e[-1] for e in emitted]
 
     def drop_ahead(self) -> None:

@@ -34,15 +34,15 @@ from ..core.memory import host_memory_bytes
 from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure, model_prefixes
 from ..core.prefix_disk import DiskConfig, DiskPrefixes, DiskTier, namespace
 from ..core.grammar import Constraint, grammar_tokenizer
-from ..core.sampling import SamplingParams
-from ..core.request import GenerationRequest, StepOutput, TokenLogprob
+from ..core.request import GenerationRequest, StepOutput
 from ..core.sequence import Sequence
 from ..core.vision import VisionTower
 from ..metrics import Metrics
 from ..core.request import DRAFTERS, Method, SpeculationConfig
 from ..speculation.speculator import Speculator
 from .kv_manager import ROUND_GROWTH, KVManager, default_max_bytes as default_kv_bytes
-from .plan import DecodeStep, PrefillChunk, PrefillGroup
+from .plan import ChunkSizes, DecodeStep, PrefillGroup
+from .output import OutputProcessor
 from .runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -101,6 +101,9 @@ class Scheduler:
         self.prefixes = model_prefixes(model, self.prefix_store, "target")
         self.wake: Callable[[], None] = lambda: None  # the engine's: step soon (a disk read ended)
         self.disk = self._disk_tier(config.prefix_disk)
+        stateful = self.prefixes.tree is not None and self.prefixes.tree.stateful
+        self.chunks = ChunkSizes(config.prefill_step_tokens, config.prefill_alone_tokens, stateful,
+                                 self.disk.block if self.disk is not None and self.disk.tier.stateful else None)
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
         ahead = config.decode_ahead if config.decode_ahead is not None else decodes_ahead_by_default()
@@ -112,6 +115,7 @@ class Scheduler:
         self._fit_context()
         metrics.kv_cache_max_bytes.labels(name).set(self.kv.max_bytes)
         self._detokenizer = tokenizer.detokenizer
+        self.output = OutputProcessor(name, metrics)
         self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
         self.prefill: PrefillGroup | None = None
@@ -176,10 +180,8 @@ class Scheduler:
     def busy(self) -> bool:
         """Whether a step has work: a request waiting only for its disk read does not (the read's
         end wakes the engine)."""
-        return bool(self.prefill or self.batch or any(not self._reading(s) for s in self.waiting))
-
-    def _reading(self, seq: Sequence) -> bool:
-        return self.disk is not None and self.disk.reading(seq)
+        reading = self.disk.reading if self.disk is not None else lambda seq: False
+        return bool(self.prefill or self.batch or any(not reading(s) for s in self.waiting))
 
     @property
     def in_flight(self) -> int:
@@ -193,7 +195,7 @@ class Scheduler:
             self._drop_cancelled(inputs.cancelled)
         self._admit()
         self._update_gauges()
-        chunk = self._plan_prefill()
+        chunk = self.chunks.next_chunk(self.prefill, bool(self.batch))
         if chunk is not None:
             self.runner.prefill(chunk)
             chunk.group.done = chunk.end
@@ -203,7 +205,7 @@ class Scheduler:
         if self.batch:
             self._make_room()
             round_ = self.speculator.plan(self.batch.seqs, self.batch.last_tokens)
-            self.runner.decode(DecodeStep(self.batch, round_), self._emit)
+            self.runner.decode(DecodeStep(self.batch, round_), self.output.deliver)
             self._leave(self._keep(lambda s: s.finish_reason is None))
             if not self.batch:
                 self.runner.drop_ahead()
@@ -344,7 +346,7 @@ class Scheduler:
                 self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
                 break
             if self.prefixes.admissible(contexts + [context], matches + [match], limits + [limit],
-                                        self._chunk_tokens()):
+                                        self.chunks.tokens(bool(self.batch))):
                 seqs.append(seq)
                 contexts.append(context)
                 limits.append(limit)
@@ -372,39 +374,12 @@ class Scheduler:
         tokens = mx.array([[0] * (width - len(c)) + s.prefill_tokens for s, c in zip(seqs, contexts)])
         cache = make_row_cache(self.model, [max(0, run - len(c)) for c in contexts], starts, self.kv_quantization)
         own = [len(c) - cache.shared_tokens(b) for b, c in enumerate(contexts)]
-        chunk = self._chunk_columns(len(seqs))  # a row prefilled in one chunk grows once anyway
+        chunk = self.chunks.columns(len(seqs), bool(self.batch))  # a row prefilled in one chunk grows once anyway
         cache.reserve([n + ROUND_GROWTH if n > chunk else 0 for n in own])
         vision = self.runner.vision
         if vision is not None and vision.mrope is not None:  # text after a Qwen-VL prompt's images sits further on
             cache.shift([0 if s.request.images is None else s.request.images.rope_delta for s in seqs])
         self.prefill = PrefillGroup(seqs, contexts, tokens, cache, start=width - run, done=width - run)
-
-    def _plan_prefill(self) -> PrefillChunk | None:
-        """The prefill group's next chunk (``_chunk_columns``; None: nothing left to run, or no group)."""
-        group = self.prefill
-        if group is None or group.done == group.width:  # a one-token prompt, or a context all cached
-            return None
-        end = min(group.width, group.done + self._chunk_columns(len(group.seqs)))
-        if self.disk is not None and self.disk.tier.stateful and len(group.seqs) == 1 and end < group.width:
-            # a recurrent model resumes from disk only where a block ends with its state: end there
-            aligned = end // self.disk.block * self.disk.block
-            end = aligned if aligned > group.done else end
-        return PrefillChunk(group, group.done, end)
-
-    def _chunk_tokens(self) -> int:
-        """Tokens a prefill chunk runs in all: ``prefill_step_tokens`` while rows decode, so that
-        they keep flowing; more while none does, as larger chunks run faster
-        (``ops/bench/prefill.py``) and no row waits for them. A model with recurrent state keeps
-        its chunks: the prefix cache can resume it only where a chunk ended."""
-        tokens = self.config.prefill_step_tokens
-        tree = self.prefixes.tree
-        if not self.batch and (tree is None or not tree.stateful):
-            tokens = max(tokens, self.config.prefill_alone_tokens)
-        return tokens
-
-    def _chunk_columns(self, rows: int) -> int:
-        """Columns of each row a prefill chunk of a group of ``rows`` rows runs."""
-        return max(1, self._chunk_tokens() // rows)
 
     def _join(self, group: PrefillGroup) -> None:
         """After a group's last chunk its rows join the running batch, each row's next input its
@@ -431,31 +406,6 @@ class Scheduler:
             held = end - (group.width - len(context))
             if held > 0:
                 self.prefixes.record(seq, context, held, group.cache, b, prompt=len(seq.prompt))
-
-    def _emit(self, seqs: list[Sequence], logits: mx.array, emitted: list[list[int]]) -> None:
-        """Hand each sequence its new tokens; ``logits[b, j]`` produced ``emitted[b][j]``."""
-        reported = _report_logprobs(logits, emitted, [s.params for s in seqs])
-        now = time.monotonic()
-        for i, seq in enumerate(seqs):
-            self._deliver(seq, emitted[i], reported.get(i), now)
-
-    def _deliver(self, seq: Sequence, tokens: list[int], logprobs, now: float) -> None:
-        out = seq.accept(tokens, logprobs)
-        m, name = self.metrics, self.name
-        m.generation_tokens.labels(name).inc(len(out.tokens))
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            m.time_to_first_token.labels(name).observe(now - seq.arrival)
-        else:
-            m.inter_token_latency.labels(name).observe((now - seq.last_token_at) / max(1, len(out.tokens)))
-        seq.last_token_at = now
-        if out.finish_reason is not None:
-            m.request_success.labels(name, out.finish_reason).inc()
-            m.e2e_latency.labels(name).observe(now - seq.arrival)
-            m.request_prompt_tokens.labels(name).observe(len(seq.prompt))
-            m.request_generation_tokens.labels(name).observe(len(seq.tokens))
-        if not seq.cancelled:
-            seq.emit(out)
 
 
 class RequestRejected(ValueError):
@@ -488,30 +438,6 @@ def check_request(request: GenerationRequest, model: str, drafter: Method | None
         raise RequestRejected(
             f"prompt has {len(request.prompt_tokens)} tokens; this model's context "
             f"window is {max_context} tokens{context_reason}", "prompt")
-
-
-def _report_logprobs(logits: mx.array, emitted: list[list[int]],
-                     params: list[SamplingParams]) -> dict[int, list[TokenLogprob]]:
-    """Log-probabilities of the emitted tokens (and the top alternatives) under
-    the model's own distribution, as OpenAI's ``logprobs`` reports them."""
-    rows = [i for i, p in enumerate(params) if p.logprobs]
-    if not rows:
-        return {}
-    raw = logits[mx.array(rows)].astype(mx.float32)
-    raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    out: dict[int, list[TokenLogprob]] = {}
-    for r, i in enumerate(rows):
-        n = params[i].top_logprobs
-        items = []
-        for j, token in enumerate(emitted[i]):
-            row = raw[r, j]
-            top: tuple[tuple[int, float], ...] = ()
-            if n > 0:
-                ids = mx.argsort(-row)[:n]
-                top = tuple(zip(ids.tolist(), row[ids].tolist()))
-            items.append(TokenLogprob(token, row[token].item(), top))
-        out[i] = items
-    return out
 
 
 DECODE_AHEAD_ENV = "SPECD_DECODE_AHEAD"  # "1" or "0": the daemon's engines run ahead, or not, on any device

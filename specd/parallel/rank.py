@@ -120,7 +120,7 @@ class GroupRank:
         else:
             seqs = [self._follower_sequence(request, key) for request, key in arrivals]
         speculator = self.scheduler.speculator
-        updates = [lambda p=p, n=n: speculator.set_policy(p, n) for p, n in policies]
+        updates = [lambda p=p, n=n: speculator.feedback.set_policy(p, n) for p, n in policies]
         return StepInputs(seqs, set(cancelled), updates)
 
     def _follower_sequence(self, request, key: list[int]) -> Sequence:

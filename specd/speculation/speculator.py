@@ -1,5 +1,4 @@
-"""Speculation for a model's running batch: what each row may propose, and what proposals
-teach.
+"""Speculation for a model's running batch: what each row may propose.
 
 The engine's scheduler asks the speculator, when it plans a step, how many
 tokens each row proposes (``plan``: each row's speculation, shrunk to its
@@ -8,9 +7,10 @@ budget, then the controller's k); the model runner asks it for the proposals
 tokens end a constrained row's chain, branching trees are laid out), verifies
 them (``verifier.py``), rolls the target's cache back, and hands the outcome
 back (``commit``: every drafter brings its own state to each row's accepted
-context; ``observe``: statistics, acceptance estimates and step costs). So a
-new drafter is a ``Proposer``; the step itself is the runner's. Per-sequence
-speculation state (acceptance estimates, proposer rows) lives here and in the
+context) and to ``feedback`` (``feedback.py``: statistics, acceptance
+estimates, step costs and the controller). So a new drafter is a
+``Proposer``; the step itself is the runner's. Per-sequence speculation state
+(acceptance estimates, proposer rows) lives in the feedback and in the
 proposers, released when the engine says a sequence left.
 """
 
@@ -28,11 +28,8 @@ from ..core.cache import RowCache, make_row_cache
 from ..core.prefix import PrefixStore, RowPrefixes, model_prefixes
 from ..core.sequence import Sequence
 from ..metrics import Metrics
-from .acceptance import AcceptanceEstimate, AcceptanceHistory
 from ..core.request import DRAFTERS, NO_SPECULATION, Method, SpeculationConfig
-from .config import PolicySettings
-from .controller import Row, StaticController, make_controller
-from .costs import CostModel
+from .controller import Row
 from .dflash.drafter import DFlashDrafter
 from .dflash.proposer import DFlashProposer
 from .draft import DraftModelProposer
@@ -40,7 +37,7 @@ from .eagle.head import EagleHead
 from .eagle.proposer import EagleProposer
 from .mtp.head import MTPHead
 from .mtp.proposer import MTPProposer
-from .exploration import Realised
+from .feedback import Feedback
 from .ngram import NgramProposer
 from .proposer import Drafts, Outcome, Proposal, Proposer, Round
 from .tree import DraftTree, TreePositions, layout, verifying
@@ -69,17 +66,9 @@ class Speculator:
         self.positions: TreePositions | None = None  # installed on the target at the first draft tree
         # recurrent state cannot keep one branch of a tree: EAGLE drafts chains for such targets
         self.chains_only = make_row_cache(target, [0]).chains_only
-        self.costs = CostModel()
+        self.feedback = Feedback(model_name, metrics)
         self.configure(default, drafter)
-        self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
-        self.history = AcceptanceHistory()
-        self.estimates: dict[Sequence, AcceptanceEstimate] = {}
-        # observed or set every step: skip the label lookups
-        self._chosen_k = metrics.spec_chosen_k.labels(model_name)
-        self._step_seconds: dict | None = None  # exported from the first goodput step on
-        self.controller = StaticController(costs=self.costs, history=self.history)
-        self.drafted_total = 0
-        self.accepted_total = 0
+        self._chosen_k = metrics.spec_chosen_k.labels(model_name)  # observed every step: skip the label lookup
         # Under tensor parallelism every rank must speculate alike: the group
         # replaces each rank's choices made from timed costs (k, the width of
         # forced tokens) with rank 0's, since each rank times its own steps.
@@ -106,26 +95,20 @@ class Speculator:
             self.drafter = proposer(drafter, self.target, RowPrefixes(tree, [None] * drafter.cache_layers))
         else:
             self.drafter = DraftModelProposer(drafter, model_prefixes(drafter, store, "drafter"))
-        self.costs.block_drafts = isinstance(self.drafter, DFlashProposer)
+        self.feedback.costs.block_drafts = isinstance(self.drafter, DFlashProposer)
 
     def drafter_row_bytes(self) -> tuple[int, int]:
         """What one row of the drafter's cache holds: (bytes per token, recurrent state bytes)."""
         return self.drafter.row_bytes if self.drafter is not None else (0, 0)
 
-    @property
-    def _drafter_cache(self) -> RowCache | None:
-        """The drafter's batched cache, while it has rows."""
-        return self.drafter.rows.cache if self.drafter is not None else None
-
     def allow_padding(self, columns: int) -> None:
         """Columns of padding the KV budget has room for beyond the drafter's rows' own."""
-        cache = self._drafter_cache
-        if cache is not None:
-            cache.allow_padding(columns)
+        if self.drafter is not None and self.drafter.rows.cache is not None:
+            self.drafter.rows.cache.allow_padding(columns)
 
     def drafter_cache_bytes(self) -> int:
         """Bytes the drafter's rows hold now."""
-        cache = self._drafter_cache
+        cache = self.drafter.rows.cache if self.drafter is not None else None
         return cache.nbytes if cache is not None else 0
 
     @property
@@ -144,20 +127,12 @@ class Speculator:
         MTP or DFlash drafter): a plain step takes its own before the next one is built ahead."""
         return self.drafter.take_features() if isinstance(self.drafter, EagleProposer) else None
 
-    def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
-        """A new controller for the policy; the learned costs, measured rates and acceptance carry over."""
-        self.controller = make_controller(policy, name, self.costs, self.realised, self.history)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / drafted over the engine's life (what DraftPairing status shows)."""
-        return self.accepted_total / self.drafted_total if self.drafted_total else None
-
     def status(self) -> dict:
         """Default method, acceptance (overall, and by proposal position over
         recent requests) and the fitted costs, as ``describe`` shows them."""
-        ema = self.controller.ema
-        rate = self.acceptance_rate
+        feedback = self.feedback
+        ema = feedback.controller.ema
+        rate = feedback.acceptance_rate
         drafter = self.drafter_method
         if isinstance(self.drafter, EagleProposer) and isinstance(self.drafter.head, EagleHead):
             drafter = f"eagle-{self.drafter.head.config.version}"
@@ -167,9 +142,9 @@ class Speculator:
                 "draftTrees": not self.chains_only,
                 "acceptanceEMA": None if ema is None else round(ema, 4),
                 "acceptanceRate": None if rate is None else round(rate, 4),
-                "acceptanceByPosition": [round(r, 4) for r in self.history.by_position()],
-                "costModelSeconds": {k: round(v, 6) for k, v in self.costs.snapshot().items()},
-                "measuredStepMs": self.controller.measured_steps()}
+                "acceptanceByPosition": [round(r, 4) for r in feedback.history.by_position()],
+                "costModelSeconds": {k: round(v, 6) for k, v in feedback.costs.snapshot().items()},
+                "measuredStepMs": feedback.controller.measured_steps()}
 
     # -- the engine's calls ----------------------------------------------------
 
@@ -206,10 +181,7 @@ class Speculator:
 
     def release(self, seqs: list[Sequence]) -> None:
         """Sequences that left the batch: their acceptance joins the model's history."""
-        for seq in seqs:
-            estimate = self.estimates.pop(seq, None)
-            if estimate is not None:
-                self.history.absorb(estimate)
+        self.feedback.release(seqs)
         for proposer in self._proposers():
             proposer.release(seqs)
 
@@ -239,7 +211,7 @@ class Speculator:
         no row may speculate, or the controller will choose plain decoding for the batch."""
         if not any(self.spec_for(s).enabled for s in seqs):
             return True
-        return self.controller.plain_next(len(seqs))
+        return self.feedback.controller.plain_next(len(seqs))
 
     def propose(self, round_: Round) -> Proposal:
         """The round's proposals: its proposers' drafts for the k planned per row, grammar-forced
@@ -279,14 +251,12 @@ class Speculator:
         nothing, so they propose it and the draft model does not draft for them."""
         rows, found = [], {}
         for i, (s, spec, budget) in enumerate(zip(seqs, specs, budgets)):
-            estimate = self.estimates.get(s)
-            if estimate is None:
-                estimate = self.estimates[s] = self.controller.new_estimate()
+            estimate = self.feedback.estimate(s)
             if budget and spec.method == Method.DRAFT:
                 found[i] = self.ngram.lookup(s, spec, budget)
             seeded = s.params.seed is not None and not s.params.greedy
             rows.append(Row(budget, spec.method in DRAFTERS, estimate, len(found.get(i, ())), seeded))
-        ks, reason = self.controller.plan(rows, len(seqs))
+        ks, reason = self.feedback.controller.plan(rows, len(seqs))
         if self.agree is not None:
             ks = self.agree(ks)
         for k in ks:
@@ -329,12 +299,13 @@ class Speculator:
         rows = len(drafts)
         drafted = [len(d) - f for d, f in zip(drafts, forced)]
         floor = max(drafted)
-        acceptance = self.controller.ema if self.controller.ema is not None else 0.5
+        ema = self.feedback.controller.ema
+        acceptance = ema if ema is not None else 0.5
         base = rows + acceptance * sum(drafted)  # each row's next token, and what its drafts may yield
 
         def rate(width: int) -> float:
             gained = sum(max(0, min(len(d), width) - n) for d, n in zip(drafts, drafted))
-            return (base + gained) / self.costs.target_seconds(rows, width + 1)
+            return (base + gained) / self.feedback.costs.target_seconds(rows, width + 1)
         return max(sorted({floor, *(len(d) for d in drafts if len(d) > floor)}), key=rate)
 
     def _collect(self, round_: Round) -> tuple[Drafts, bool, float]:
@@ -354,7 +325,7 @@ class Speculator:
             offered.q.update(drafts.q)
             offered.trees.update(drafts.trees)
             if drafts.shape is not None and not proposer.caught_up:  # a prefill or a backlog would distort it
-                self.costs.observe_draft(*drafts.shape, seconds)
+                self.feedback.costs.observe_draft(*drafts.shape, seconds)
             self.metrics.spec_propose_seconds.labels(self.name, proposer.method).observe(seconds)
         return offered, caught_up, backlog
 
@@ -372,73 +343,3 @@ class Speculator:
         """Evaluate what the drafters' commit left lazy, so the step that verified pays for it."""
         if self.drafter is not None:
             self.drafter.settle()
-
-    def count(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome) -> None:
-        """What a round's verdict teaches, before its tokens are handed out (a request's last
-        output reports its speculation): each row's proposals and what it accepted (statistics
-        and the controller's estimates; a tree counts as a proposal as long as its deepest branch;
-        tokens a grammar forced count apart)."""
-        if proposal.width == 0:
-            self._nothing_proposed(seqs, proposal)
-            for seq in seqs:
-                seq.stats.plain_steps += 1
-        else:
-            self._count_round(seqs, proposal, outcome)
-
-    def observe_step(self, rows: int, proposal: Proposal, forward_seconds: float, step_seconds: float) -> None:
-        """What the step cost: its forward with verification and rollback (the cost model's
-        input) and the whole step, its tokens handed out (the controller's)."""
-        self._observe_step(rows, proposal.width + 1, forward_seconds)
-        self.controller.observe_step(rows, step_seconds - proposal.backlog_seconds, proposal.caught_up)
-
-    def _count_round(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome) -> None:
-        verified = proposal.drafted
-        accepted = [min(a, n) for a, n in zip(outcome.accepted, verified)]
-        if proposal.forced is not None:
-            self.metrics.grammar_forced_tokens.labels(self.name).inc(sum(outcome.accepted) - sum(accepted))
-        # what a grammar cut counts as proposed and rejected, so acceptance stays honest
-        proposed = verified if proposal.cut is None else [n + c for n, c in zip(verified, proposal.cut)]
-        lookups = proposal.round.lookups
-        for i, (s, k, a) in enumerate(zip(seqs, proposed, accepted)):
-            if k:
-                self._count(s, k, a, Method.NGRAM if i in lookups else s.stats.method)
-            else:
-                s.stats.plain_steps += 1
-        self.drafted_total += sum(proposed)
-        self.accepted_total += sum(accepted)
-        if any(proposal.round.ks):  # a round of forced tokens only planned nothing
-            self.controller.observe([self.estimates[s] for s in seqs], proposed, accepted, proposal.round.ks)
-        if self.controller.ema is not None:
-            self.metrics.spec_acceptance_ema.labels(self.name).set(self.controller.ema)
-
-    def _nothing_proposed(self, seqs: list[Sequence], proposal: Proposal) -> None:
-        """A step planned to speculate whose lookups all came back empty (or
-        whose proposals a grammar cut, counted as rejected): the requests'
-        estimates learn what choosing k yielded."""
-        if any(proposal.round.ks):
-            none = [0] * len(seqs)
-            cut = proposal.cut or none
-            self.drafted_total += sum(cut)
-            self.controller.observe([self.estimates[s] for s in seqs], cut, none, proposal.round.ks)
-
-    def _count(self, seq: Sequence, drafted: int, accepted: int, method: Method) -> None:
-        """One round's proposals of a request, in its stats and in the metrics under the
-        method that proposed them (a draft pairing's lookups under ``ngram``)."""
-        seq.stats.count(drafted, accepted, method)
-        m, labels = self.metrics, (self.name, method)
-        m.spec_num_drafts.labels(*labels).inc()
-        m.spec_num_draft_tokens.labels(*labels).inc(drafted)
-        m.spec_num_accepted_tokens.labels(*labels).inc(accepted)
-        for pos in range(accepted):
-            m.spec_accepted_per_pos.labels(*labels, str(pos)).inc()
-
-    def _observe_step(self, rows: int, width: int, seconds: float) -> None:
-        """Feed a decode step's wall time to the cost model; under a goodput
-        policy also export it next to what the model predicted."""
-        if self.controller.mode == "goodput":
-            if self._step_seconds is None:
-                self._step_seconds = {kind: self.metrics.spec_step_seconds.labels(self.name, kind)
-                                      for kind in ("measured", "modelled")}
-            self._step_seconds["measured"].set(seconds)
-            self._step_seconds["modelled"].set(self.costs.target_seconds(rows, width))
-        self.costs.observe_target(rows, width, seconds)

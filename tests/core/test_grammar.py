@@ -56,7 +56,7 @@ def serve(model, tokenizer, rows, drafter=None, max_tokens: int = 96, **config):
         outs = await asyncio.gather(*(one(i, *row) for i, row in enumerate(rows)))
         speculator = engine.scheduler.speculator
         forced = engine.metrics.grammar_forced_tokens.labels("t")._value.get()
-        return outs, speculator.drafted_total, speculator.accepted_total, forced
+        return outs, speculator.feedback.drafted_total, speculator.feedback.accepted_total, forced
     return run_engine(model, tokenizer, go, drafter, max_batch_size=8, **config)
 
 

@@ -204,7 +204,7 @@ def test_every_drafter_is_lossless_with_images(family, loaded, forged, tmp_path)
                 await asyncio.sleep(0.03 * i)
                 return await scored(engine, request(vision, tokenizer, text, images, speculation=spec))
             rows = await asyncio.gather(*(one(i, t, im, s) for i, ((t, im), s) in enumerate(zip(asks, mixes))))
-            return rows, engine.scheduler.speculator.drafted_total
+            return rows, engine.scheduler.speculator.feedback.drafted_total
         return run_engine(model, tokenizer, go, draft_model=drafter, vision=vision, prefix_cache_bytes=0)
 
     def same(got, want):

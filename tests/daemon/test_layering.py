@@ -10,6 +10,10 @@ composes the two.
 
 Every import in ``specd/`` counts, including those inside functions (a lazy
 import is still a dependency).
+
+Sizes: no class of more than ``MAX_METHODS`` methods (properties count) and no
+reconciler module of more than ``MAX_RECONCILER_LINES`` lines, so that each reads at
+once; a class that grows past it is split along its concerns.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SPECD = Path(__file__).resolve().parents[2] / "specd"
+MAX_METHODS = 25
+MAX_RECONCILER_LINES = 300
 
 # Lowest first; a unit may import only units of earlier layers, none of its own layer.
 LAYERS = [
@@ -189,3 +195,33 @@ def test_every_import_goes_down_the_layers():
     assert set(graph) <= set(layer), f"units without a layer: {sorted(set(graph) - set(layer))}"
     upward = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer[b] >= layer[a])
     assert upward == [], f"imports up the layers or within one: {upward}"
+
+
+def methods_by_class(root: Path = SPECD) -> dict[str, int]:
+    """``path:Class`` -> how many methods its body defines, for every class under ``root``."""
+    counts = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                counts[f"{path.relative_to(root.parent)}:{node.name}"] = sum(
+                    isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+    return counts
+
+
+def test_no_class_has_more_methods_than_reads_at_once():
+    large = {name: n for name, n in methods_by_class().items() if n > MAX_METHODS}
+    assert large == {}, f"classes over {MAX_METHODS} methods: {large}"
+
+
+def test_the_method_count_sees_properties_and_async_methods(tmp_path):
+    (tmp_path / "specd").mkdir()
+    (tmp_path / "specd" / "m.py").write_text(
+        "class A:\n    x = 1\n    def a(self): pass\n    @property\n    def b(self): pass\n"
+        "    async def c(self): pass\n    class Inner:\n        def d(self): pass\n")
+    assert methods_by_class(tmp_path / "specd") == {"specd/m.py:A": 3, "specd/m.py:Inner": 1}
+
+
+def test_no_reconciler_module_is_longer_than_reads_at_once():
+    long = {str(path.relative_to(SPECD.parent)): n for path in (SPECD / "control").rglob("*.py")
+            if "reconcilers" in path.parts and (n := len(path.read_text().splitlines())) > MAX_RECONCILER_LINES}
+    assert long == {}, f"reconciler modules over {MAX_RECONCILER_LINES} lines: {long}"

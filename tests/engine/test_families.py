@@ -81,7 +81,7 @@ def staggered(model, tokenizer, batch: list[list[int]], spec=None, draft=None) -
     async def go(engine):
         out = await asyncio.gather(*(generate(engine, p, s, 0.01 * i) for i, (p, s) in enumerate(zip(batch, specs))))
         speculator = engine.scheduler.speculator
-        return out, speculator.drafted_total, speculator.accepted_total
+        return out, speculator.feedback.drafted_total, speculator.feedback.accepted_total
     out, drafted, accepted = run_engine(model, tokenizer, go, draft, max_batch_size=4, prefill_step_tokens=16)
     if any(specs) and draft is not model:
         assert drafted > accepted, f"{drafted} tokens drafted, {accepted} accepted: nothing was rolled back"

@@ -195,7 +195,7 @@ group = _join_group(SimpleNamespace(env=args["env"], backend="ring"))
 rank = group.rank()
 model, tokenizer, _ = load_shard(args["target"], None, group, "tensor")
 engine = Engine("g", model, tokenizer, EngineConfig(max_batch_size=2))
-costs = engine.scheduler.speculator.costs
+costs = engine.scheduler.speculator.feedback.costs
 for width in range(2, 64):  # rank 0 measured wide verify steps as free, rank 1 as dear
     costs.observe_target(1, width, 1e-3 if rank == 0 else 1.0)
 costs.observe_target(1, 1, 1e-3)

@@ -70,7 +70,7 @@ def test_greedy_parity_for_chains_and_trees_in_mixed_batches(target, prompts, ve
         mixed = await asyncio.gather(
             *(generate(engine, p, spec, delay=0.01 * (i % 3)) for i, (p, spec) in enumerate(zip(rows, mixes))),
             generate(engine, prompts[2], TREE, sampled), generate(engine, prompts[0], CHAIN, sampled))
-        status = engine.scheduler.speculator
+        status = engine.scheduler.speculator.feedback
         return plain, mixed[: len(rows)], status.accepted_total, status.drafted_total
 
     plain, mixed, accepted, drafted = run_engine(model, tokenizer, both, draft_model=head, max_batch_size=16)

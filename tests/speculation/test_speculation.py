@@ -257,7 +257,7 @@ def test_empty_lookups_still_teach_the_estimates(pair):
     async def go(engine):
         engine.set_policy(PolicySettings(mode="goodput", max_speculative_tokens=4), "p")
         await asyncio.sleep(0.05)  # swapped in between steps; the engine is idle
-        controller = engine.scheduler.speculator.controller
+        controller = engine.scheduler.speculator.feedback.controller
         observe = controller.observe
 
         def record(estimates, proposed, accepted, planned):
@@ -282,8 +282,8 @@ def test_finished_requests_seed_the_next_ones_across_a_policy_swap(pair, prompts
         await asyncio.sleep(0.05)  # swapped in between steps; the engine is idle
         return engine.scheduler.speculator
     speculator = serve(pair, go)
-    pooled = speculator.history.by_position()
+    pooled = speculator.feedback.history.by_position()
     assert pooled, "the first request's estimate was not absorbed when it left"
-    seeded = speculator.controller.new_estimate()
+    seeded = speculator.feedback.controller.new_estimate()
     assert [seeded.at(i) for i in range(len(pooled))] == pytest.approx(pooled)
     assert speculator.status()["acceptanceByPosition"] == pytest.approx(pooled, abs=1e-4)  # describe shows it
