@@ -35,10 +35,13 @@ from .columns import KVQuantization, Pieces, Side, pair_concat, parts, pieces_be
     side_slice
 
 # Evaluated, shared by every layer and row of every engine thread, least recently used dropped past
-# MASK_CACHE_CELLS (a prefill chunk's mask over a long context is megabytes)
+# MASK_CACHE_CELLS (a prefill chunk's mask over a long context is megabytes) or MASK_CACHE_ENTRIES
+# (a step's rows each ask for their own, and rows' lengths move on every step: a daemon that served
+# for hours would otherwise keep a mask of every length it met, up to the cells' bound)
 _CAUSAL_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()
 _MASKS_LOCK = threading.Lock()
 MASK_CACHE_CELLS = 1 << 26
+MASK_CACHE_ENTRIES = 512
 _cached_cells = 0
 
 
@@ -76,7 +79,7 @@ def causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.arra
         if key not in _CAUSAL_MASKS:
             _CAUSAL_MASKS[key] = mask
             _cached_cells += mask.size
-        while _cached_cells > MASK_CACHE_CELLS and len(_CAUSAL_MASKS) > 1:
+        while (_cached_cells > MASK_CACHE_CELLS or len(_CAUSAL_MASKS) > MASK_CACHE_ENTRIES) and len(_CAUSAL_MASKS) > 1:
             _cached_cells -= _CAUSAL_MASKS.popitem(last=False)[1].size
     return mask
 

@@ -427,3 +427,20 @@ def test_the_layout_is_the_one_measured_cheaper(monkeypatch):
     # within the margin, a layout is kept
     near = layout.LayoutCosts(per_row=1e-4, per_column=0.0, fixed=1.9e-4, per_cell=0.0)  # rows 2e-4, block 1.9e-4
     assert not near.prefers_block([10, 10], 1, None, now_block=False) and near.prefers_block([10, 10], 1, None, True)
+
+
+def test_the_causal_mask_cache_keeps_the_most_recent_masks_only():
+    """Rows' lengths move on every step, so a daemon meets masks of ever new lengths: the cache
+    keeps at most ``MASK_CACHE_ENTRIES`` of them (the least recently used go), however few
+    cells they hold, and hands a mask it keeps back as it is."""
+    from specd.core.attention import MASK_CACHE_ENTRIES, _CAUSAL_MASKS, causal_mask
+
+    first = causal_mask(3, 10, 64, None)
+    for held in range(11, 11 + 2 * MASK_CACHE_ENTRIES):
+        causal_mask(3, held, 64 * (held // 64 + 1), None)
+        assert causal_mask(3, 10, 64, None) is first  # used every step: never the least recent
+    assert len(_CAUSAL_MASKS) == MASK_CACHE_ENTRIES
+    last = 10 + 2 * MASK_CACHE_ENTRIES
+    assert (3, last, 64 * (last // 64 + 1), None) in _CAUSAL_MASKS
+    assert (3, 11, 64, None) not in _CAUSAL_MASKS
+    assert np.array_equal(np.array(first), np.arange(64)[None, :] <= np.arange(7, 10)[:, None])
