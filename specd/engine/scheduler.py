@@ -103,7 +103,7 @@ class Scheduler:
         self.disk = self._disk_tier(config.prefix_disk)
         stateful = self.prefixes.tree is not None and self.prefixes.tree.stateful
         self.chunks = ChunkSizes(config.prefill_step_tokens, config.prefill_alone_tokens, stateful,
-                                 self.disk.block if self.disk is not None and self.disk.tier.stateful else None)
+                                 self.disk.block if self.disk is not None and stateful else None)
         self.speculator = Speculator(name, model, self.vocab_size, self.max_context, metrics, self.prefix_store,
                                      speculation, drafter)
         ahead = config.decode_ahead if config.decode_ahead is not None else decodes_ahead_by_default()
@@ -180,8 +180,8 @@ class Scheduler:
     def busy(self) -> bool:
         """Whether a step has work: a request waiting only for its disk read does not (the read's
         end wakes the engine)."""
-        reading = self.disk.reading if self.disk is not None else lambda seq: False
-        return bool(self.prefill or self.batch or any(not reading(s) for s in self.waiting))
+        return bool(self.prefill or self.batch
+                    or any(self.disk is None or not self.disk.reading(s) for s in self.waiting))
 
     @property
     def in_flight(self) -> int:
