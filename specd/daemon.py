@@ -14,7 +14,7 @@ from .console.routes import add_console
 from .control.agent import NodeAgent
 from .control.plane import ControlPlane
 from .control.watcher import ManifestDirectory
-from .core.memory import return_freed_memory
+from .core.memory import freeze_startup_objects, return_freed_memory
 from .server.app import MAX_BODY_BYTES, create_app
 from .server.keys import ADMIN_OVER_TLS_ONLY, PLACEMENT_FENCE, STARTED
 from .server.response_store import ResponseStore
@@ -81,6 +81,7 @@ def run_daemon(app: web.Application, listeners: list[tuple[str, int, ssl.SSLCont
         finally:
             await runner.cleanup()
 
+    freeze_startup_objects()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     main = loop.create_task(serve())

@@ -6,6 +6,7 @@ Dashboards written for vLLM translate 1:1 by swapping ``vllm:`` for
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 from contextlib import suppress
@@ -212,6 +213,9 @@ class Metrics:
             ["method", "handler"], buckets=LATENCY_BUCKETS, registry=r)
         for name, (read, doc) in MLX_MEMORY.items():
             Gauge(name, doc, registry=r).set_function(read)
+        Gauge("specd_gc_frozen_objects", "Objects the daemon made while starting (its imports), left out of "
+              "garbage collection: a collection examines only what was made since.",
+              registry=r).set_function(gc.get_freeze_count)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
 
     def model_loaded(self, name: str, weight_bytes: int) -> None:

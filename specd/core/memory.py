@@ -52,6 +52,19 @@ def reuse_freed_memory() -> None:
         _MALLOPT(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
 
 
+def freeze_startup_objects() -> None:
+    """Leave what the process made while starting out of every later garbage collection.
+
+    The daemon's imports (mlx-lm, transformers, aiohttp and its own modules) make about 110,000
+    objects that live as long as it does. A full collection examines every one of them, holding
+    the GIL throughout, so each drain's collection (``return_freed_memory(cycles=True)``) and each
+    of the collector's own full passes paused every stream for tens of milliseconds. Frozen, they
+    are never examined; what is made afterwards (engines, requests) is collected as before. What
+    is garbage now is collected first, so that none of it is frozen with them."""
+    gc.collect()
+    gc.freeze()
+
+
 def return_freed_memory(cycles: bool = False) -> None:
     """Give what MLX keeps for reuse, and the C heap's free pages, back to the OS; with ``cycles``,
     first collect the garbage that only refers to itself (a retired engine's objects refer to

@@ -236,6 +236,8 @@ def test_memory_metrics(ops_daemon, metrics_text):
     assert values[("specd_mlx_cache_memory_bytes", ())] >= 0
     if PROCESS_METRICS:
         assert values[("process_resident_memory_bytes", ())] > weight_bytes
+    # what the daemon's imports made is out of every collection (a drain's included), so none examines it
+    assert values[("specd_gc_frozen_objects", ())] > 10_000
     # failure counters start at 0, so the first failure shows in rate()
     assert values[("specd_request_failure_total", (("model_name", "spec"), ("reason", "engine_error")))] == 0
 

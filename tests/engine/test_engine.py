@@ -17,6 +17,7 @@ from mlx_lm import load
 
 from conftest import code_sample, counting_steps_run_ahead, measure_plain_decoding_best, run_engine
 from specd.core import attention
+from specd.core.memory import freeze_startup_objects, return_freed_memory
 from specd.core.request import GenerationRequest
 from specd.core.sampling import SamplingParams
 from specd.engine.engine import Engine, EngineOverloaded
@@ -249,6 +250,28 @@ def test_an_engine_that_stops_leaves_its_model_to_be_freed(forged):
     del model
     gc.collect()
     assert freed() is None, [type(r).__name__ for r in gc.get_referrers(freed())]
+
+
+def test_an_engine_made_after_the_daemon_froze_its_startup_objects_is_still_collected(forged):
+    """The daemon leaves what its start-up made out of collections (``freeze_startup_objects``);
+    an engine made afterwards must still be freed by the drain's collection, cycles and all."""
+    freeze_startup_objects()
+    try:
+        model, tokenizer = load(str(forged / "target"))
+        prompt = prompts(tokenizer, 1, 40)[0]
+        engines = []
+
+        async def serve_one(engine):
+            engines.append(weakref.ref(engine))
+            return await run(engine, prompt, 4)
+        run_engine(model, tokenizer, serve_one)
+        freed = weakref.ref(model)
+        del model, tokenizer
+        assert engines[0]() is not None, "the engine's objects refer to one another: only a collection frees them"
+        return_freed_memory(cycles=True)
+        assert engines[0]() is None and freed() is None
+    finally:
+        gc.unfreeze()
 
 
 def test_a_request_becomes_a_sequence_on_the_engine_thread_never_on_the_event_loop(target):
