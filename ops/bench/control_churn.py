@@ -17,14 +17,18 @@ A real daemon (``specd daemon``, started by this script on a free port of
    new status); the *churn* window lasts from the first apply until every one
    of these Models reports ``status.observedGeneration`` equal to its
    generation (its reconcile written);
-5. the stream is closed and the churn Models deleted (not measured), and the
+5. then, for ``--busy-seconds``, a process outside the daemon (no GIL, no
+   control-plane work, no request) spins one core (the *busy* window): what
+   sharing the machine's cores alone costs the stream, for reference;
+6. the stream is closed and the churn Models deleted (not measured), and the
    daemon left quiet for ``--quiet-seconds``.
 
 The gaps between consecutive chunks arriving in each window give p50 and p99,
 and the figure the issue sets a goal for is ``p99_churn / p99_idle`` (goal:
-within 1.5x).  Figures are medians over ``--runs`` runs.  The machine is shared:
-the CPU cores other processes used during each window (from /proc, as
-``serve_vs_mlx_lm.py`` measures them) are recorded next to each window.
+within 1.5x); ``p99_busy / p99_idle`` is printed beside it.  Figures are
+medians over ``--runs`` runs.  The machine is shared: the CPU cores other
+processes used during the idle and churn windows (from /proc, as
+``serve_vs_mlx_lm.py`` measures them) are recorded next to each.
 
 Usage (from the repository root, after ``source ops/env.sh``)::
 
@@ -242,6 +246,16 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def spin_one_core(seconds: float) -> None:
+    """A process of its own that keeps one core busy for ``seconds``."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(seconds)
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def one_run(base: str, port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     stream = Stream(port, args.max_tokens)
     stream.start()
@@ -258,17 +272,26 @@ def one_run(base: str, port: int, pid: int, args: argparse.Namespace) -> dict[st
         churned = churn(base, args.model, args.models, args.updates, args.clients)
         churn_end = time.monotonic()
         churn_foreign = load.cores()
+        time.sleep(args.lead_seconds)  # the churn's reconciles are done (settled); its last writes pass
+        busy_start = time.monotonic()
+        if args.busy_seconds > 0:
+            spin_one_core(args.busy_seconds)
+        busy_end = time.monotonic()
     finally:
         stream.stopping.set()
         stream.join(60)
     if stream.error is not None:
         raise RuntimeError(f"the stream failed: {stream.error!r}")
     idle = window(stream.gaps(idle_start, idle_end), idle_foreign, idle_end - idle_start)
-    busy = window(stream.gaps(idle_end, churn_end), churn_foreign, churn_end - idle_end)
+    churning = window(stream.gaps(idle_end, churn_end), churn_foreign, churn_end - idle_end)
+    spinning = window(stream.gaps(busy_start, busy_end), None, busy_end - busy_start)
     delete_churn(base)
-    return {"idle": idle, "churn": {**busy, **churned}, "streams": len(stream.streams),
+    return {"idle": idle, "churn": {**churning, **churned}, "busy": spinning, "streams": len(stream.streams),
             "finish_reasons": stream.finish_reasons,
-            "ratio_p99": ratio(busy["p99_ms"], idle["p99_ms"]), "ratio_p50": ratio(busy["p50_ms"], idle["p50_ms"])}
+            "ratio_p99": ratio(churning["p99_ms"], idle["p99_ms"]),
+            "ratio_p50": ratio(churning["p50_ms"], idle["p50_ms"]),
+            "ratio_p99_busy": ratio(spinning["p99_ms"], idle["p99_ms"]),
+            "ratio_p50_busy": ratio(spinning["p50_ms"], idle["p50_ms"])}
 
 
 def median_of(runs: list[dict[str, Any]], *path: str) -> float | None:
@@ -283,10 +306,10 @@ def median_of(runs: list[dict[str, Any]], *path: str) -> float | None:
 
 
 def summarize(runs: list[dict[str, Any]], goal: float) -> dict[str, Any]:
-    summary = {f"{w}_{k}": median_of(runs, w, k) for w in ("idle", "churn")
+    summary = {f"{w}_{k}": median_of(runs, w, k) for w in ("idle", "churn", "busy")
                for k in ("p50_ms", "p99_ms", "max_ms", "gaps", "seconds", "foreign_cores")}
-    summary["ratio_p99"] = median_of(runs, "ratio_p99")  # median of the runs' ratios
-    summary["ratio_p50"] = median_of(runs, "ratio_p50")
+    for name in ("ratio_p99", "ratio_p50", "ratio_p99_busy", "ratio_p50_busy"):
+        summary[name] = median_of(runs, name)  # median of the runs' ratios
     summary["ratio_p99_of_medians"] = ratio(summary["churn_p99_ms"], summary["idle_p99_ms"])
     pooled = {w: [g for r in runs for g in r[w]["gaps_ms"]] for w in ("idle", "churn")}
     summary["pooled_p99_ms"] = {w: percentile(g, 99) for w, g in pooled.items()}
@@ -299,16 +322,21 @@ def summarize(runs: list[dict[str, Any]], goal: float) -> dict[str, Any]:
 def print_summary(runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     print()
     print(f"{'run':<5} {'idle p50':>9} {'idle p99':>9} {'churn p50':>10} {'churn p99':>10} {'churn max':>10} "
-          f"{'p99 ratio':>10} {'gaps idle/churn':>16} {'churn s':>8}")
+          f"{'p99 ratio':>10} {'busy p99':>9} {'busy ratio':>11} {'gaps idle/churn':>16} {'churn s':>8}")
     for i, r in enumerate(runs):
+        busy_p99 = f"{r['busy']['p99_ms']:>7.1f}ms" if r["busy"]["p99_ms"] is not None else f"{'-':>9}"
+        busy_ratio = f"{r['ratio_p99_busy']:>10.2f}x" if r["ratio_p99_busy"] is not None else f"{'-':>11}"
         print(f"{i + 1:<5} {r['idle']['p50_ms']:>7.1f}ms {r['idle']['p99_ms']:>7.1f}ms {r['churn']['p50_ms']:>8.1f}ms "
               f"{r['churn']['p99_ms']:>8.1f}ms {r['churn']['max_ms']:>8.1f}ms {r['ratio_p99']:>9.2f}x "
-              f"{r['idle']['gaps']:>7}/{r['churn']['gaps']:<8} {r['churn']['seconds']:>7.1f}")
+              f"{busy_p99} {busy_ratio} {r['idle']['gaps']:>7}/{r['churn']['gaps']:<8} {r['churn']['seconds']:>7.1f}")
     s = summary
     print(f"median over {len(runs)} runs: idle p50 {s['idle_p50_ms']:.1f} ms, p99 {s['idle_p99_ms']:.1f} ms; "
           f"churn p50 {s['churn_p50_ms']:.1f} ms, p99 {s['churn_p99_ms']:.1f} ms; "
           f"p99 churn/idle {s['ratio_p99']:.2f}x (goal <= {s['goal']['ratio_p99_at_most']}x: "
           f"{'PASS' if s['goal']['pass'] else 'FAIL'})")
+    if s["ratio_p99_busy"] is not None:
+        print(f"for reference, one core spun by another process: p50 {s['busy_p50_ms']:.1f} ms, "
+              f"p99 {s['busy_p99_ms']:.1f} ms; p99 busy/idle {s['ratio_p99_busy']:.2f}x")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -319,7 +347,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--updates", type=int, default=1, help="changes applied to each Model after its creation")
     p.add_argument("--clients", type=int, default=1, help="admin API clients applying at once")
     p.add_argument("--idle-seconds", type=float, default=5.0)
-    p.add_argument("--lead-seconds", type=float, default=1.0, help="stream time before the idle window")
+    p.add_argument("--lead-seconds", type=float, default=1.0,
+                   help="stream time before the idle window, and between the churn and busy windows")
+    p.add_argument("--busy-seconds", type=float, default=2.0,
+                   help="the reference window: another process spins one core (0: none)")
     p.add_argument("--quiet-seconds", type=float, default=2.0, help="pause between runs")
     p.add_argument("--max-tokens", type=int, default=1900)
     p.add_argument("--goal", type=float, default=1.5, help="p99 churn/idle ratio the issue asks for")
@@ -330,8 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model = args.model.expanduser().resolve()
     if not (args.model / "config.json").is_file():
         p.error(f"{args.model} is not a model directory (no config.json)")
-    if min(args.runs, args.models, args.clients, args.max_tokens) < 1 or args.updates < 0:
-        p.error("--runs, --models, --clients and --max-tokens must be positive, --updates not negative")
+    if min(args.runs, args.models, args.clients, args.max_tokens) < 1 or min(args.updates, args.busy_seconds) < 0:
+        p.error("--runs, --models, --clients and --max-tokens must be positive, --updates and --busy-seconds "
+                "not negative")
     return args
 
 
@@ -379,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{run['idle']['p99_ms']:.1f} ms ({run['idle']['gaps']} gaps); churn p50 "
                       f"{run['churn']['p50_ms']:.1f} ms p99 {run['churn']['p99_ms']:.1f} ms "
                       f"({run['churn']['gaps']} gaps, {run['churn']['seconds']:.1f}s, applies "
-                      f"p50 {run['churn']['apply_latency_ms_p50']:.1f} ms); p99 ratio {run['ratio_p99']:.2f}x; "
+                      f"p50 {run['churn']['apply_latency_ms_p50']:.1f} ms); p99 ratio {run['ratio_p99']:.2f}x "
+                      f"(one core spun: {run['ratio_p99_busy'] or 0:.2f}x); "
                       f"others used {run['idle']['foreign_cores'] or 0:.2f}/{run['churn']['foreign_cores'] or 0:.2f}"
                       " cores", flush=True)
                 time.sleep(args.quiet_seconds)
@@ -397,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
               "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "definitions": {"gap": "time between consecutive SSE chunks of the stream, both in the window",
                               "churn_window": "first apply until every churn Model's status is of its generation",
-                              "ratio_p99": "median over runs of each run's p99 churn / p99 idle"},
+                              "busy_window": "a process outside the daemon spins one core; nothing else happens",
+                              "ratio_p99": "median over runs of each run's p99 churn / p99 idle",
+                              "ratio_p99_busy": "median over runs of each run's p99 busy / p99 idle"},
               "host": {**host_before, "loadavg_after": host_info()["loadavg"]},
               "openblas_preload": preload,
               "versions": {p: package_version(p) for p in ("mlx", "mlx-lm", "specd", "aiohttp")},
