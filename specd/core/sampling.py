@@ -10,8 +10,10 @@ keeps speculative sampling lossless.
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -173,9 +175,20 @@ def sample_rows(
         return tokens, keys, None
     rows = mx.array(sampling)
     logprobs = transform_logprobs(logits[rows], [params[i] for i in sampling])
-    noise = []
-    for i in sampling:
-        keys[i], sub = mx.random.split(keys[i])
-        noise.append(mx.random.gumbel(shape=(logits.shape[-1],), key=sub))
-    tokens[rows] = mx.argmax(logprobs + mx.stack(noise), axis=-1)
+    advanced, noise = _gumbel_rows(logits.shape[-1])(mx.stack([keys[i] for i in sampling]))
+    for j, i in enumerate(sampling):
+        keys[i] = advanced[j]
+    tokens[rows] = mx.argmax(logprobs + noise, axis=-1)
     return tokens, keys, logprobs
+
+
+@functools.lru_cache(maxsize=None)
+def _gumbel_rows(vocab: int) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    """Stacked keys (S, 2) -> each advanced by one split, and a Gumbel draw over the vocabulary
+    from the other half of that split: one vectorised call for every sampling row (``mx.vmap``),
+    the same numbers as a loop over the rows, which cost the host its Python and a few graph
+    nodes per row at every step."""
+    def one_row(key: mx.array) -> tuple[mx.array, mx.array]:
+        key, sub = mx.random.split(key)
+        return key, mx.random.gumbel(shape=(vocab,), key=sub)
+    return mx.vmap(one_row)

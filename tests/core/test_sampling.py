@@ -63,6 +63,24 @@ def test_sampled_frequencies_follow_the_distribution(params):
     assert chi2 < {5: 20.5, 4: 18.5}[int(kept.sum()) - 1], (counts, expected)
 
 
+def test_each_row_draws_what_it_would_draw_alone():
+    """Sampling rows draw their noise in one vectorised call: each row's token and advanced key
+    are still exactly those of the same row sampled alone, over steps, with greedy rows between."""
+    rng = np.random.default_rng(3)
+    vocab, rows = 257, 6
+    params = [SamplingParams(temperature=0) if i % 3 == 1 else SamplingParams(temperature=0.5 + i / 4, top_p=0.9)
+              for i in range(rows)]
+    batched = [make_key(i) for i in range(rows)]
+    alone = list(batched)
+    for _ in range(3):
+        logits = mx.array(rng.normal(size=(rows, vocab)).astype(np.float32) * 3)
+        tokens, batched, _ = sample_rows(logits, params, batched)
+        for i in range(rows):
+            token, (alone[i],), _ = sample_rows(logits[i:i + 1], [params[i]], [alone[i]])
+            assert token.item() == tokens[i].item()
+            assert np.array_equal(np.array(alone[i]), np.array(batched[i]))
+
+
 def test_greedy_rows_ignore_noise_and_keep_their_key():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1, seed=1)]
     keys = [make_key(1), make_key(1)]
