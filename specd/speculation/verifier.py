@@ -11,6 +11,8 @@ each row keeps; the runner rolls the caches back to exactly those.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -94,21 +96,33 @@ def randomness(seqs: list[Sequence], width: int, proposed: list[int], forced_onl
     first advances its key once per forced token, as the plain steps that
     would have produced them do: how many forced tokens a round carries
     is the cost model's choice, from measured step times, and must not
-    change what a seeded request samples."""
-    uniforms, gumbel = [], []
-    for s, n, forced in zip(seqs, proposed, forced_only):
-        if s.params.greedy:
-            uniforms.append(mx.zeros((width,)))
-            gumbel.append(mx.zeros((vocab,)))
-            continue
-        for _ in range(forced):
-            s.key, _ = mx.random.split(s.key)
-        s.key, sub = mx.random.split(s.key)
-        if not n or n == forced:
-            uniforms.append(mx.zeros((width,)))
-            gumbel.append(mx.random.gumbel(shape=(vocab,), key=sub))
-            continue
+    change what a seeded request samples.  Greedy rows get zeros."""
+    uniforms, gumbel = mx.zeros((len(seqs), width)), mx.zeros((len(seqs), vocab))
+    sampling = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if not sampling:
+        return uniforms, gumbel
+    for i in sampling:
+        for _ in range(forced_only[i]):
+            seqs[i].key, _ = mx.random.split(seqs[i].key)
+    drafted = mx.array([bool(proposed[i]) and proposed[i] != forced_only[i] for i in sampling])
+    keys, drawn, noise = _round_draws(width, vocab)(mx.stack([seqs[i].key for i in sampling]), drafted)
+    for j, i in enumerate(sampling):
+        seqs[i].key = keys[j]
+    rows = mx.array(sampling)
+    uniforms[rows] = drawn
+    gumbel[rows] = noise
+    return uniforms, gumbel
+
+
+@functools.lru_cache(maxsize=None)
+def _round_draws(width: int, vocab: int) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]:
+    """Stacked keys (S, 2) and whether each row drafted (S,) -> each key advanced by one split,
+    and from the other half of it: a drafting row's acceptance uniforms and final-draw noise
+    (from the two halves of a second split), or zeros and a plain step's noise. One vectorised
+    call for every sampling row (``mx.vmap``), the same numbers as a loop over the rows."""
+    def one_row(key: mx.array, drafted: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        key, sub = mx.random.split(key)
         k_u, k_g = mx.random.split(sub)
-        uniforms.append(mx.random.uniform(shape=(width,), key=k_u))
-        gumbel.append(mx.random.gumbel(shape=(vocab,), key=k_g))
-    return mx.stack(uniforms), mx.stack(gumbel)
+        drawn = mx.where(drafted, mx.random.uniform(shape=(width,), key=k_u), 0.0)
+        return key, drawn, mx.random.gumbel(shape=(vocab,), key=mx.where(drafted, k_g, sub))
+    return mx.vmap(one_row)

@@ -132,3 +132,47 @@ def test_rows_with_different_lengths_never_accept_past_their_length():
     v = verify(logits, drafts, [0, 1, 3], [SamplingParams()] * 3, point_mass(drafts, V),
                mx.zeros((3, 3)), mx.zeros((3, V)))  # u = 0 accepts everything allowed
     assert v.accepted == [0, 1, 3]
+
+
+def test_a_rounds_randomness_is_each_rows_own_whatever_its_batch_mates():
+    """The round's draws are made for every sampling row in one vectorised call: each row's
+    uniforms, noise and advanced key are still what the same row draws alone, one split per
+    forced token first, then a plain step's noise where it drafted nothing (or only forced
+    tokens), uniforms and noise from a second split where it drafted; greedy rows get zeros
+    and keep their keys."""
+    from types import SimpleNamespace
+
+    from specd.core.sampling import make_key
+    from specd.speculation.verifier import randomness
+
+    width, vocab = 4, 50
+    rows = [(SamplingParams(temperature=0.7), 3, 0), (SamplingParams(temperature=0), 2, 0),
+            (SamplingParams(temperature=1.0), 0, 0), (SamplingParams(temperature=0.9), 2, 2),
+            (SamplingParams(temperature=1.2), 3, 1)]
+
+    def batch():
+        return [SimpleNamespace(params=p, key=make_key(40 + i)) for i, (p, _, _) in enumerate(rows)]
+    together = batch()
+    uniforms, gumbel = randomness(together, width, [n for _, n, _ in rows], [f for _, _, f in rows], vocab)
+    for i, (seq, (params, proposed, forced)) in enumerate(zip(batch(), rows)):
+        u, g = randomness([seq], width, [proposed], [forced], vocab)
+        assert np.array_equal(np.array(u[0]), np.array(uniforms[i])), i
+        assert np.array_equal(np.array(g[0]), np.array(gumbel[i])), i
+        assert np.array_equal(np.array(seq.key), np.array(together[i].key)), i
+        # and the draws are what the documented splits give
+        key = make_key(40 + i)
+        if params.greedy:
+            assert not np.any(np.array(u)) and not np.any(np.array(g))
+            assert np.array_equal(np.array(seq.key), np.array(key))
+            continue
+        for _ in range(forced):
+            key, _ = mx.random.split(key)
+        key, sub = mx.random.split(key)
+        assert np.array_equal(np.array(seq.key), np.array(key))
+        if proposed and proposed != forced:
+            k_u, k_g = mx.random.split(sub)
+            assert np.array_equal(np.array(u[0]), np.array(mx.random.uniform(shape=(width,), key=k_u)))
+            assert np.array_equal(np.array(g[0]), np.array(mx.random.gumbel(shape=(vocab,), key=k_g)))
+        else:
+            assert not np.any(np.array(u))
+            assert np.array_equal(np.array(g[0]), np.array(mx.random.gumbel(shape=(vocab,), key=sub)))
