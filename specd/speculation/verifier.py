@@ -97,10 +97,9 @@ def randomness(seqs: list[Sequence], width: int, proposed: list[int], forced_onl
     would have produced them do: how many forced tokens a round carries
     is the cost model's choice, from measured step times, and must not
     change what a seeded request samples.  Greedy rows get zeros."""
-    uniforms, gumbel = mx.zeros((len(seqs), width)), mx.zeros((len(seqs), vocab))
     sampling = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if not sampling:
-        return uniforms, gumbel
+        return mx.zeros((len(seqs), width)), mx.zeros((len(seqs), vocab))
     for i in sampling:
         for _ in range(forced_only[i]):
             seqs[i].key, _ = mx.random.split(seqs[i].key)
@@ -108,7 +107,10 @@ def randomness(seqs: list[Sequence], width: int, proposed: list[int], forced_onl
     keys, drawn, noise = _round_draws(width, vocab)(mx.stack([seqs[i].key for i in sampling]), drafted)
     for j, i in enumerate(sampling):
         seqs[i].key = keys[j]
+    if len(sampling) == len(seqs):
+        return drawn, noise
     rows = mx.array(sampling)
+    uniforms, gumbel = mx.zeros((len(seqs), width)), mx.zeros((len(seqs), vocab))
     uniforms[rows] = drawn
     gumbel[rows] = noise
     return uniforms, gumbel
