@@ -276,7 +276,8 @@ def test_an_eagle_pairing_drafts_trees_and_a_broken_head_fails_only_the_pairing(
     # a head of the wrong shape fails the pairing; the model keeps serving
     apply_broken_copy(d, pairing, tmp_path / "head", f'"hidden_size": {a.hidden_size}', '"hidden_size": 8')
     assert "hidden" in pairing_failure(d, "tree")["message"]
-    assert client.completions.create(model="eg", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
+    assert client.completions.create(model="eg", prompt="def f(", max_tokens=4,
+                                    temperature=0).usage.completion_tokens == 4
     # another broken head, from another directory: the condition only ever describes the generation it names
     wrong_fc = tmp_path / "head-fc"
     shutil.copytree(tmp_path / "head", wrong_fc)
@@ -312,7 +313,8 @@ def test_an_mtp_pairing_drafts_with_the_checkpoints_own_head_and_one_without_fai
     assert_speculates_losslessly(client, "mt", "mtp")
     # a checkpoint without a head fails its pairing, saying why; its model keeps serving
     assert "ships no MTP head" in pairing_failure(d, "none")["message"]
-    assert client.completions.create(model="plain", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
+    assert client.completions.create(model="plain", prompt="def f(", max_tokens=4,
+                                    temperature=0).usage.completion_tokens == 4
 
 
 def test_a_dflash_pairing_drafts_block_trees_and_a_dflash2_checkpoint_fails_only_the_pairing(
@@ -331,7 +333,8 @@ def test_a_dflash_pairing_drafts_block_trees_and_a_dflash2_checkpoint_fails_only
     # DFlash2's convolutions and candidate selector are not implemented: refused by name
     apply_broken_copy(d, pairing, tmp_path / "dflash", '"DFlashDraftModel"', '"DFlash2DraftModel"')
     assert "DFlash2DraftModel" in pairing_failure(d, "block")["message"]
-    assert client.completions.create(model="df", prompt="def f(", max_tokens=4).usage.completion_tokens == 4
+    assert client.completions.create(model="df", prompt="def f(", max_tokens=4,
+                                    temperature=0).usage.completion_tokens == 4
 
 
 def test_watched_manifests_hot_reload_a_policy_during_a_stream(forged, tmp_path):
