@@ -411,8 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{run['idle']['p99_ms']:.1f} ms ({run['idle']['gaps']} gaps); churn p50 "
                       f"{run['churn']['p50_ms']:.1f} ms p99 {run['churn']['p99_ms']:.1f} ms "
                       f"({run['churn']['gaps']} gaps, {run['churn']['seconds']:.1f}s, applies "
-                      f"p50 {run['churn']['apply_latency_ms_p50']:.1f} ms); p99 ratio {run['ratio_p99']:.2f}x "
-                      f"(one core spun: {run['ratio_p99_busy'] or 0:.2f}x); "
+                      f"p50 {run['churn']['apply_latency_ms_p50']:.1f} ms); p99 ratio {run['ratio_p99']:.2f}x"
+                      + (f" (one core spun: {run['ratio_p99_busy']:.2f}x)" if run["ratio_p99_busy"] is not None
+                         else "") + "; "
                       f"others used {run['idle']['foreign_cores'] or 0:.2f}/{run['churn']['foreign_cores'] or 0:.2f}"
                       " cores", flush=True)
                 time.sleep(args.quiet_seconds)
