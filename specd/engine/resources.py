@@ -130,15 +130,20 @@ def memory_request(spec: ModelSpec, drafter_source: str | None, allocatable: int
 
 def remote_request(spec: ModelSpec, drafter_source: str | None, allocatable: int) -> MemoryRequest:
     """The request of a hub checkpoint read on the hub: its safetensors headers (HTTP range
-    requests, as ``huggingface_hub.get_safetensors_metadata`` reads them) and ``config.json``."""
+    requests, as ``huggingface_hub.get_safetensors_metadata`` reads them) and ``config.json``.
+
+    The headers are read first: that read fails at once where no hub answers, while the
+    configuration's download retries for about 23 s first (``huggingface_hub``'s own backoff), and
+    the Model's own backoff is what should say that the hub cannot be reached."""
     from huggingface_hub import hf_hub_download
 
+    weights = hub_safetensors_bytes(spec.source, spec.revision)
     config = json.loads(Path(hf_hub_download(spec.source, "config.json", revision=spec.revision)).read_text())
     drafter = 0
     if drafter_source:
         drafter = (safetensors_bytes(Path(resolve_source(drafter_source))) if is_local_source(drafter_source)
                    else hub_safetensors_bytes(drafter_source, None))
-    return _request(spec, hub_safetensors_bytes(spec.source, spec.revision), drafter, with_text_config(config), allocatable)
+    return _request(spec, weights, drafter, with_text_config(config), allocatable)
 
 
 def hub_safetensors_bytes(source: str, revision: str | None) -> int:
