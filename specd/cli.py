@@ -101,6 +101,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     """Run the daemon until SIGTERM or SIGINT has drained it."""
     import ssl
 
+    import mlx.core as mx
+
     from .control.agent import NodeAgent
     from .serving.cluster import Cluster
     from .control.node import Node
@@ -117,6 +119,8 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from .server.response_store import ResponseStore
 
     reuse_freed_memory()
+    if args.mlx_memory_limit is not None:
+        mx.set_memory_limit(args.mlx_memory_limit)  # engines start requests only with room under it
     _warn_without_fast_blas()
     manifests = None
     args.state_dir.mkdir(parents=True, exist_ok=True)
@@ -267,6 +271,10 @@ def add_daemon_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit", type=_byte_size_arg, default=None, metavar="BYTES",
                         help="the most memory this node's Models may request (e.g. 12Gi): lower than the host "
                              "has, to share the machine or act as a smaller Mac")
+    parser.add_argument("--mlx-memory-limit", type=_byte_size_arg, default=None, metavar="BYTES",
+                        help="MLX's own memory limit (mx.set_memory_limit; default MLX's, 1.5x Metal's "
+                             "recommended working set): requests start only with room under it (or under the "
+                             "working set, where lower), and wait or are refused with a 503 where there is none")
     parser.add_argument("--memory-reserve", type=_byte_size_arg, default=None, metavar="BYTES",
                         help="memory kept for the system, not given to Models (default: 10%% of the host's, "
                              "at least 2Gi)")

@@ -25,12 +25,13 @@ LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-FAILURE_REASONS = ("overloaded", "engine_error")  # specd_request_failure_total{reason}
+FAILURE_REASONS = ("overloaded", "engine_error", "out_of_memory")  # specd_request_failure_total{reason}
 # Process-wide MLX allocator readings, taken at scrape time: name -> (reader, help).
 MLX_MEMORY = {
     "specd_mlx_active_memory_bytes": (mx.get_active_memory, "Memory held by live MLX arrays (all models)."),
     "specd_mlx_peak_memory_bytes": (mx.get_peak_memory, "Highest MLX active memory since the daemon started."),
     "specd_mlx_cache_memory_bytes": (mx.get_cache_memory, "Memory MLX keeps cached for reuse, not held by arrays."),
+    "specd_mlx_memory_limit_bytes": (mx.get_memory_limit, "MLX's memory limit: requests start only with room under it."),
 }
 
 
@@ -108,6 +109,9 @@ class Metrics:
         self.kv_preemptions = Counter(
             "specd_kv_preemptions", "Running requests preempted to fit the KV budget (recomputed later).",
             m, registry=r)
+        self.memory_preemptions = Counter(
+            "specd_memory_preemptions", "Running requests preempted while MLX was past its memory limit "
+            "(recomputed later).", m, registry=r)
         self.grammar_forced_tokens = Counter(
             "specd_grammar_forced_tokens", "Tokens a grammar forced, verified in the forward that proposed them.",
             m, registry=r)
@@ -227,6 +231,7 @@ class Metrics:
             self.request_failure.labels(name, reason)
         self.engine_faults.labels(name)
         self.kv_preemptions.labels(name)
+        self.memory_preemptions.labels(name)
 
     def model_download(self, name: str, done: int, total: int) -> None:
         self.model_download_bytes.labels(name, "done").set(done)

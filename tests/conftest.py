@@ -30,6 +30,12 @@ def code_sample(name: str) -> str:
     return (ROOT / "tests" / "data" / f"{name}_sample.txt").read_text()
 
 
+# A llama of wide keys and values (``forge.families.build`` overrides): a 3,000-token prompt's KV
+# is tens of MB, a short prompt's a few (tests of MLX's memory limit)
+WIDE_KV = {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+           "intermediate_size": 256, "num_hidden_layers": 4, "max_position_embeddings": 4096}
+
+
 def run_engine(model, tokenizer, fn, draft_model=None, vision=None, **config):
     """Start an in-process engine (with ``vision``, a ``VisionTower``, where given), ``await
     fn(engine)``, shut it down; returns fn's result."""

@@ -407,18 +407,12 @@ def default_max_bytes() -> int:
     return host_memory_bytes() // 10
 
 
-def memory_pressure() -> bool:
-    """Whether MLX's allocations are close to its memory limit (the cache
-    then gives way before a request's allocation fails)."""
-    return mx.get_active_memory() > 0.9 * mx.get_memory_limit()
-
-
 class PrefixStore:
     """A Model's prefix trees (target, draft model, EAGLE head) under one budget."""
 
-    def __init__(self, max_bytes: int, pressure: Callable[[], bool] | None = memory_pressure):
+    def __init__(self, max_bytes: int, pressure: Callable[[], bool] | None = None):
         self.max_bytes = max_bytes
-        self.pressure = pressure
+        self.pressure = pressure  # whether MLX is short of memory (``engine/memory_guard.py``): the cache gives way
         self.trees: dict[str, PrefixTree] = {}
         self.bytes = 0
         self.nodes = 0
@@ -476,14 +470,18 @@ class PrefixStore:
     def evict(self, need: int = 0) -> None:
         """Drop unleased leaves, least recently used first, until ``need``
         more bytes fit the budget and MLX is not short of memory."""
-        def short() -> bool:
-            return self.bytes + need > self.max_bytes or bool(self.pressure and self.bytes and self.pressure())
-        if not short():
+        self.give_way(lambda: not (self.bytes + need > self.max_bytes
+                                   or bool(self.pressure and self.bytes and self.pressure())))
+
+    def give_way(self, enough: Callable[[], bool]) -> None:
+        """Drop unleased leaves, least recently used first, until ``enough()`` (or a request's
+        room under MLX's memory limit: ``engine/memory_guard.py``)."""
+        if enough():
             return
         heap = [(node.used, node.serial, node) for tree in self.trees.values() for node in tree.nodes()
                 if not node.children and not node.locks]
         heapq.heapify(heap)
-        while heap and short():
+        while heap and not enough():
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self.remove(node)

@@ -132,6 +132,7 @@ class StepOutput:
     stop_sequence: str | None = None  # the stop string that ended the request
     error: str | None = None
     spec: SpecStats | None = None  # set on the final output of a speculating request
+    error_code: str | None = None  # what kind of error, where the API answers it apart (``server/errors.py``)
 
 
 def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
@@ -144,4 +145,4 @@ def merge_outputs(outputs: list[StepOutput]) -> StepOutput:
     return StepOutput("".join(out.text for out in outputs), [t for out in outputs for t in out.tokens],
                       logprobs if any(out.logprobs is not None for out in outputs) else None, last.finish_reason,
                       last.prompt_tokens, last.completion_tokens, last.cached_tokens, last.stop_sequence,
-                      last.error, last.spec)
+                      last.error, last.spec, last.error_code)

@@ -31,7 +31,7 @@ from ..core.cache import kv_bytes, make_row_cache, padding_leaks
 from ..core.columns import KVQuantization
 from ..core.loader import context_window, vocab_size, weight_bytes
 from ..core.memory import host_memory_bytes
-from ..core.prefix import PrefixStore, default_max_bytes, memory_pressure, model_prefixes
+from ..core.prefix import PrefixStore, default_max_bytes, model_prefixes
 from ..core.prefix_disk import DiskConfig, DiskPrefixes, DiskTier, namespace
 from ..core.grammar import Constraint, grammar_tokenizer
 from ..core.request import GenerationRequest, StepOutput
@@ -41,6 +41,7 @@ from ..metrics import Metrics
 from ..core.request import DRAFTERS, Method, SpeculationConfig
 from ..speculation.speculator import Speculator
 from .kv_manager import ROUND_GROWTH, KVManager, default_max_bytes as default_kv_bytes
+from .memory_guard import OUT_OF_MEMORY, MemoryGuard
 from .plan import ChunkSizes, DecodeStep, PrefillGroup
 from .output import OutputProcessor
 from .runner import ModelRunner
@@ -60,7 +61,9 @@ class EngineConfig:
     kv_bits: int | None = None  # the target's keys and values stored quantized (4 or 8), or not
     kv_group_size: int = 64
     host_memory: int | None = None  # what the default KV budget is a share of (None: this host's)
-    evict_under_pressure: bool = True  # off where ranks must evict alike (tensor parallelism)
+    # near MLX's memory limit the prefix cache gives way and requests wait (``memory_guard.py``): off
+    # where ranks must decide alike (tensor parallelism), each reading its own process's memory
+    watch_memory_limit: bool = True
     decode_ahead: bool | None = None  # plain steps start the next before reading their tokens (None: the default)
     prefix_disk: DiskConfig | None = None  # the prefix cache's disk tier (None: RAM only)
 
@@ -96,7 +99,8 @@ class Scheduler:
         self.max_context = min(config.max_context, native) if config.max_context else native
         self.vocab_size = vocab_size(model)
         budget = default_max_bytes() if config.prefix_cache_bytes is None else config.prefix_cache_bytes
-        self.prefix_store = PrefixStore(budget, memory_pressure if config.evict_under_pressure else None)
+        self.memory = MemoryGuard() if config.watch_memory_limit else None
+        self.prefix_store = PrefixStore(budget, self.memory.short if self.memory is not None else None)
         metrics.prefix_cache_max_bytes.labels(name).set(budget)
         self.prefixes = model_prefixes(model, self.prefix_store, "target")
         self.wake: Callable[[], None] = lambda: None  # the engine's: step soon (a disk read ended)
@@ -265,11 +269,18 @@ class Scheduler:
 
     def _make_room(self) -> None:
         """Preempt the rows that joined last until every row, and every row
-        still prefilling, fits the KV budget after this round; one row always stays.
-        What the budget has left beyond them may pad the rows in a block layout."""
+        still prefilling, fits the KV budget after this round, and MLX is within its
+        memory limit (``memory_guard.py``); one row always stays. What the budget has
+        left beyond them may pad the rows in a block layout."""
         own = self._own_tokens()
         while len(self.batch) > 1 and not self.kv.fits(own):
             self._preempt(len(self.batch) - 1)
+            self.kv.preemptions += 1
+            self.metrics.kv_preemptions.labels(self.name).inc()
+            own = self._own_tokens()
+        while self.memory is not None and len(self.batch) > 1 and self.memory.over():
+            self._preempt(len(self.batch) - 1)
+            self.metrics.memory_preemptions.labels(self.name).inc()
             own = self._own_tokens()
         room = self.kv.room(own)
         self.batch.cache.allow_padding(room)
@@ -277,15 +288,14 @@ class Scheduler:
 
     def _preempt(self, b: int) -> None:
         """Row b leaves the batch to be recomputed later: what it holds is recorded in the
-        prefix cache (resuming restores it), and its request goes back to the front of the queue."""
+        prefix cache (resuming restores it; not while MLX is short of memory), and its request
+        goes back to the front of the queue."""
         seq = self.batch.seqs[b]
         self._record_row(b, seq)
         self.runner.withdraw(seq)
         self.batch.keep([i for i in range(len(self.batch)) if i != b])
         self._leave([seq])
         seq.preemptions += 1
-        self.kv.preemptions += 1
-        self.metrics.kv_preemptions.labels(self.name).inc()
         self.waiting.appendleft(seq)
 
     def _measure_kv(self) -> None:
@@ -330,6 +340,8 @@ class Scheduler:
         if self.prefill is not None or room <= 0 or not self.waiting:
             return
         holds = self._own_tokens()
+        running = bool(holds)  # rows that will give memory back as they finish
+        starting = 0  # the KV bytes of the rows starting in this group
         seqs, contexts, limits, matches, later = [], [], [], [], deque()
         while self.waiting and len(seqs) < room:
             seq = self.waiting.popleft()
@@ -345,8 +357,18 @@ class Scheduler:
             if (holds or seqs) and not self.kv.fits(holds + [own]):
                 self.waiting.appendleft(seq)  # the KV budget is full: in order, nobody passes it
                 break
+            need = starting + self.kv.row_bytes(own)
+            if self.memory is not None and not self.memory.room(need, None if running else self.prefix_store):
+                if running or seqs:
+                    self.waiting.appendleft(seq)  # MLX's memory is short: in order, until rows finish
+                    break
+                self.prefixes.release(seq)  # nothing runs to give memory back: refused (HTTP 503)
+                self.metrics.request_failure.labels(self.name, OUT_OF_MEMORY).inc()
+                seq.emit(self.memory.refused(seq, need))
+                continue
             if self.prefixes.admissible(contexts + [context], matches + [match], limits + [limit],
                                         self.chunks.tokens(bool(self.batch))):
+                starting = need
                 seqs.append(seq)
                 contexts.append(context)
                 limits.append(limit)

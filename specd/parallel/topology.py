@@ -135,7 +135,7 @@ def engine_fields(spec: ModelSpec) -> dict:
             "prefill_step_tokens": spec.prefill_step_tokens, "max_context": spec.max_context,
             # every rank must evict alike: by one budget (the daemon host's default), never by its own memory
             "prefix_cache_bytes": (default_max_bytes() if spec.prefix_cache_max_bytes is None
-                                   else spec.prefix_cache_max_bytes), "evict_under_pressure": False,
+                                   else spec.prefix_cache_max_bytes), "watch_memory_limit": False,
             # and preempt alike: one KV budget, the default a share of the daemon host's memory
             "kv_cache_bytes": spec.kv_cache_max_bytes, "host_memory": host_memory_bytes(),
             "kv_bits": spec.kv_cache_bits, "kv_group_size": spec.kv_cache_group_size,

@@ -27,7 +27,7 @@ from ..engine.interface import ServingEngine
 from ..engine.scheduler import RequestRejected
 from .bodies import BodyError, json_body
 from .chat import ChatTurn, Conversation, call_grammar, splitter
-from .errors import APIError, api_error, bad_request, model_not_found
+from .errors import APIError, api_error, bad_request, engine_failure, model_not_found
 from .images import fetch
 from .keys import FETCH_IMAGE_URLS, REGISTRY
 
@@ -238,7 +238,7 @@ class EngineRun:
         try:
             async for out in self.engine.generate(self.requests[index]):
                 if out.error:
-                    raise APIError(500, out.error, "server_error", None, "engine_error")
+                    raise engine_failure(out)
                 yield out
         except (RequestRejected,  # a replica on another Node checked it against its own engine
                 EngineOverloaded, EngineUnavailable) as err:

@@ -17,7 +17,9 @@ from aiohttp import web
 
 from ..api.manifest import ManifestError
 from ..engine.embedder import EmbeddingFailed
+from ..core.request import StepOutput
 from ..engine.engine import EngineOverloaded, EngineUnavailable
+from ..engine.memory_guard import OUT_OF_MEMORY
 from ..engine.scheduler import RequestRejected
 from ..serving.cluster import Refused
 from ..serving.registry import ModelNotFound, ModelNotReady, WrongTask
@@ -105,6 +107,14 @@ def api_error(err: Exception, message: str | None = None, param: str | None = No
     param = param or getattr(err, "field", None) or getattr(err, "param", None) or kind.param
     code = None if kind.code == INVALID_VALUE and not param else kind.code
     return APIError(status, message, kind.type, param, code, getattr(err, "retry_after", None))
+
+
+def engine_failure(out: StepOutput) -> APIError:
+    """A request its engine ended with an error: refused for MLX's memory limit (503: it may
+    fit once other requests have finished), or failed (500)."""
+    if out.error_code == OUT_OF_MEMORY:
+        return APIError(503, out.error or OUT_OF_MEMORY, "service_unavailable", None, OUT_OF_MEMORY, retry_after=1)
+    return APIError(500, out.error or "engine error", "server_error", None, "engine_error")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -17,7 +17,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import model_manifest, start_daemon
+from conftest import WIDE_KV, model_manifest, start_daemon
 from specd.api.manifest import parse_resource
 from specd.core.memory import gib
 from specd.engine.resources import ENGINE_OVERHEAD, memory_request, safetensors_bytes
@@ -276,5 +276,55 @@ def test_a_request_waiting_for_a_load_is_kept_alive_or_told_when_to_retry(forged
             events = [line for line in stream.read().decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and len(events) >= 3, events
         assert "error" not in events[-2]
+    finally:
+        d.stop()
+
+
+def test_mlx_memory_limit_set_tight_answers_503_naming_memory_and_every_model_keeps_serving(forged, tmp_path):
+    """``--mlx-memory-limit`` tighter than the Models were placed for (MLX's own limit): a prompt
+    whose KV has no room under it is answered 503 with the numbers, at once (nothing of the
+    Model's runs to give memory back); the daemon lives on, the same Model serves a short prompt,
+    and the other Model serves throughout."""
+    from specd.engine.kv_manager import KVManager
+    from specd.engine.resources import kv_token_bytes, read_config
+    from specd.forge.families import build
+
+    wide = build("llama", tmp_path / "wide", forged / "target", overrides=WIDE_KV)
+    rows = KVManager(0, (kv_token_bytes(read_config(wide), None), 0))
+    short, long = rows.row_bytes(16), rows.row_bytes(3000)
+    assert long - short > 32 << 20
+    weights = safetensors_bytes(wide) + safetensors_bytes(forged / "target")
+    slack = (long + short) // 2  # beyond the weights and a step's working memory
+    manifests = {"wide.yaml": model_manifest("wide", wide, prefixCache="{maxBytes: 0}"),
+                 "tiny.yaml": model_manifest("tiny", forged / "target", prefixCache="{maxBytes: 0}")}
+    d = start_daemon(tmp_path, manifests, True, "--mlx-memory-limit", str(weights + ENGINE_OVERHEAD + slack))
+    try:
+        wait_for(lambda: all(condition(d, m)["status"] == "True" for m in ("wide", "tiny")), 120, "both Ready")
+        active = samples(d, "specd_mlx_active_memory_bytes")[()]
+        assert samples(d, "specd_mlx_memory_limit_bytes")[()] == weights + ENGINE_OVERHEAD + slack
+        assert active - weights < slack - short, "more is active beyond the weights than this test leaves room for"
+        client = OpenAI(base_url=d.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        refused = {}
+
+        def long_prompt() -> None:
+            try:
+                client.completions.create(model="wide", prompt=[(11 * i) % 500 + 3 for i in range(3000)],
+                                          max_tokens=4, temperature=0)
+            except Exception as err:  # noqa: BLE001 -- what the client raised is asserted below
+                refused["error"] = err
+        beside = threading.Thread(target=long_prompt)
+        beside.start()
+        served = [chat(d, "tiny") for _ in range(3)]
+        beside.join(120)
+        err = refused.get("error")
+        assert err is not None and getattr(err, "status_code", None) == 503, repr(err)
+        assert err.response.headers.get("Retry-After") == "1"
+        body = err.response.json()["error"]
+        assert body["code"] == "out_of_memory" and "memory limit" in body["message"], body
+        assert all(isinstance(text, str) for text in served)
+        assert isinstance(chat(d, "wide"), str)  # a short prompt has room
+        failures = samples(d, "specd_request_failure")
+        assert failures[(("model_name", "wide"), ("reason", "out_of_memory"))] == 1
+        assert d.proc.poll() is None
     finally:
         d.stop()
