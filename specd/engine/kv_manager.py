@@ -91,11 +91,16 @@ class KVManager:
                 "reserved": False, "preemptions": self.preemptions, "sharedTokens": self.shared_tokens}
 
 
-def default_max_bytes(host_memory: int, weights: int, rows: KVManager, max_rows: int, max_context: int) -> int:
+def default_max_bytes(host_memory: int, weights: int, rows: KVManager, max_rows: int, max_context: int,
+                      room: int | None = None) -> int:
     """The KV budget of a Model that names none: what ``max_rows`` rows of
     ``max_context`` tokens would need, capped by half of the host's memory left
     after the weights (a 16 GB Mac keeps room for the OS and other Models; a
-    512 GB one gives a large Model its whole batch), and never less than one row
-    of ``STEP`` tokens; a row as ``rows`` models it."""
+    512 GB one gives a large Model its whole batch) and by ``room`` (what the
+    Model's ``resources.memory`` leaves it), and never less than one row of
+    ``STEP`` tokens; a row as ``rows`` models it."""
     need = max_rows * rows.row_bytes(max_context)
-    return max(rows.row_bytes(STEP), min(need, max(0, host_memory - weights) // 2))
+    cap = max(0, host_memory - weights) // 2
+    if room is not None:
+        cap = min(cap, room)
+    return max(rows.row_bytes(STEP), min(need, cap))

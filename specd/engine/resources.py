@@ -6,7 +6,8 @@ stored), its KV budget (``kvCache.maxBytes``, else the default the engine
 would choose, from the checkpoint's ``config.json``), its prefix cache budget,
 its pairing's drafter (a draft model's or EAGLE head's weights), and what an
 engine holds beyond those (``ENGINE_OVERHEAD``, measured by
-``ops/bench/scale_from_zero.py``). ``resources.memory`` replaces the sum.
+``ops/bench/scale_from_zero.py``). ``resources.memory`` replaces the sum, and the
+budgets it does not name fit within it.
 The engine is then built with exactly these budgets, so what was requested
 bounds what it holds.
 """
@@ -170,6 +171,10 @@ def cached_checkpoint(source: str, revision: str | None) -> Path | None:
 def _request(spec: ModelSpec, weights: int, drafter: int, config: dict, allocatable: int) -> MemoryRequest:
     if spec.task == "embed":
         return MemoryRequest(weights, 0, 0, 0, ENGINE_OVERHEAD, spec.memory)
+    # what ``resources.memory`` leaves the budgets it does not name, so that the engine built with
+    # them holds no more than the Model asked for: the KV budget first, the prefix cache the rest
+    room = None if spec.memory is None else max(0, spec.memory - weights - drafter - ENGINE_OVERHEAD
+                                                - (spec.kv_cache_max_bytes or 0) - (spec.prefix_cache_max_bytes or 0))
     kv = spec.kv_cache_max_bytes
     if kv is None:
         quantization = KVQuantization(spec.kv_cache_bits, spec.kv_cache_group_size) if spec.kv_cache_bits else None
@@ -177,10 +182,13 @@ def _request(spec: ModelSpec, weights: int, drafter: int, config: dict, allocata
         if spec.max_context:
             context = min(context, spec.max_context)
         rows = KVManager(0, (kv_token_bytes(config, quantization), 0))
-        kv = default_kv_bytes(allocatable, weights + drafter, rows, spec.max_batch_size, context)
+        kv = default_kv_bytes(allocatable, weights + drafter, rows, spec.max_batch_size, context, room)
+        room = None if room is None else max(0, room - kv)
     prefix = spec.prefix_cache_max_bytes
     if prefix is None:
         prefix = default_prefix_bytes(allocatable, kv)
+        if room is not None:
+            prefix = min(prefix, room)
     return MemoryRequest(weights, kv, prefix, drafter, ENGINE_OVERHEAD, spec.memory)
 
 

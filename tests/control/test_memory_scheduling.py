@@ -41,6 +41,31 @@ def request_bytes(forged: Path) -> int:
     return memory_request(parse_resource(doc).spec, None, 1 << 40).total
 
 
+def test_resources_memory_holds_the_budgets_it_does_not_name(forged):
+    """``resources.memory`` replaces the sum, and the engine, built with the request's budgets,
+    stays within it: a KV budget the Model does not name is what the memory leaves after the
+    weights, the budgets it names and an engine's overhead; the prefix cache gets the rest."""
+    weights = safetensors_bytes(forged / "target")
+
+    def request(**spec):
+        doc = {"apiVersion": "specd.dev/v1alpha1", "kind": "Model", "metadata": {"name": "x"},
+               "spec": {"source": str(forged / "target"), **spec}}
+        return memory_request(parse_resource(doc).spec, None, 1 << 40)
+
+    leaves = 3 << 20
+    memory = weights + ENGINE_OVERHEAD + leaves
+    assert request().kv_cache > leaves  # unnamed, the KV budget would hold more than the memory leaves
+    tight = request(resources={"memory": memory})
+    assert (tight.kv_cache, tight.prefix_cache, tight.total) == (leaves, 0, memory)
+    named = request(resources={"memory": memory}, kvCache={"maxBytes": 1 << 20})
+    assert (named.kv_cache, named.prefix_cache) == (1 << 20, 1 << 20)  # the prefix default: at most the KV budget
+    roomy = request(resources={"memory": 1 << 40})
+    assert (roomy.kv_cache, roomy.prefix_cache) == (request().kv_cache, request().prefix_cache)
+    parts = weights + ENGINE_OVERHEAD
+    assert all(r.weights + r.kv_cache + r.prefix_cache + r.drafter + r.overhead <= r.total == memory
+               for r in (tight, named)) and parts < memory
+
+
 def apply(daemon, text: str, tmp_path: Path) -> str:
     f = tmp_path / "apply.yaml"
     f.write_text(text)
