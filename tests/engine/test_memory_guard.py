@@ -94,7 +94,7 @@ def test_without_room_a_request_waits_for_the_running_rows_then_runs_unchanged(w
     """Room for one long row at a time: the second waits until the first has finished (without
     the limit it would join the batch at once), and its tokens are what it produces alone."""
     model, tokenizer = wide_kv
-    first, second = request("first", 1500, 24, tokenizer), request("second", 1500, 24, tokenizer)
+    first, second = request("first", 1500, 64, tokenizer), request("second", 1500, 24, tokenizer)
 
     async def alone(engine):
         return [(await collect(engine, r))[0] for r in (first, second)]
@@ -105,8 +105,9 @@ def test_without_room_a_request_waits_for_the_running_rows_then_runs_unchanged(w
         with mlx_memory_limit(settle(engine) + ENGINE_OVERHEAD + row + row // 2):
             a = asyncio.ensure_future(collect(engine, first))
             await until(lambda: engine.scheduler.batch.seqs, "running row")
-            b = await collect(engine, second)
-            return await a, b, engine.metrics
+            b = asyncio.ensure_future(collect(engine, second))
+            assert not a.done()  # the second arrives while the first runs
+            return await a, await b, engine.metrics
 
     expected = run_engine(model, tokenizer, alone, prefix_cache_bytes=0)
     (a_tokens, a_error, _, a_times), (b_tokens, b_error, _, b_times), metrics = run_engine(
