@@ -164,3 +164,9 @@ class Sequence:
             stop_sequence=self.stops.matched,
             spec=self.stats if self.finish_reason is not None and self._speculated() else None,
         )
+
+    def failed(self, message: str, code: str | None = None) -> StepOutput:
+        """The output that ends this request with an error (``code``: its kind, where the API
+        answers it apart)."""
+        return StepOutput(text="", tokens=[], logprobs=None, error=message, error_code=code,
+                          prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens))

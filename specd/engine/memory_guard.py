@@ -65,8 +65,9 @@ class MemoryGuard:
         """Whether MLX is short of memory: past nine tenths of the limit, or with room for less
         than two steps' working memory. The prefix cache gives way then (and records nothing
         new), before requests have to wait or be refused."""
-        headroom = self.headroom()
-        return headroom < 0.1 * self.limit() or headroom < 2 * self.working_bytes
+        limit = self.limit()
+        headroom = limit - mx.get_active_memory()
+        return headroom < 0.1 * limit or headroom < 2 * self.working_bytes
 
     def refused(self, seq: Sequence, kv_bytes: int) -> StepOutput:
         """The end of a request whose KV takes ``kv_bytes`` and cannot start, with the numbers."""
@@ -74,5 +75,4 @@ class MemoryGuard:
         message = (f"out of memory: the request needs {gib(kv_bytes)} of KV cache and {gib(self.working_bytes)} "
                    f"of working memory, and MLX holds {gib(active)} of its {gib(limit)} memory limit; "
                    "retry when other requests have finished")
-        return StepOutput(text="", tokens=[], logprobs=None, error=message, error_code=OUT_OF_MEMORY,
-                          prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens))
+        return seq.failed(message, OUT_OF_MEMORY)

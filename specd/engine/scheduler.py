@@ -229,8 +229,7 @@ class Scheduler:
             log.exception("releasing failed requests failed", model=self.name)
         for seq in seqs:
             self.metrics.request_failure.labels(self.name, "engine_error").inc()
-            seq.emit(StepOutput(text="", tokens=[], logprobs=None, error=message,
-                                prompt_tokens=len(seq.prompt), completion_tokens=len(seq.tokens)))
+            seq.emit(seq.failed(message))
         self._update_gauges()
         self._measure_kv()
 
