@@ -162,16 +162,17 @@ class GroupRank:
 
 
 def _join_group(plan: GroupPlan) -> mx.distributed.Group:
-    """Write the hostfile this rank's MLX reads, then init the backend."""
+    """Write the files this rank's MLX reads (its hostfile, its devices), then init the
+    backend; MLX reads them while it joins, so they are gone once it has."""
     env = dict(plan.env)
-    scratch = Path(tempfile.mkdtemp(prefix="specd-rank-"))
-    for inline, var in (("SPECD_MLX_HOSTFILE", "MLX_HOSTFILE"), ("SPECD_MLX_IBV_DEVICES", "MLX_IBV_DEVICES")):
-        if inline in env:
-            path = scratch / var.lower()
-            path.write_text(env.pop(inline))
-            env[var] = str(path)
-    os.environ.update(env)
-    return mx.distributed.init(backend=plan.backend, strict=True)
+    with tempfile.TemporaryDirectory(prefix="specd-rank-") as scratch:
+        for inline, var in (("SPECD_MLX_HOSTFILE", "MLX_HOSTFILE"), ("SPECD_MLX_IBV_DEVICES", "MLX_IBV_DEVICES")):
+            if inline in env:
+                path = Path(scratch) / var.lower()
+                path.write_text(env.pop(inline))
+                env[var] = str(path)
+        os.environ.update(env)
+        return mx.distributed.init(backend=plan.backend, strict=True)
 
 
 # Reads stdin to its end, then kills its parent (the rank) if that still is its parent.

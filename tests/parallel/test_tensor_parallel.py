@@ -223,16 +223,18 @@ os._exit(0)
 """
 
 
-def test_ranks_jump_forward_alike_whatever_their_own_timings(forged):
+def test_ranks_jump_forward_alike_whatever_their_own_timings(forged, tmp_path):
     """How many forced tokens a step verifies is chosen from timed costs, which
     differ between ranks: rank 0's choice is broadcast, so ranks whose cost
-    models disagree (rank 1 finds wide steps dear) still run the same forward."""
+    models disagree (rank 1 finds wide steps dear) still run the same forward.
+    The hostfile each rank wrote to join the group is gone once it joined."""
     topo = SPEC_PARSERS["Topology"]({"backend": "ring", "hosts": [
         {"name": f"rank{r}", "address": "127.0.0.1"} for r in range(2)]})
     env = mlx_environment(topo, group_ports(topo))
     args = json.dumps({"env": env, "target": str(forged / "target"), "prompt": PROMPTS[0], "schema": SCHEMA})
     ranks = [subprocess.Popen([sys.executable, "-c", SKEWED_RANK, args], stdout=subprocess.PIPE,
-                              env={**os.environ, "MLX_RANK": str(r), "MLX_WORLD_SIZE": "2"},
+                              env={**os.environ, "MLX_RANK": str(r), "MLX_WORLD_SIZE": "2",
+                                   "TMPDIR": str(tmp_path)},
                               start_new_session=True) for r in range(2)]
     try:
         outs = [proc.communicate(timeout=120)[0] for proc in ranks]
@@ -242,6 +244,7 @@ def test_ranks_jump_forward_alike_whatever_their_own_timings(forged):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert [proc.returncode for proc in ranks] == [0, 0]
+    assert list(tmp_path.glob("specd-rank-*")) == []  # (MLX keeps its compiled kernels there too)
     group = json.loads(outs[0])
 
     model, tokenizer = mlx_lm.load(str(forged / "target"))
