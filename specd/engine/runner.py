@@ -154,7 +154,8 @@ class ModelRunner:
         proposal = speculator.propose(step.round)
         inputs = mx.array(proposal.inputs)
         if proposal.width == 0:
-            self._finish(step, launched or self._launch(batch, inputs), proposal, deliver, step_started)
+            self._finish(step, launched or self._launch(batch, inputs), proposal, deliver, step_started,
+                         launched is not None)
             return
         started = time.perf_counter()
         with speculator.verify_context(batch.cache, proposal):
@@ -237,10 +238,12 @@ class ModelRunner:
         return None
 
     def _finish(self, step: DecodeStep, launched: Launched, proposal: Proposal, deliver: Deliver,
-                step_started: float) -> None:
+                step_started: float, ran_ahead: bool) -> None:
         """A plain step: start the next one over its tokens (when it may run ahead), then read
-        its tokens and hand them out."""
+        its tokens and hand them out. Its seconds are told with whether it ran ahead of the one
+        before, where its rows could have (None where they could not)."""
         batch = step.batch
+        pace = ran_ahead if self._plain(batch, step) else None
         if self._plain(batch):
             self.ahead = self._launch(batch, launched.tokens[:, None])
         emitted = [[t] for t in launched.tokens.tolist()]
@@ -250,7 +253,7 @@ class ModelRunner:
         self.speculator.feedback.count(batch.seqs, proposal, outcome)
         deliver(batch.seqs, launched.logits, emitted)
         self.speculator.feedback.observe_step(len(emitted), proposal, forward_seconds,
-                                              time.perf_counter() - step_started)
+                                              time.perf_counter() - step_started, pace)
         batch.last_tokens = [e[-1] for e in emitted]
 
     def drop_ahead(self) -> None:

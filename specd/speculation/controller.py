@@ -123,7 +123,8 @@ class StaticController:
         """Measured step times by batch-size bucket (only the goodput controller measures them)."""
         return {}
 
-    def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False) -> None:
+    def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False,
+                     ran_ahead: bool | None = None) -> None:
         """A whole decode step's wall time (only the goodput controller uses it)."""
 
     def observe(self, estimates: list[AcceptanceEstimate], proposed: list[int], accepted: list[int],
@@ -169,12 +170,14 @@ class GoodputController(StaticController):
         return (self._no_gain_rows == batch_size and self.policy is not None
                 and (self._steps_off + 1) % self.policy.probe_interval != 0)
 
-    def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False) -> None:
+    def observe_step(self, batch_size: int, seconds: float, caught_up: bool = False,
+                     ran_ahead: bool | None = None) -> None:
         """A whole decode step's wall time, proposing to emitting; ``caught_up``:
-        its draft also prefilled rows or fed them a backlog."""
+        its draft also prefilled rows or fed them a backlog; ``ran_ahead``: a plain
+        step's, whose rows could run ahead of the one before, whether it did."""
         measured = self.realised.get(batch_bucket(batch_size))
         if measured is not None:
-            measured.observe(seconds, caught_up)
+            measured.observe(seconds, caught_up, ran_ahead)
 
     def plan(self, rows: list[Row], batch_size: int) -> tuple[list[int], str | None]:
         """The k with the most expected tokens per second over measured step

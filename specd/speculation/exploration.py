@@ -70,7 +70,18 @@ class Realised:
     try.  Cheap tries are not skipped: one try's verdict can be off by tens
     of percent, and only backing off bounds what such an error costs.  A new
     bucket starts from the nearest smaller one's measurements: speculating
-    costs relatively more as the batch grows, so they can only flatter it."""
+    costs relatively more as the batch grows, so they can only flatter it.
+
+    Plain steps are valued as they run once chosen.  Chosen, they run ahead
+    of one another (``runner.py``: the host builds the next while the device
+    runs this one); a plain step interleaved with a try's, or a plain try
+    among speculative steps, cannot, and costs the host's work on top.  So,
+    where its rows could run ahead, a try's plain step is counted at the
+    seconds of one that ran ahead: scaled by the two kinds' ratio, each an
+    EMA of this bucket's (``plain_pace``: steps that ran ahead outside tries,
+    and tries' plain steps, which could not; a request's first step cannot
+    either, and is neither).  Judged by the slower kind, a try of k won
+    against plain decoding that would then beat it."""
 
     ALPHA = 0.1  # EMA weight of one step of the best k
     TRY = 8  # steps per try (and pairs with the best k's steps)
@@ -102,6 +113,7 @@ class Realised:
         self.versus_plain: dict[int, tuple[float, int]] = {k: (r, 0) for k, r in (versus_plain or {}).items()}
         self.costlier: dict[int, float] = {}  # k -> log seconds of a step at k over the best's, from its latest try
         self.earliest: dict[int, int] = {}  # k (or PLAIN) -> step from which a promising try may come early
+        self.plain_pace: dict[bool, float] = {}  # a plain step's seconds (EMA) by whether it ran ahead
 
     def decide(self, max_k: int, bet: Callable[[], int], tokens: Callable[[int], float]) -> tuple[int, str | None]:
         """The k for this step (0: plain, with why): the best, or a neighbour's
@@ -195,13 +207,18 @@ class Realised:
         self.pending = k, trying
         return k
 
-    def observe(self, seconds: float, caught_up: bool = False) -> None:
+    def observe(self, seconds: float, caught_up: bool = False, ran_ahead: bool | None = None) -> None:
         """The wall time of the step last decided; ``caught_up``: its draft
-        also prefilled rows or fed them a backlog."""
+        also prefilled rows or fed them a backlog; ``ran_ahead``: a plain step's,
+        whose rows could run ahead of the one before, whether it did."""
         decided, self.pending = self.pending, None
         if decided is None or seconds <= 0:
             return
         k, trying = decided
+        if k == 0 and ran_ahead is not None and ran_ahead == (self.trying is None):
+            self.plain_pace[ran_ahead] = _ema(self.plain_pace.get(ran_ahead), seconds, self.ALPHA)
+            if not ran_ahead and True in self.plain_pace:
+                seconds *= min(1.0, self.plain_pace[True] / self.plain_pace[False])
         if trying:
             self.try_cost += seconds - self.tokens(k) / self.rate(self.best)
         if caught_up:

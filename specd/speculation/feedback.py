@@ -73,10 +73,12 @@ class Feedback:
         else:
             self._count_round(seqs, proposal, outcome)
 
-    def observe_step(self, rows: int, proposal: Proposal, forward_seconds: float, step_seconds: float) -> None:
+    def observe_step(self, rows: int, proposal: Proposal, forward_seconds: float, step_seconds: float,
+                     ran_ahead: bool | None = None) -> None:
         """What the step cost: its forward with verification and rollback (the cost model's
         input; under a goodput policy also exported next to what the model predicted) and the
-        whole step, its tokens handed out (the controller's)."""
+        whole step, its tokens handed out (the controller's); ``ran_ahead``: for a plain step
+        whose rows could run ahead of the step before (``runner.py``), whether it did."""
         width = proposal.width + 1
         if self.controller.mode == "goodput":
             if self._step_seconds is None:
@@ -85,7 +87,7 @@ class Feedback:
             self._step_seconds["measured"].set(forward_seconds)
             self._step_seconds["modelled"].set(self.costs.target_seconds(rows, width))
         self.costs.observe_target(rows, width, forward_seconds)
-        self.controller.observe_step(rows, step_seconds - proposal.backlog_seconds, proposal.caught_up)
+        self.controller.observe_step(rows, step_seconds - proposal.backlog_seconds, proposal.caught_up, ran_ahead)
 
     def _count_round(self, seqs: list[Sequence], proposal: Proposal, outcome: Outcome) -> None:
         verified = proposal.drafted

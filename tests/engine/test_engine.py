@@ -314,7 +314,8 @@ def test_a_request_becomes_a_sequence_on_the_engine_thread_never_on_the_event_lo
 def test_a_goodput_policy_that_measured_plain_decoding_best_runs_ahead(target):
     """Rows asking to speculate, under a goodput policy whose measurements say plain decoding pays
     best (no try due), start each step before the last one's tokens are read, as spec-off rows do,
-    and write what stepping whole writes."""
+    and write what stepping whole writes. The policy is told which plain steps ran ahead (its
+    measurements value plain decoding at their pace), and that none could where none may."""
     from specd.core.request import SpeculationConfig
 
     ngram = SpeculationConfig("ngram", 3)
@@ -325,12 +326,14 @@ def test_a_goodput_policy_that_measured_plain_decoding_best_runs_ahead(target):
         async def one(prompt):
             request = GenerationRequest(f"r{next(_ids)}", prompt, GREEDY, 30, speculation=ngram)
             return [t async for out in engine.generate(request) for t in out.tokens]
-        return await asyncio.gather(*(one(p) for p in prompts(target[1], 4, 30)))
-    whole = with_engine(target, go, decode_ahead=False)
+        tokens = await asyncio.gather(*(one(p) for p in prompts(target[1], 4, 30)))
+        return tokens, engine.scheduler.speculator.feedback.realised[4].plain_pace
+    whole, paces_whole = with_engine(target, go, decode_ahead=False)
     with counting_steps_run_ahead() as taken:
-        ahead = with_engine(target, go, decode_ahead=True)
+        ahead, paces_ahead = with_engine(target, go, decode_ahead=True)
     assert ahead == whole
     assert taken[0] > 20, taken
+    assert paces_whole == {} and True in paces_ahead
 
 
 def test_running_ahead_changes_no_token(target):

@@ -220,21 +220,21 @@ def FOUR_ROWS(k: int) -> float:
     return 4 * expected_tokens(0.5, k)
 
 
-def measure_plain(measured: Realised, seconds: float) -> None:
+def measure_plain(measured: Realised, seconds: float, ran_ahead: bool | None = None) -> None:
     for _ in range(Realised.TRY):
         assert measured.decide(4, lambda: 1, FOUR_ROWS) == (0, "baseline")
-        measured.observe(seconds)
+        measured.observe(seconds, ran_ahead=ran_ahead)
 
 
 def try_speculating(measured: Realised, first_seconds: float, then_seconds: float,
-                    plain_seconds: float = 0.01) -> None:
+                    plain_seconds: float = 0.01, ran_ahead: bool | None = None) -> None:
     """One try of k = 1: a first step that catches a draft cache up, then steady steps,
-    each followed by a plain step."""
+    each followed by a plain step (``ran_ahead`` as the runner tells it)."""
     ks = []
     while not ks or measured.trying is not None:
         ks.append(measured.decide(4, lambda: 1, FOUR_ROWS)[0])
         if ks[-1] == 0:
-            measured.observe(plain_seconds)
+            measured.observe(plain_seconds, ran_ahead=ran_ahead)
         else:
             measured.observe(first_seconds if len(ks) == 1 else then_seconds, caught_up=len(ks) == 1)
     assert ks == [1, 0] * (Realised.TRY + 1)  # the first pair's try step was left out
@@ -258,6 +258,22 @@ def test_a_try_is_judged_against_the_best_k_at_the_same_speed():
     assert measured.rate(1) == pytest.approx(720)  # beats the 400 tokens/s measured before the try ..
     assert measured.rate(0) == pytest.approx(800)  # .. not plain decoding at the try's speed
     assert measured.best == 0
+
+
+def test_plain_steps_a_try_keeps_from_running_ahead_count_as_they_run_once_chosen():
+    """Plain steps run ahead of one another at 7 ms; interleaved with a try's they cannot, and
+    take 12.5 ms. k = 1 at 11.5 ms yields 1.5 times their tokens: ahead of the slow plain steps
+    beside it, behind plain decoding as it runs once chosen, so plain decoding stays best. Where
+    the rows could not run ahead (no pace told), the steps beside the try are what plain costs."""
+    measured = Realised()
+    measure_plain(measured, 0.007, ran_ahead=True)
+    try_speculating(measured, first_seconds=0.02, then_seconds=0.0115, plain_seconds=0.0125, ran_ahead=False)
+    assert measured.rate(0) == pytest.approx(4 / 0.007)
+    assert measured.best == 0
+    measured = Realised()
+    measure_plain(measured, 0.007)
+    try_speculating(measured, first_seconds=0.02, then_seconds=0.0115, plain_seconds=0.0125)
+    assert measured.best == 1
 
 
 def test_a_try_wins_only_by_a_margin_its_pairs_agree_on():
