@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -161,11 +162,15 @@ class GroupRank:
         return zlib.crc32(repr(state).encode()) & 0x7FFFFFFF
 
 
+SCRATCH_PREFIX = "specd-rank-"  # + the rank's pid + "-": where it writes the files MLX reads as it joins
+
+
 def _join_group(plan: GroupPlan) -> mx.distributed.Group:
     """Write the files this rank's MLX reads (its hostfile, its devices), then init the
     backend; MLX reads them while it joins, so they are gone once it has."""
     env = dict(plan.env)
-    with tempfile.TemporaryDirectory(prefix="specd-rank-") as scratch:
+    _remove_scratch_of_dead_ranks()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as scratch:
         for inline, var in (("SPECD_MLX_HOSTFILE", "MLX_HOSTFILE"), ("SPECD_MLX_IBV_DEVICES", "MLX_IBV_DEVICES")):
             if inline in env:
                 path = Path(scratch) / var.lower()
@@ -173,6 +178,25 @@ def _join_group(plan: GroupPlan) -> mx.distributed.Group:
                 env[var] = str(path)
         os.environ.update(env)
         return mx.distributed.init(backend=plan.backend, strict=True)
+
+
+def _remove_scratch_of_dead_ranks() -> None:
+    """A rank killed as it joined (the daemon gone, ``kill -9``) leaves its scratch directory
+    behind: the next rank on this host removes those whose process is gone."""
+    for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 # Reads stdin to its end, then kills its parent (the rank) if that still is its parent.

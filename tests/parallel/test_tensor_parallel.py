@@ -227,7 +227,13 @@ def test_ranks_jump_forward_alike_whatever_their_own_timings(forged, tmp_path):
     """How many forced tokens a step verifies is chosen from timed costs, which
     differ between ranks: rank 0's choice is broadcast, so ranks whose cost
     models disagree (rank 1 finds wide steps dear) still run the same forward.
-    The hostfile each rank wrote to join the group is gone once it joined."""
+    The hostfile each rank wrote to join the group is gone once it joined, and so is
+    what a rank killed as it joined left behind; a running one's is kept."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = {pid: tmp_path / f"specd-rank-{pid}-x1y2" for pid in (int(gone.stdout), os.getpid())}
+    for path in left.values():
+        path.mkdir()
+        (path / "mlx_hostfile").write_text("[]")
     topo = SPEC_PARSERS["Topology"]({"backend": "ring", "hosts": [
         {"name": f"rank{r}", "address": "127.0.0.1"} for r in range(2)]})
     env = mlx_environment(topo, group_ports(topo))
@@ -244,7 +250,7 @@ def test_ranks_jump_forward_alike_whatever_their_own_timings(forged, tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert [proc.returncode for proc in ranks] == [0, 0]
-    assert list(tmp_path.glob("specd-rank-*")) == []  # (MLX keeps its compiled kernels there too)
+    assert list(tmp_path.glob("specd-rank-*")) == [left[os.getpid()]]  # (MLX keeps its compiled kernels there too)
     group = json.loads(outs[0])
 
     model, tokenizer = mlx_lm.load(str(forged / "target"))
