@@ -199,6 +199,7 @@ class GoodputController(StaticController):
         ks = self._lookups_alone(rows, ks) if any(use) else ks
         if not any(ks):  # no row's estimate pays for a proposal (a lookup alone finds none)
             self._no_gain_rows = batch_size
+            measured.pending = None  # a plain step, not one at k: it measures neither
         return ks, reason
 
     def _measured(self, bucket: int) -> Realised:

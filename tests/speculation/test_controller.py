@@ -174,6 +174,19 @@ def test_rows_whose_estimates_pay_for_nothing_decode_plainly_next_unless_a_probe
     assert not controller.plain_next(8)  # another batch is not the rows that were planned
 
 
+def test_a_step_decided_at_k_whose_rows_propose_nothing_is_not_measured_as_ks():
+    """The measurements try k, but no row's estimate pays for a proposal, so each such step
+    decodes plainly: its seconds are not a step at k, and no try is judged on them."""
+    controller = GoodputController(PolicySettings(probe_interval=1000), "p", costs(0.010, 0.00001))
+    hopeless = rows([0.0] * 4)
+    for _ in range(Realised.TRY + 4 * Realised.TRY):
+        assert not any(controller.plan(hopeless, 4)[0])
+        controller.observe_step(4, 0.01)
+    measured = controller.realised[4]
+    assert measured.trying is not None  # a try of k was decided all along ..
+    assert set(measured.seconds) == {0} and measured.evidence == {} and measured.pairs == []  # .. and never ran
+
+
 def test_the_best_k_is_found_by_climbing_from_neighbour_to_neighbour():
     controller = GoodputController(PolicySettings(max_speculative_tokens=6), "p", costs(0.010, 0.01))  # bets k = 1
     rate = {0: 250.0, 1: 300.0, 2: 350.0, 3: 380.0, 4: 340.0, 5: 200.0, 6: 150.0}
