@@ -190,19 +190,18 @@ class ModelRunner:
 
     # -- running ahead ------------------------------------------------------------
 
-    def _plain(self, batch: RunningBatch, planned: DecodeStep | None = None) -> bool:
-        """Whether this step and the next one, for these rows, may run without the host between
-        them (see the module's docstring): where ``decode_ahead`` is on, a cache whose rollback is
-        a change of length (no recurrent state), no row that has a grammar or a penalty
-        or would pass its context window in the next step, and no row that speculates: as
-        ``planned`` (a step the scheduler planned), or, for the next step, as the controller
-        says it will plan (a goodput policy that measured plain decoding to pay best)."""
+    def _rows_may_run_ahead(self, batch: RunningBatch) -> bool:
+        """Whether a plain step and the next one, for these rows, may run without the host between
+        them (see the module's docstring), whatever the rows propose: where ``decode_ahead`` is
+        on, a cache whose rollback is a change of length (no recurrent state), and no row that has
+        a grammar or a penalty or would pass its context window in the next step. The callers add
+        that no row speculates: as the scheduler planned this step, or as the controller says it
+        will plan the next (a goodput policy that measured plain decoding to pay best)."""
         if not self.decode_ahead or batch.cache.chains_only:
             return False
         window = self.max_context()
-        if any(s.constraint is not None or s.params.penalized or s.context_length + 2 > window for s in batch.seqs):
-            return False
-        return not any(planned.round.ks) if planned is not None else self.speculator.decodes_plainly(batch.seqs)
+        return not any(s.constraint is not None or s.params.penalized or s.context_length + 2 > window
+                       for s in batch.seqs)
 
     def _launch(self, batch: RunningBatch, inputs: mx.array) -> Launched:
         """Build a plain step's forward, its logits processors and its sampling (each row's own
@@ -229,7 +228,7 @@ class ModelRunner:
         batch = step.batch
         position = {s: i for i, s in enumerate(ahead.seqs)}
         index = [position.get(s) for s in batch.seqs]
-        if None not in index and self._plain(batch, step):
+        if None not in index and self._rows_may_run_ahead(batch) and not any(step.round.ks):
             return ahead.rows(index)
         batch.cache.rollback([0 if i is None else 1 for i in index])
         for seq, i in zip(batch.seqs, index):
@@ -243,8 +242,9 @@ class ModelRunner:
         its tokens and hand them out. Its seconds are told with whether it ran ahead of the one
         before, where its rows could have (None where they could not)."""
         batch = step.batch
-        pace = ran_ahead if self._plain(batch, step) else None
-        if self._plain(batch):
+        may_run_ahead = self._rows_may_run_ahead(batch)  # the rows as they were planned and will be next
+        pace = ran_ahead if may_run_ahead and not any(step.round.ks) else None
+        if may_run_ahead and self.speculator.decodes_plainly(batch.seqs):
             self.ahead = self._launch(batch, launched.tokens[:, None])
         emitted = [[t] for t in launched.tokens.tolist()]
         forward_seconds = time.perf_counter() - step_started
