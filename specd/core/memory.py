@@ -28,7 +28,7 @@ def gib(n: int) -> str:
 _LIBC = ctypes.CDLL(None)
 _MALLOPT = getattr(_LIBC, "mallopt", None)  # glibc only
 _MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's malloc.h
 # Blocks below this come from the heap, where a freed one serves the next array alike (glibc's own
 # ceiling for the threshold it raises as it goes)
 HEAP_MMAP_THRESHOLD = 32 << 20
@@ -36,6 +36,12 @@ HEAP_MMAP_THRESHOLD = 32 << 20
 # again): as much as one block the heap serves, as more stays in RSS for little (``ops/bench/kv_memory.py``);
 # the daemon hands free pages back on its own clock (``return_freed_memory``)
 HEAP_TRIM_THRESHOLD = 32 << 20
+# Heaps the threads share (glibc's default: eight per core). ``malloc_trim`` hands back free pages
+# inside every heap but the free space at the top of a thread's own heap, which stays resident up
+# to the trim threshold: one such heap for each thread that ever allocated (the engines', the
+# executor pools', MLX's) kept the daemon's RSS growing model load after model load
+# (``ops/bench/cluster_soak.py``)
+HEAP_ARENAS = 2
 
 
 def reuse_freed_memory() -> None:
@@ -46,10 +52,15 @@ def reuse_freed_memory() -> None:
     kernel zeroes page by page as they are written and unmaps, across every core, when they are
     freed. A prefill's attention scores, a little larger each turn of a conversation, keep landing
     above it, and a CPU engine's prefills wait on page faults (``ops/bench/multiturn.py``). No
-    effect where there is no glibc (macOS) or arrays are not on the C heap (Metal, CUDA)."""
+    effect where there is no glibc (macOS) or arrays are not on the C heap (Metal, CUDA).
+
+    The threads share ``HEAP_ARENAS`` heaps, so that what each one keeps at its top (the trim
+    threshold) is kept a couple of times, not once per thread. Called before the daemon starts
+    its threads: a heap glibc made already stays."""
     if _MALLOPT is not None:
         _MALLOPT(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
         _MALLOPT(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
+        _MALLOPT(M_ARENA_MAX, HEAP_ARENAS)
 
 
 def freeze_startup_objects() -> None:

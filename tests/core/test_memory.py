@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-from specd.core.memory import reuse_freed_memory
+from specd.core.memory import HEAP_TRIM_THRESHOLD, reuse_freed_memory
 
 LIBC = ctypes.CDLL(None)
 
@@ -40,3 +43,43 @@ def test_arrays_a_little_larger_each_time_come_from_the_heap():
         mapped.append(mapped_blocks() - before)
         del scores
     assert mapped == [0] * len(mapped), mapped
+
+
+THREADS_HOLDING_BLOCKS = """
+import sys, threading
+from specd.core.memory import return_freed_memory, reuse_freed_memory
+
+def rss() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+reuse_freed_memory()
+threads, block = 8, 20 << 20  # each under the heap's trim threshold: it stays at a heap's top when freed
+barrier = threading.Barrier(threads)
+
+def hold() -> None:
+    held = bytearray(block)  # malloc'd by this thread, every page written
+    barrier.wait()  # all blocks live at once, so that glibc gives the threads heaps of their own
+    del held
+    barrier.wait()
+
+before = rss()
+workers = [threading.Thread(target=hold) for _ in range(threads)]
+for worker in workers:
+    worker.start()
+for worker in workers:
+    worker.join()
+return_freed_memory()
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not hasattr(LIBC, "mallinfo2"), reason="glibc's malloc only")
+def test_threads_freed_blocks_go_back_to_the_os_but_for_a_heap_or_two():
+    """Each thread that allocated while others did got a heap of its own, and glibc hands back
+    (``malloc_trim``) free pages inside a heap but not the free space at a thread heap's top: eight
+    threads' freed 20 MB blocks stayed in RSS, and a daemon's threads kept what each model load
+    left there. The threads now share two heaps: at most one thread heap's top stays."""
+    result = subprocess.run([sys.executable, "-c", THREADS_HOLDING_BLOCKS], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parents[2])
+    kept = int(result.stdout)
+    assert kept <= HEAP_TRIM_THRESHOLD + (8 << 20), f"{kept / 2**20:.0f} MiB of 160 freed stayed in RSS"
