@@ -168,6 +168,7 @@ def test_a_partition_during_a_models_load_leaves_one_replica_and_converges(forge
         assert h.get("/apis/specd.dev/v1alpha1/apply", {"items": [manifest]})[0] == 200
         # the head reads only the weights' header; a megabyte of them is w2's download under way
         wait_for(lambda: mirror.bytes_sent.get("model.safetensors", 0) > 2**20, 60, "w2 downloading the weights")
+        mirror.set_rate(1_000)  # the rest of w2's download outlasts w1's start, however busy the cores
         daemons.append(worker(tmp_path, "w1", h, env=hub("w1")))
         wait_for(lambda: node_ready(h, "w1"), 30, "w1 joined")
         assert [r["node"] for r in model_status(h, "m")["replicas"]] == ["w2"]
