@@ -38,9 +38,9 @@ HEAP_MMAP_THRESHOLD = 32 << 20
 HEAP_TRIM_THRESHOLD = 32 << 20
 # Heaps the threads share (glibc's default: eight per core). ``malloc_trim`` hands back free pages
 # inside every heap but the free space at the top of a thread's own heap, which stays resident up
-# to the trim threshold: one such heap for each thread that ever allocated (the engines', the
-# executor pools', MLX's) kept the daemon's RSS growing model load after model load
-# (``ops/bench/cluster_soak.py``)
+# to the trim threshold: with one such heap for each thread that allocated while another did (the
+# engines', the executor pools', MLX's), eight threads' freed blocks stayed resident whole
+# (``tests/core/test_memory.py``)
 HEAP_ARENAS = 2
 
 
