@@ -46,7 +46,7 @@ def test_arrays_a_little_larger_each_time_come_from_the_heap():
 
 
 THREADS_HOLDING_BLOCKS = """
-import sys, threading
+import threading
 from specd.core.memory import return_freed_memory, reuse_freed_memory
 
 def rss() -> int:
@@ -77,8 +77,8 @@ print(rss() - before)
 def test_threads_freed_blocks_go_back_to_the_os_but_for_a_heap_or_two():
     """Each thread that allocated while others did got a heap of its own, and glibc hands back
     (``malloc_trim``) free pages inside a heap but not the free space at a thread heap's top: eight
-    threads' freed 20 MB blocks stayed in RSS, and a daemon's threads kept what each model load
-    left there. The threads now share two heaps: at most one thread heap's top stays."""
+    threads' freed 20 MB blocks stayed in RSS. The threads now share two heaps: at most one thread
+    heap's top stays."""
     result = subprocess.run([sys.executable, "-c", THREADS_HOLDING_BLOCKS], capture_output=True, text=True,
                             check=True, cwd=Path(__file__).resolve().parents[2])
     kept = int(result.stdout)
