@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,12 +22,13 @@ from conftest import code_sample, model_manifest, start_daemon
 from specd.serving.cluster import versions
 from specd.serving.tls import JoinToken, NodeIdentity, client_context
 from specd.control.placement import Candidate, place, place_group, place_remote_groups
+from specd.control.reconcilers.model.lifecycle import group_backoff, load_backoff
 from specd.core import memory
 from specd.core.request import GenerationRequest, Method, SpecStats, SpeculationConfig, StepOutput, TokenLogprob
 from specd.core.sampling import SamplingParams
 from specd.engine.resources import ENGINE_OVERHEAD
 from specd.serving.remote import output_from_json, output_to_json, request_from_json, request_to_json
-from clusters import BUDGETS, join_token, joined, node_ready, nodes, token_file, worker
+from clusters import BUDGETS, head, join_token, joined, node_ready, nodes, token_file, worker
 from daemons import get, model_status, ready, specd, topology, wait_for
 
 NO_END = {"0": -100, "2": -100}  # the forged tokenizer's end-of-text ids: a sampled reply runs its whole length
@@ -93,6 +95,29 @@ def test_joins_are_refused_with_the_reason(tmp_path, cluster):
         assert "w1" in table and "w2" in table and "head" in table
     finally:
         stray.stop(signal.SIGKILL)
+
+
+def test_a_model_a_head_cannot_read_waits_its_backoff(tmp_path):
+    """A head reads each Model's memory request before it places the replicas. A source that is
+    not there fails that read, which then waits its backoff as a failed load does (it was read
+    again at once: hundreds of thousands of failures in minutes, until the backoff overflowed)."""
+    h = head(tmp_path)
+    try:
+        (tmp_path / "gone.yaml").write_text(model_manifest("gone", tmp_path / "no-such-model", **BUDGETS))
+        specd(h, "apply", "-f", str(tmp_path / "gone.yaml"))
+
+        def backoffs() -> list[dict]:
+            items = json.loads(h.get("/apis/specd.dev/v1alpha1/models/gone/events")[1])["items"]
+            return [e for e in items if e["reason"] == "BackOff"]
+        wait_for(backoffs, 30, "the first failed read")
+        time.sleep(3)  # a read again at once fails within milliseconds
+        assert len(backoffs()) == 1
+        ready = next(c for c in get(h, "model", "gone")["status"]["conditions"] if c["type"] == "Ready")
+        assert "does not exist (attempt 1; next in 10s)" in ready["message"]
+    finally:
+        h.stop()
+    assert [load_backoff(n) for n in (1, 2, 6, 5000)] == [10, 20, 300, 300]
+    assert [group_backoff(n) for n in (1, 5, 6, 5000)] == [1, 16, 30, 30]
 
 
 def test_a_replica_at_zero_is_woken_by_a_request(forged, tmp_path, cluster):

@@ -22,13 +22,13 @@ log = structlog.get_logger(__name__)
 
 def group_backoff(restarts: int) -> float:
     """Seconds before restarting a group that failed ``restarts`` times in a row: 1, 2, 4 .. 30."""
-    return min(30.0, 2.0 ** (restarts - 1))
+    return min(30.0, 2.0 ** min(restarts - 1, 5))
 
 
 def load_backoff(failures: int) -> float:
     """Seconds before loading again a Model whose load failed ``failures`` times in a row
     for a reason that can pass: 10, 20, 40 .. 300 (Kubernetes' image pull backoff)."""
-    return min(300.0, 10.0 * 2.0 ** (failures - 1))
+    return min(300.0, 10.0 * 2.0 ** min(failures - 1, 5))
 
 
 def can_pass(exc: BaseException) -> bool:
@@ -143,6 +143,14 @@ class Lifecycle:
         ctx.event(state.name, "Normal", reason, message)
         self.drains[state.name] = ctx.spawn(self.drain(state.name, engine), state.name)
         ctx.look(state.name)
+
+    @staticmethod
+    def waits_after_failure(state: ModelState, generation: int, now: float) -> bool:
+        """Whether the Model's load (or the read of its memory request) failed at ``generation``
+        and waits: for its backoff, or for a new spec or a rollout restart where it cannot pass."""
+        served, running = state.serving, state.running
+        return (served.phase is Phase.FAILED and running.generation == generation and not running.restart
+                and (served.retry_at is None or now < served.retry_at))
 
     def idle(self, state: ModelState, now: float) -> bool:
         """Whether a Model at ``minReplicas: 0`` has gone unused for its ``idleSeconds``."""

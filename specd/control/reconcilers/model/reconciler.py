@@ -172,9 +172,9 @@ class ModelReconciler:
             running.spec, running.generation = spec, want.generation  # placed or removed elsewhere, not reloaded
         if not self._reconcile_placement(state, want):
             return
-        restart_due = served.retry_at is not None and now >= served.retry_at
         up_to_date = running.generation == want.generation and running.group_key == want.group_key and (
-            not running.restart and (served.engine is not None or served.phase is Phase.FAILED and not restart_due))
+            not running.restart and served.engine is not None
+            or self.lifecycle.waits_after_failure(state, want.generation, now))
         if up_to_date or running.loading_generation == want.generation:
             return
         if served.engine is None and spec.min_replicas == 0 and not served.demand and not running.restart and not (

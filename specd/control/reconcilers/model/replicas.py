@@ -4,6 +4,7 @@ remote ones applied to their workers, and its requests served through a ``Replic
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
@@ -39,7 +40,8 @@ class ReplicaPlacement:
         request = self.memory.cached_request(state, spec, want.pairing)
         if request is None:
             placed.replica_nodes = current  # a restarted head keeps the placement it stored
-            self.memory.start_reading(state, obj.generation, spec, want.pairing)
+            if not self.lifecycle.waits_after_failure(state, obj.generation, time.monotonic()):
+                self.memory.start_reading(state, obj.generation, spec, want.pairing)
             return False
         members = cluster.members
         # what this node could give: idle Models at minReplicas 0 make room when it loads (``NodeMemory.place``)
