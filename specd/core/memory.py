@@ -40,7 +40,8 @@ HEAP_TRIM_THRESHOLD = 32 << 20
 # inside every heap but the free space at the top of a thread's own heap, which stays resident up
 # to the trim threshold: with one such heap for each thread that allocated while another did (the
 # engines', the executor pools', MLX's), eight threads' freed blocks stayed resident whole
-# (``tests/core/test_memory.py``)
+# (``tests/core/test_memory.py``). Not one: the engine's thread and MLX's would then wait on its lock
+# (``ops/bench/results/cluster_soak_one_heap.json``)
 HEAP_ARENAS = 2
 
 
