@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,6 +23,7 @@ from ..core.loader import text_config, vocab_size
 from ..metrics import Metrics
 from . import threads
 from .engine import EngineOverloaded, EngineUnavailable
+from .interface import drain_within
 from .scheduler import RequestRejected
 
 log = structlog.get_logger(__name__)
@@ -132,12 +132,10 @@ class Embedder:
             job.cancelled = not result.done()
 
     async def shutdown(self, grace: float = 30.0) -> None:
-        """Stop accepting, let queued requests finish within ``grace``, then stop."""
+        """Stop accepting, let queued requests finish within ``grace`` (``drain_within``), then stop."""
         with self._cv:
             self._accepting = False
-        deadline = time.monotonic() + grace
-        while self.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await drain_within(lambda: self.in_flight > 0, grace)
         with self._cv:
             self._stopped = True
             self._cv.notify()

@@ -29,6 +29,7 @@ from ..speculation.dflash.checkpoint import load_dflash
 from ..speculation.eagle.checkpoint import load_head
 from ..speculation.mtp.checkpoint import load_mtp_head
 from . import threads
+from .interface import drain_within
 from .scheduler import EngineConfig, Scheduler, StepInputs, check_request
 
 log = structlog.get_logger(__name__)
@@ -274,11 +275,9 @@ class Engine:
                 self.cancel(request.request_id)
 
     async def shutdown(self, grace: float = 30.0) -> None:
-        """Stop accepting, let in-flight requests finish within ``grace``, then stop."""
+        """Stop accepting, let in-flight requests finish within ``grace`` (``drain_within``), then stop."""
         self.inbox.close()
-        deadline = time.monotonic() + grace
-        while self.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await drain_within(lambda: self.in_flight > 0, grace)
         self.stop()
         if self._stepped is not None:
             await asyncio.to_thread(self._stepped.wait, 10.0)

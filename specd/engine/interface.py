@@ -11,7 +11,9 @@ with its new DraftPairing, and fails whole when a host of its ranks is lost (``R
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol, runtime_checkable
+import asyncio
+import time
+from typing import AsyncIterator, Callable, Protocol, runtime_checkable
 
 import mlx.nn as nn
 
@@ -19,6 +21,22 @@ from ..core.request import GenerationRequest, StepOutput
 from ..core.request import Method, SpeculationConfig
 from ..core.vision import VisionTower
 from ..speculation.config import PolicySettings
+
+DRAIN_POLL_S = 0.05  # how often a draining engine looks whether its requests are done
+# A longer gap between those looks is a pause of the whole process (a worker stopped, a stalled VM),
+# not time its requests had to finish: it counts as this much of the grace
+DRAIN_PAUSE_S = 0.5
+
+
+async def drain_within(busy: Callable[[], bool], grace: float) -> None:
+    """Wait while ``busy()``, for at most ``grace`` seconds of the process running: ``shutdown``'s
+    grace, as every ServingEngine counts it. A worker stopped for 30 s in the middle of a drain
+    (SIGSTOP) resumed with its grace spent by the clock, and failed requests it could have finished."""
+    left, last = grace, time.monotonic()
+    while busy() and left > 0:
+        await asyncio.sleep(DRAIN_POLL_S)
+        now = time.monotonic()
+        left, last = left - min(now - last, DRAIN_PAUSE_S), now
 
 
 class ServingEngine(Protocol):

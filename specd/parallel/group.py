@@ -27,7 +27,7 @@ from ..api.manifest import ModelSpec, TopologySpec
 from ..core.loader import load_tokenizer
 from ..core.request import GenerationRequest, StepOutput
 from ..engine.engine import EngineOverloaded, EngineUnavailable
-from ..engine.interface import ServingEngine
+from ..engine.interface import ServingEngine, drain_within
 from ..engine.scheduler import check_request
 from ..core.request import Method, NO_SPECULATION, SpeculationConfig
 from ..speculation.config import PolicySettings
@@ -140,11 +140,9 @@ class GroupClient:
                 self._send(("cancel", request.request_id))
 
     async def shutdown(self, grace: float = 30.0) -> None:
-        """Let in-flight requests finish within ``grace``, then stop every rank."""
+        """Let in-flight requests finish within ``grace`` (``drain_within``), then stop every rank."""
         self._accepting = False
-        deadline = time.monotonic() + grace
-        while self._streams and time.monotonic() < deadline and not self.failure:
-            await asyncio.sleep(0.05)
+        await drain_within(lambda: bool(self._streams) and not self.failure, grace)
         self._stopping = True
         self._send(("stop",))
         await asyncio.to_thread(_reap, self.procs, 10.0)

@@ -29,7 +29,7 @@ from ..core.sampling import SamplingParams
 from ..speculation.config import PolicySettings
 from ..engine.embedder import Embedder, EmbeddingFailed, check_rows
 from ..engine.engine import EngineOverloaded, EngineUnavailable
-from ..engine.interface import ServingEngine
+from ..engine.interface import ServingEngine, drain_within
 from ..engine.scheduler import RequestRejected, check_request
 from ..api.paths import MODEL_EMBED as EMBED, MODEL_GENERATE as GENERATE
 from .fence import EPOCH_HEADER
@@ -173,10 +173,8 @@ class _Remote:
         return f"the replica's Node {self.node} failed: {exc}"
 
     async def shutdown(self, grace: float = 30.0) -> None:
-        """Let requests in flight finish within ``grace``; the worker's engine keeps running."""
-        deadline = asyncio.get_running_loop().time() + grace
-        while self._in_flight and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        """Let requests in flight finish within ``grace`` (``drain_within``); the worker's engine keeps running."""
+        await drain_within(lambda: bool(self._in_flight), grace)
         if self._session is not None:
             await self._session.close()
 

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import itertools
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -213,6 +214,39 @@ def test_a_model_that_builds_arrays_at_load_time_serves_from_the_engine_thread(f
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts the process's threads in /proc")
+def test_a_drain_s_grace_runs_while_the_process_does(target):
+    """A worker stopped (SIGSTOP) in the middle of a drain resumed with its grace spent by the
+    clock and failed the requests it was finishing: "engine stopped" in the cluster soak. Here the
+    engine thread is held between steps and the event loop blocked for longer than the grace,
+    as a stopped process is; afterwards the drain goes on and the request finishes."""
+    _, tokenizer = target
+    prompt = tokenizer.encode("def add(a, b):")
+
+    async def fn(engine: Engine):
+        held, first = threading.Event(), asyncio.Event()
+
+        async def request():
+            out = []
+            async for o in engine.generate(GenerationRequest(f"r{next(_ids)}", prompt, GREEDY, 64)):
+                out.append(o)
+                first.set()
+            return out
+        task = asyncio.ensure_future(request())
+        await first.wait()
+        engine.inbox.between_steps(lambda: held.wait(30))  # the engine thread stops between steps
+        drain = asyncio.ensure_future(engine.shutdown(3.0))
+        await asyncio.sleep(0.1)
+        time.sleep(4.0)  # the process stopped: the loop does not run either
+        await asyncio.sleep(0.3)
+        still_draining = not engine.inbox.stopped
+        held.set()
+        await drain
+        return still_draining, await task
+    still_draining, outputs = with_engine(target, fn)
+    assert still_draining
+    assert outputs[-1].error is None and outputs[-1].finish_reason in ("length", "stop")
+
+
 def test_engines_that_stop_leave_no_threads_behind(target):
     """MLX keeps a thread for every stream until the process ends, and streams belong to the thread
     that made them: Models that load and unload (scale to zero, reloads) must not leave threads behind."""
