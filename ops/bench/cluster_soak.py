@@ -53,6 +53,7 @@ from spec_decode import write_result
 
 DEFAULT_OUT = anchor.REPO_ROOT / "ops" / "bench" / "results" / "cluster_soak.json"
 TOKEN = "cluster-soak-secret"
+LOAD_TIMEOUT_S = 600.0  # how long the Model may take to be Ready on both workers before the soak gives up
 
 
 def threads(pid: int) -> int:
@@ -246,7 +247,11 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
                     break
                 await asyncio.sleep(0.5)
             await soak.apply(session, 64, 2)
-            while (await status()).get("readyReplicas") != 2:
+            loading_until = time.monotonic() + LOAD_TIMEOUT_S
+            while (current := await status()).get("readyReplicas") != 2:
+                if time.monotonic() > loading_until:  # a source that is not there fails every read
+                    raise SystemExit(f"the Model has no two ready replicas after {LOAD_TIMEOUT_S:.0f}s: "
+                                     f"{current.get('conditions')}")
                 await asyncio.sleep(0.5)
             soak.deadline = time.monotonic() + args.minutes * 60
             soak.started = time.monotonic()
