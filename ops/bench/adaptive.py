@@ -79,7 +79,7 @@ async def bench(args) -> dict[str, Any]:
     target, tokenizer = load(str(pair / args.target_dir))
     draft, _ = load(str(pair / "draft"))
     engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=32, max_waiting=256),
-                    draft_model=draft)
+                    drafter=draft)
     engine.start()
     loads = workloads(tokenizer, target.args.vocab_size)
     configs = [("off", None, 0)] + [(f"k={k}", None, k) for k in range(1, args.max_k + 1)] + \

@@ -53,7 +53,18 @@ from spec_decode import write_result
 
 DEFAULT_OUT = anchor.REPO_ROOT / "ops" / "bench" / "results" / "cluster_soak.json"
 TOKEN = "cluster-soak-secret"
+JOIN_TIMEOUT_S = 120.0  # how long the head may take to start and both workers to join it Ready
 LOAD_TIMEOUT_S = 600.0  # how long the Model may take to be Ready on both workers before the soak gives up
+
+
+async def wait_for(check: Callable[[], Awaitable[tuple[bool, Any]]], seconds: float, what: str) -> None:
+    """Poll ``check`` (done, and what it saw) until done; after ``seconds`` give up, naming what it
+    last saw, rather than hang the soak on a daemon that never comes up."""
+    until = time.monotonic() + seconds
+    while not (seen := await check())[0]:
+        if time.monotonic() > until:
+            raise SystemExit(f"{what} after {seconds:.0f}s: {seen[1]}")
+        await asyncio.sleep(0.5)
 
 
 def threads(pid: int) -> int:
@@ -218,8 +229,10 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
     try:
         daemons["head"] = start("head", "--cluster-token-file", str(workdir / "secret"), "--memory-limit", "1Mi")
         join_token = workdir / "head" / "cluster-join-token"
-        while not join_token.exists():
-            await asyncio.sleep(0.2)
+
+        async def token_written() -> tuple[bool, Any]:
+            return join_token.exists(), f"the head exited with {daemons['head'].poll()}, see {workdir / 'head.log'}"
+        await wait_for(token_written, JOIN_TIMEOUT_S, "the head wrote no join token")
         for name in ("w1", "w2"):
             daemons[name] = start(name, "--join", f"https://127.0.0.1:{ports['head'][1]}", "--token-file",
                                   str(join_token), "--memory-limit", "4Gi")
@@ -238,21 +251,21 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
                 async with session.get(head + ADMIN + "/nodes") as r:
                     items = (await r.json())["items"]
                 return {n["metadata"]["name"]: n["status"]["conditions"][0]["status"] == "True" for n in items}
-            while True:
+
+            async def workers_joined() -> tuple[bool, Any]:
                 try:
                     ready = await nodes_ready()
                 except (aiohttp.ClientError, KeyError):
                     ready = {}  # the head is still starting
-                if ready.get("w1") and ready.get("w2"):
-                    break
-                await asyncio.sleep(0.5)
+                exited = {n: daemons[n].poll() for n in ("w1", "w2") if daemons[n].poll() is not None}
+                return ready.get("w1", False) and ready.get("w2", False), f"Ready {ready}, exited {exited}"
+
+            async def model_ready() -> tuple[bool, Any]:  # a source that is not there fails every read
+                current = await status()
+                return current.get("readyReplicas") == 2, current.get("conditions")
+            await wait_for(workers_joined, JOIN_TIMEOUT_S, "the two workers are not Ready")
             await soak.apply(session, 64, 2)
-            loading_until = time.monotonic() + LOAD_TIMEOUT_S
-            while (current := await status()).get("readyReplicas") != 2:
-                if time.monotonic() > loading_until:  # a source that is not there fails every read
-                    raise SystemExit(f"the Model has no two ready replicas after {LOAD_TIMEOUT_S:.0f}s: "
-                                     f"{current.get('conditions')}")
-                await asyncio.sleep(0.5)
+            await wait_for(model_ready, LOAD_TIMEOUT_S, "the Model has no two ready replicas")
             soak.deadline = time.monotonic() + args.minutes * 60
             soak.started = time.monotonic()
             samples: list[dict[str, Any]] = []

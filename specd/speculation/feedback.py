@@ -6,10 +6,18 @@ feed the requests' statistics and the Prometheus metrics, each request's
 acceptance estimate (pooled into the model's history when it leaves), the cost
 model and the controller, which reads all of these when the speculator plans
 the next round.  The controller is replaced when the SpecPolicy changes; what
-was learned carries over.
+was learned carries over.  What a drafter's rounds taught (its acceptance, what
+its draft steps cost, whole steps' seconds at each k: ``DrafterLearning``) is
+that drafter's own: a draft model's cheap steps or high acceptance must not
+speak for an MTP head attached after it, nor the head's for the draft model
+attached again (what was learned with it comes back). What the target's
+forwards cost is the target's, and stays.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
 
 from ..core.request import Method
 from ..core.sequence import Sequence
@@ -17,9 +25,18 @@ from ..metrics import Metrics
 from .acceptance import AcceptanceEstimate, AcceptanceHistory
 from .config import PolicySettings
 from .controller import StaticController, make_controller
-from .costs import CostModel
+from .costs import CostModel, DraftStepFit
 from .exploration import Realised
 from .proposer import Outcome, Proposal
+
+
+@dataclass
+class DrafterLearning:
+    """What rounds proposed with one drafter (or with n-gram lookups alone) taught."""
+
+    history: AcceptanceHistory = field(default_factory=AcceptanceHistory)
+    draft: DraftStepFit = field(default_factory=DraftStepFit)  # what its draft steps cost
+    realised: dict[int, Realised] = field(default_factory=dict)  # whole steps' seconds by batch bucket and k
 
 
 class Feedback:
@@ -30,17 +47,45 @@ class Feedback:
         self.name = model_name
         self.metrics = metrics
         self.costs = CostModel()
-        self.realised: dict[int, Realised] = {}  # measured step seconds by batch bucket and k
-        self.history = AcceptanceHistory()
+        self.learning = DrafterLearning(draft=self.costs.draft)  # the attached drafter's
+        # the drafters attached before, by a weak reference (a drafter replaced is freed), and what they taught
+        self._learned: list[tuple[weakref.ref | None, DrafterLearning]] = [(None, self.learning)]
         self.estimates: dict[Sequence, AcceptanceEstimate] = {}
         self.controller = StaticController(costs=self.costs, history=self.history)
         self.drafted_total = 0
         self.accepted_total = 0
         self._step_seconds: dict | None = None  # exported from the first goodput step on
 
+    @property
+    def history(self) -> AcceptanceHistory:
+        """The attached drafter's acceptance across requests."""
+        return self.learning.history
+
+    @property
+    def realised(self) -> dict[int, Realised]:
+        """The attached drafter's measured step seconds by batch bucket and k."""
+        return self.learning.realised
+
     def set_policy(self, policy: PolicySettings | None, name: str | None) -> None:
         """A new controller for the policy; the learned costs, measured rates and acceptance carry over."""
         self.controller = make_controller(policy, name, self.costs, self.realised, self.history)
+
+    def use_drafter(self, drafter: object | None) -> None:
+        """A drafter attached (None: n-gram lookups alone), between steps: learn and decide from
+        what it taught when it was attached before, else afresh. Requests in flight start new
+        estimates from its history: theirs measured another drafter's proposals."""
+        self._learned = [(ref, learning) for ref, learning in self._learned if ref is None or ref() is not None]
+        learning = next((learning for ref, learning in self._learned
+                         if (ref() if ref is not None else None) is drafter), None)
+        if learning is None:
+            learning = DrafterLearning()
+            self._learned.append((None if drafter is None else weakref.ref(drafter), learning))
+        if learning is self.learning:
+            return
+        self.learning = learning
+        self.costs.draft = learning.draft
+        self.estimates.clear()
+        self.set_policy(self.controller.policy, self.controller.policy_name)
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         """The request's acceptance estimate, started from the model's history at its first round."""

@@ -96,6 +96,7 @@ class Speculator:
         else:
             self.drafter = DraftModelProposer(drafter, model_prefixes(drafter, store, "drafter"))
         self.feedback.costs.block_drafts = isinstance(self.drafter, DFlashProposer)
+        self.feedback.use_drafter(drafter)
 
     def drafter_row_bytes(self) -> tuple[int, int]:
         """What one row of the drafter's cache holds: (bytes per token, recurrent state bytes)."""

@@ -269,6 +269,41 @@ def test_empty_lookups_still_teach_the_estimates(pair):
     assert any(not any(proposed) and any(planned) for proposed, planned in rounds)
 
 
+def test_each_drafter_learns_apart_and_gets_back_what_it_learned(pair, prompts):
+    """What a drafter's rounds taught (acceptance by position, what its draft steps cost, whole
+    steps measured at each k) is its own: another drafter attached decides from nothing of it,
+    and the first attached again decides from what it learned before."""
+    target, _, draft = pair
+    goodput = PolicySettings(mode="goodput", max_speculative_tokens=4)
+
+    async def attach(engine, drafter):
+        engine.configure_speculation(DRAFT, drafter)
+        while engine.drafter_module is not drafter:  # between steps
+            await asyncio.sleep(0.001)
+
+    async def go(engine):
+        feedback = engine.scheduler.speculator.feedback
+        engine.set_policy(goodput, "p")
+        await asyncio.gather(*(generate(engine, p, DRAFT, max_tokens=48) for p in prompts[:4]))
+        first = feedback.learning
+        await attach(engine, target)  # the target drafting for itself: another drafter
+        # read once the engine applied the swap: every request of the first drafter had left
+        learned = (first.history.by_position(), first.draft.params(), sorted(first.realised))
+        fresh = (feedback.history.by_position(), feedback.costs.draft.seen, sorted(feedback.realised))
+        await asyncio.gather(*(generate(engine, p, DRAFT, max_tokens=24) for p in prompts[4:6]))
+        second = feedback.learning
+        await attach(engine, draft)
+        back = feedback.learning
+        return learned, fresh, first, second, back, feedback
+    learned, fresh, first, second, back, feedback = serve(pair, go)
+    assert learned[0] and learned[1] != (0.0, 0.0) and learned[2], "the draft model's rounds taught nothing"
+    assert fresh == ([], False, []), "the next drafter started from the draft model's learning"
+    assert second is not first and second.draft.seen, "the target's own rounds were not learned apart"
+    assert back is first and feedback.costs.draft is first.draft
+    assert (first.history.by_position(), first.draft.params(), sorted(first.realised)) == learned
+    assert feedback.controller.realised is first.realised and feedback.controller.history is first.history
+
+
 def test_finished_requests_seed_the_next_ones_across_a_policy_swap(pair, prompts):
     """A request that leaves hands its acceptance by position to the model's history, and a
     policy swap keeps that history: the next request starts from what the last ones saw."""
