@@ -62,6 +62,7 @@ class Sequence:
     key: mx.array = field(init=False)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why it ended with an error (``failed``)
     cancelled: bool = False
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache (at its first prefill)
     restored_tokens: int = 0  # tokens its latest prefill started from in the prefix cache
@@ -83,6 +84,11 @@ class Sequence:
         asked = self.request.speculation
         if asked is not None:  # reported even if it ends before a decode step, or asked for none
             self.stats.method, self.stats.source = asked.method, "request"
+
+    @property
+    def ended(self) -> bool:
+        """Whether it has had its last output (finished or failed), or its client went away."""
+        return self.finish_reason is not None or self.error is not None or self.cancelled
 
     @property
     def params(self) -> SamplingParams:
@@ -168,5 +174,6 @@ class Sequence:
     def failed(self, message: str, code: str | None = None) -> StepOutput:
         """The output that ends this request with an error (``code``: its kind, where the API
         answers it apart)."""
+        self.error = message
         return StepOutput(text="", tokens=[], logprobs=None, error=message, error_code=code,
                           prompt_tokens=len(self.prompt), completion_tokens=len(self.tokens))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -122,6 +123,9 @@ class Scheduler:
         self.output = OutputProcessor(name, metrics)
         self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
+        # every sequence made here, weakly: a fault in the middle of moving some between the queue,
+        # a prefill group and the batch (admission, say) leaves them in none, and ``fail_all`` still ends them
+        self.made: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self.prefill: PrefillGroup | None = None
         self.batch = RunningBatch()
 
@@ -159,8 +163,10 @@ class Scheduler:
         if request.grammar is not None:
             tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
             constraint = Constraint(request.grammar, tokenizer, self.eos_ids)
-        return Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
-                        eos_ids=self.eos_ids, max_total_tokens=self.max_context, constraint=constraint)
+        seq = Sequence(request=request, emit=emit, detokenizer=copy.copy(self._detokenizer),
+                       eos_ids=self.eos_ids, max_total_tokens=self.max_context, constraint=constraint)
+        self.made.add(seq)
+        return seq
 
     def configure_speculation(self, default: SpeculationConfig, drafter: nn.Module | None) -> None:
         """Attach, change or detach the pairing; the drafter's rows count against the KV budget."""
@@ -217,8 +223,11 @@ class Scheduler:
         self._measure_kv()
 
     def fail_all(self, message: str, also: list[Sequence] | None = None) -> None:
-        """End every request (and ``also``, arrivals not yet stepped) with ``message``."""
+        """End every request (and ``also``, arrivals not yet stepped) with ``message``: those queued,
+        prefilling or decoding, and any other not ended that a fault caught between them."""
         seqs = list(self.waiting) + list(self.batch.seqs) + (self.prefill.seqs if self.prefill else []) + (also or [])
+        listed = set(seqs)
+        seqs += [s for s in list(self.made) if not s.ended and s not in listed]
         self.waiting.clear()
         self.prefill = None
         self.batch = RunningBatch()
@@ -324,7 +333,8 @@ class Scheduler:
                     aborted.append(s)
         left = self._keep(lambda s: s.request.request_id not in ids)
         self._leave(left)
-        for _ in aborted + left:
+        for seq in aborted + left:
+            seq.cancelled = True
             self.metrics.request_success.labels(self.name, "abort").inc()
 
     def _admit(self) -> None:

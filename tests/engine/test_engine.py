@@ -160,15 +160,7 @@ def test_a_fault_while_failing_requests_still_ends_them(target):
         return out + poisoned if faults and faults.pop() else out
 
     async def go(engine):
-        speculator = engine.scheduler.speculator
-        release = speculator.release
-        broken = [True]
-
-        def release_once_broken(seqs):
-            if broken and broken.pop():
-                raise RuntimeError("release broke")
-            release(seqs)
-        speculator.release = release_once_broken
+        broken = break_once(engine.scheduler.speculator, "release")
         hook(model, around)
         try:
             failed = await asyncio.wait_for(_collect(engine.generate(GenerationRequest("f", prompt, GREEDY, 4))), 30)
@@ -179,6 +171,36 @@ def test_a_fault_while_failing_requests_still_ends_them(target):
 
     failed, (tokens, _, finish), broken = with_engine(target, go)
     assert failed.error and "engine error" in failed.error and not broken
+    assert finish == "length" and len(tokens) == 4
+
+
+def break_once(owner, name: str) -> list[bool]:
+    """Make ``owner.name`` raise at its next call, then work again; ``[True]`` until it has raised."""
+    call, broken = getattr(owner, name), [True]
+
+    def once_broken(*args, **kwargs):
+        if broken and broken.pop():
+            raise RuntimeError(f"{name} broke")
+        return call(*args, **kwargs)
+    setattr(owner, name, once_broken)
+    return broken
+
+
+def test_a_fault_during_admission_fails_the_requests_it_had_taken_from_the_queue(target):
+    """A fault while admission moves requests from the queue into a prefill group (here, reading
+    how much of a prompt the prefix cache may serve) leaves them in neither: they still end with
+    the engine error rather than wait forever, and the next request is served."""
+    model, tokenizer = target
+    prompt = prompts(tokenizer, 1, 8)[0]
+
+    async def go(engine):
+        broken = break_once(engine.scheduler.speculator, "prefix_limit")
+        failed = await asyncio.wait_for(_collect(engine.generate(GenerationRequest("f", prompt, GREEDY, 4))), 30)
+        served = await asyncio.wait_for(run(engine, prompt, 4), 30)
+        return failed[-1], served, broken
+
+    failed, (tokens, _, finish), broken = with_engine(target, go)
+    assert failed.error and "prefix_limit broke" in failed.error and not broken
     assert finish == "length" and len(tokens) == 4
 
 
