@@ -231,7 +231,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
         join_token = workdir / "head" / "cluster-join-token"
 
         async def token_written() -> tuple[bool, Any]:
-            return join_token.exists(), f"the head exited with {daemons['head'].poll()}, see {workdir / 'head.log'}"
+            return join_token.exists(), f"its exit status {daemons['head'].poll()} (None: running), see {workdir / 'head.log'}"
         await wait_for(token_written, JOIN_TIMEOUT_S, "the head wrote no join token")
         for name in ("w1", "w2"):
             daemons[name] = start(name, "--join", f"https://127.0.0.1:{ports['head'][1]}", "--token-file",
@@ -257,7 +257,7 @@ async def run(args, env: dict, workdir: Path) -> dict[str, Any]:
                     ready = await nodes_ready()
                 except (aiohttp.ClientError, KeyError):
                     ready = {}  # the head is still starting
-                exited = {n: daemons[n].poll() for n in ("w1", "w2") if daemons[n].poll() is not None}
+                exited = {n: code for n in ("w1", "w2") if (code := daemons[n].poll()) is not None}
                 return ready.get("w1", False) and ready.get("w2", False), f"Ready {ready}, exited {exited}"
 
             async def model_ready() -> tuple[bool, Any]:  # a source that is not there fails every read
