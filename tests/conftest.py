@@ -106,17 +106,29 @@ class NetnsHost:
                        check=True, capture_output=True)
 
 
+def _claim_netns_tag() -> int:
+    """A number no other test process's namespace uses (the test files run in several processes):
+    from this process's, the first whose namespace ``ip netns add`` creates (it refuses one that exists)."""
+    for offset in range(250):
+        tag = (os.getpid() + offset) % 250
+        made = subprocess.run(["ip", "netns", "add", f"specd-tp-{tag}"], capture_output=True, text=True)
+        if made.returncode == 0:
+            return tag
+        if "exists" not in made.stderr:
+            pytest.skip(f"cannot make a network namespace here: {made.stderr.strip()}")
+    pytest.skip("every test namespace name is taken")
+
+
 @pytest.fixture(scope="module")
 def netns_hosts(tmp_path_factory):
     """A second "host": a network namespace joined to this one by a veth pair
     (10.77.x.1 here, 10.77.x.2 there)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2")
-    tag = f"{os.getpid() % 250}"
+    tag = _claim_netns_tag()
     ns, here, there = f"specd-tp-{tag}", f"sdtp{tag}a", f"sdtp{tag}b"
     subnet = f"10.77.{tag}"
-    setup = [["ip", "netns", "add", ns],
-             ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+    setup = [["ip", "link", "add", here, "type", "veth", "peer", "name", there],
              ["ip", "link", "set", there, "netns", ns],
              ["ip", "addr", "add", f"{subnet}.1/24", "dev", here], ["ip", "link", "set", here, "up"],
              ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", there],
