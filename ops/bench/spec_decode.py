@@ -214,21 +214,25 @@ async def measure(engine: Engine, prompts: list[list[int]], spec, max_tokens: in
 
 
 async def interleaved(engine: Engine, prompts: list[list[int]], configs: dict[str, tuple], max_tokens: int,
-                      runs: int, concurrency: int) -> dict[str, dict[str, Any]]:
+                      runs: int, concurrency: int, learn_runs: int = 0) -> dict[str, dict[str, Any]]:
     """Each configuration ((speculation, policy, drafter)) measured ``runs`` times, the
     configurations taken in turn run by run, so each run's ratio to the first configuration
     compares runs side by side (``paired``: their median): this machine's speed drifts by more
     than the gains measured between spells of a minute. The engine's drafter (draft model,
-    EAGLE or MTP head) is swapped between runs where a configuration asks for another."""
+    EAGLE or MTP head) is swapped between runs where a configuration asks for another. The
+    first ``learn_runs`` turns are not measured: what the engine learns (acceptance, step costs,
+    goodput's measured steps) it keeps, per drafter, as a daemon serving for a while has."""
     per_run: dict[str, list[dict]] = {name: [] for name in configs}
-    for _ in range(runs):
+    for turn in range(learn_runs + runs):
         for name, (spec, policy, drafter) in configs.items():
             if drafter is not None and engine.drafter_module is not drafter:
                 engine.configure_speculation(NO_SPECULATION, drafter)
                 while engine.drafter_module is not drafter:  # applied between the engine's steps
                     await asyncio.sleep(0.001)
             engine.set_policy(policy, None if policy is None else "goodput-default")
-            per_run[name].append(await one_run(engine, prompts, spec, max_tokens, concurrency))
+            measured = await one_run(engine, prompts, spec, max_tokens, concurrency)
+            if turn >= learn_runs:
+                per_run[name].append(measured)
     engine.set_policy(None, None)
     base = per_run[next(iter(configs))]
     return {name: {**summarize(rs), "paired": median([r["tok_s"] / b["tok_s"] for r, b in zip(rs, base)])}
@@ -321,7 +325,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 configs[f"c={conc} {method} goodput"] = (SpeculationConfig(method, asked), PolicySettings(),
                                                          drafter, None, None)
             measured = await interleaved(engine, prompts[:max(conc, 8)], {n: v[:3] for n, v in configs.items()},
-                                         args.max_tokens, args.runs, conc)
+                                         args.max_tokens, args.runs, conc, args.learn_runs)
             base = measured[f"c={conc} off"]["tok_s"]
             for name, m in measured.items():
                 rows.append({**row(name, m, base, *configs[name][3:], bc["v"]), "paired_speedup": m["paired"]})
@@ -379,6 +383,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-k", type=int, default=6)
     parser.add_argument("--conc-k", type=int, default=3)
+    parser.add_argument("--learn-runs", type=int, default=0,
+                        help="concurrency sweep: turns of every configuration run before the measured ones, "
+                             "not measured (what goodput and the cost model learn is kept, as in a daemon that "
+                             "has served a while)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--only-concurrency", action="store_true", help="skip the single-stream k sweeps")
     parser.add_argument("--eagle", default=None, help="an EAGLE head for the target, run beside the others")
