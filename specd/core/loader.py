@@ -139,8 +139,15 @@ def materialize(module: nn.Module) -> None:
     """Evaluate every array the module holds, parameters or not (llama3-scaled
     RoPE frequencies, say): an array left lazy belongs to the stream of the
     thread that built it, and the engine thread that runs the model cannot
-    evaluate it."""
-    mx.eval([value for _, value in tree_flatten(module) if isinstance(value, mx.array)])
+    evaluate it.
+
+    And MLX's global key: building the module drew its initial weights from
+    it, each draw splitting the key, and the checkpoint's weights replaced the
+    draws unevaluated. The key kept every split's graph (about 2 KB a weight)
+    until something evaluated it, which nothing in specd does (every request
+    has a key of its own), so each load of a Model left its draws in memory
+    for the life of the daemon."""
+    mx.eval([value for _, value in tree_flatten(module) if isinstance(value, mx.array)], mx.random.state)
 
 
 def load_tokenizer(source: str, revision: str | None = None):

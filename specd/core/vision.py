@@ -34,7 +34,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .loader import with_text_config
+from .loader import materialize, with_text_config
 from .model_parts import decoder, rotate_at
 
 # Prefix-cache keys of image tokens: above any vocabulary, below 2**31 (tokens are int32 there).
@@ -192,7 +192,7 @@ class VisionTower:
         language.model.layers = []  # the engine's text model runs the layers
         if hasattr(language, "lm_head"):
             language.lm_head = None
-        mx.eval(model.parameters())
+        materialize(model)
         self.model = model
         config = model.config
         self.token_id = next(int(v) for v in (getattr(config, "image_token_id", None),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,34 @@ def test_threads_freed_blocks_go_back_to_the_os_but_for_a_heap_or_two():
                             check=True, cwd=Path(__file__).resolve().parents[2])
     kept = int(result.stdout)
     assert kept <= HEAP_TRIM_THRESHOLD + (8 << 20), f"{kept / 2**20:.0f} MiB of 160 freed stayed in RSS"
+
+
+LOADS = """
+import ctypes, sys
+from mlx.utils import tree_flatten
+from specd.core.loader import load_model
+
+LIBC = ctypes.CDLL(None)
+LIBC.mallinfo2.restype = MallInfo2
+for _ in range(2):  # imports, the tokenizer's caches
+    model, tokenizer = load_model(sys.argv[1])
+weights = len(tree_flatten(model.parameters()))
+del model, tokenizer
+before = LIBC.mallinfo2().uordblks
+for _ in range(10):
+    model, tokenizer = load_model(sys.argv[1])
+    del model, tokenizer
+print((LIBC.mallinfo2().uordblks - before) / 10, weights)
+"""
+
+
+@pytest.mark.skipif(not hasattr(LIBC, "mallinfo2"), reason="glibc's malloc only")
+def test_a_model_loaded_again_and_again_leaves_nothing_behind(forged):
+    """mlx-lm builds a model with random weights before it reads the checkpoint's. Each draw
+    split MLX's global key, which kept the graph of every split it ever made (about 2 KB a
+    weight) as nothing evaluated it: a daemon's scale-to-zero cycles, each a load, kept them all."""
+    script = "import ctypes\n" + inspect.getsource(MallInfo2) + LOADS
+    result = subprocess.run([sys.executable, "-c", script, str(forged / "target")], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parents[2])
+    per_load, weights = map(float, result.stdout.split())
+    assert per_load < 500 * weights, f"each load left {per_load / 1e3:.1f} kB in the C heap ({weights:.0f} weights)"
