@@ -63,6 +63,17 @@ def remembered(masks: OrderedDict[tuple, mx.array], key: tuple, mask: mx.array, 
     return mask
 
 
+def forget_masks() -> None:
+    """Drop every mask remembered: what a drained engine's steps asked for would otherwise stay
+    for the engines after it, up to ``MASK_CACHE_CELLS`` of them with no engine loaded at all (a
+    step remakes a mask it asks for again)."""
+    global _cached_cells
+    with _MASKS_LOCK:
+        for masks in (_CAUSAL_MASKS, _GATHER_MASKS, _BLOCK_MASKS):
+            masks.clear()
+        _cached_cells = 0
+
+
 def causal_mask(n: int, held: int, capacity: int, window: int | None) -> mx.array:
     """(n, capacity): the last ``n`` of ``held`` columns see themselves and what is
     before them (within ``window``), and nothing past ``held``."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from specd.control.plane import ControlPlane
+from specd.core import attention
 from specd.metrics import Metrics
 from specd.serving.registry import ModelRegistry, Phase
 from specd.store import Store
@@ -70,18 +71,20 @@ def test_the_model_reconciler_loads_scales_and_removes_a_model(forged, tmp_path)
 
 
 def test_a_model_removed_hands_its_memory_back_once_drained(forged, tmp_path):
-    """Once a Model's engine has drained, the arrays it held (weights, KV, caches) are freed and
-    none stays in MLX's cache: an unloaded Model gives its memory back at once, not at the next
-    collection or load."""
+    """Once a Model's engine has drained, the arrays it held (weights, KV, caches, the attention
+    masks its steps remembered) are freed and none stays in MLX's cache: an unloaded Model gives
+    its memory back at once, not at the next collection or load."""
     async def scenario(store: Store, control: ControlPlane):
         store.apply([model("m", forged / "target")])
         served = await until(lambda: (m := control.registry.models.get("m")) is not None and m.engine is not None
                              and m)
         engine = weakref.ref(served.engine)
         del served
+        assert attention._CAUSAL_MASKS  # its load's probes and warm-up asked for some
         store.delete("Model", "m")
         await until(lambda: "m" not in control.registry.models)
         await until(lambda: engine() is None and not mx.get_cache_memory(), 30)
+        await until(lambda: not attention._CAUSAL_MASKS, 30)  # up to 64 MiB of them stayed, for no engine
     run(tmp_path, scenario)
 
 

@@ -9,6 +9,7 @@ import time
 import structlog
 
 from ....api.manifest import ModelSpec
+from ....core.attention import forget_masks
 from ....core.memory import return_freed_memory
 from ....engine.interface import RankGroup, ServingEngine
 from ....serving.registry import Phase
@@ -29,6 +30,14 @@ def load_backoff(failures: int) -> float:
     """Seconds before loading again a Model whose load failed ``failures`` times in a row
     for a reason that can pass: 10, 20, 40 .. 300 (Kubernetes' image pull backoff)."""
     return min(300.0, 10.0 * 2.0 ** min(failures - 1, 5))
+
+
+def release_drained() -> None:
+    """What a drained engine leaves behind, handed back (off the event loop: it frees MLX arrays):
+    its reference cycles, the attention masks remembered for its steps, MLX's cache, the heap's
+    free pages."""
+    forget_masks()
+    return_freed_memory(cycles=True)
 
 
 def can_pass(exc: BaseException) -> bool:
@@ -126,7 +135,7 @@ class Lifecycle:
         await engine.shutdown(self.ctx.drain_grace)
         log.info("engine drained", model=name)
         del engine  # the last reference: the weights and caches are collected, then handed back
-        await asyncio.to_thread(return_freed_memory, cycles=True)
+        await asyncio.to_thread(release_drained)
         if self.drains.get(name) is asyncio.current_task():
             del self.drains[name]
         self.ctx.look_at_all()  # the memory it held may place another Model
