@@ -144,9 +144,9 @@ def materialize(module: nn.Module) -> None:
     And MLX's global key: building the module drew its initial weights from
     it, each draw splitting the key, and the checkpoint's weights replaced the
     draws unevaluated. The key kept every split's graph (about 2 KB a weight)
-    until something evaluated it, which nothing in specd does (every request
-    has a key of its own), so each load of a Model left its draws in memory
-    for the life of the daemon."""
+    until a draw from it was evaluated, which a serving daemon seldom does
+    (every request has a key of its own; only timing a new attention shape's
+    layouts draws from it), so each load of a Model left its draws in memory."""
     mx.eval([value for _, value in tree_flatten(module) if isinstance(value, mx.array)], mx.random.state)
 
 
