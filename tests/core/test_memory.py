@@ -108,8 +108,9 @@ print((LIBC.mallinfo2().uordblks - before) / 10, weights)
 @pytest.mark.skipif(not hasattr(LIBC, "mallinfo2"), reason="glibc's malloc only")
 def test_a_model_loaded_again_and_again_leaves_nothing_behind(forged):
     """mlx-lm builds a model with random weights before it reads the checkpoint's. Each draw
-    split MLX's global key, which kept the graph of every split it ever made (about 2 KB a
-    weight) as nothing evaluated it: a daemon's scale-to-zero cycles, each a load, kept them all."""
+    split MLX's global key, which kept the graph of every split (about 2 KB a weight) until a
+    draw from it was evaluated, which a serving daemon seldom does: each scale-to-zero cycle's
+    load added its draws."""
     script = "import ctypes\n" + inspect.getsource(MallInfo2) + LOADS
     result = subprocess.run([sys.executable, "-c", script, str(forged / "target")], capture_output=True, text=True,
                             check=True, cwd=Path(__file__).resolve().parents[2])
