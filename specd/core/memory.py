@@ -5,6 +5,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import mlx.core as mx
 
@@ -43,6 +46,11 @@ HEAP_TRIM_THRESHOLD = 32 << 20
 # (``tests/core/test_memory.py``). Not one: the engine's thread and MLX's would then wait on its lock
 # (``ops/bench/results/cluster_soak_one_heap.json``)
 HEAP_ARENAS = 2
+# glibc's own trim threshold, while a drained engine's arrays are freed: a free that joins a heap's
+# top then hands that top back, a thread's heap's too, which ``malloc_trim`` never does
+DRAIN_TRIM_THRESHOLD = 128 << 10
+_draining = 0  # drains handing memory back now: the last to finish sets the serving threshold again
+_draining_lock = threading.Lock()
 
 
 def reuse_freed_memory() -> None:
@@ -75,6 +83,32 @@ def freeze_startup_objects() -> None:
     is garbage now is collected first, so that none of it is frozen with them."""
     gc.collect()
     gc.freeze()
+
+
+@contextmanager
+def heap_tops_returned() -> Iterator[None]:
+    """While inside, a heap's free top goes back to the OS as soon as a free joins it.
+
+    ``malloc_trim`` hands back free pages inside every heap and the top of glibc's main heap, but
+    not the top of a heap glibc made for threads, which keeps up to the trim threshold: what an
+    engine's steps freed last stayed in a worker's RSS after it unloaded its Model. A drain frees
+    that engine's arrays (the blocks below those tops) inside this, so the tops go with them.
+    Serving threads' frees meanwhile hand their tops back too, which their next steps fault in
+    again: a drain is seldom."""
+    global _draining
+    if _MALLOPT is None:
+        yield
+        return
+    with _draining_lock:
+        _draining += 1
+        _MALLOPT(M_TRIM_THRESHOLD, DRAIN_TRIM_THRESHOLD)
+    try:
+        yield
+    finally:
+        with _draining_lock:
+            _draining -= 1
+            if not _draining:
+                _MALLOPT(M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
 
 
 def return_freed_memory(cycles: bool = False) -> None:

@@ -47,20 +47,25 @@ def test_arrays_a_little_larger_each_time_come_from_the_heap():
 
 
 THREADS_HOLDING_BLOCKS = """
-import threading
-from specd.core.memory import return_freed_memory, reuse_freed_memory
+import gc, sys, threading
+from specd.core.memory import heap_tops_returned, return_freed_memory, reuse_freed_memory
 
 def rss() -> int:
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 
+gc.disable()  # only return_freed_memory(cycles=True) collects
 reuse_freed_memory()
 threads, block = 8, 20 << 20  # each under the heap's trim threshold: it stays at a heap's top when freed
 barrier = threading.Barrier(threads)
+drained = sys.argv[1] == "drained"
 
 def hold() -> None:
-    held = bytearray(block)  # malloc'd by this thread, every page written
+    held = [bytearray(block)]  # malloc'd by this thread, every page written
     barrier.wait()  # all blocks live at once, so that glibc gives the threads heaps of their own
-    del held
+    if drained:
+        held.append(held)  # a cycle, as a drained engine's arrays are in: a collection frees it
+    else:
+        del held  # freed by its thread as it serves
     barrier.wait()
 
 before = rss()
@@ -69,9 +74,20 @@ for worker in workers:
     worker.start()
 for worker in workers:
     worker.join()
-return_freed_memory()
+if drained:
+    with heap_tops_returned():
+        return_freed_memory(cycles=True)
+else:
+    return_freed_memory()
 print(rss() - before)
 """
+
+
+def freed_blocks_kept(how: str) -> int:
+    """Bytes of eight threads' 20 MB blocks, freed ``how``, still in RSS once handed back."""
+    result = subprocess.run([sys.executable, "-c", THREADS_HOLDING_BLOCKS, how], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parents[2])
+    return int(result.stdout)
 
 
 @pytest.mark.skipif(not hasattr(LIBC, "mallinfo2"), reason="glibc's malloc only")
@@ -80,10 +96,16 @@ def test_threads_freed_blocks_go_back_to_the_os_but_for_a_heap_or_two():
     (``malloc_trim``) free pages inside a heap but not the free space at a thread heap's top: eight
     threads' freed 20 MB blocks stayed in RSS. The threads now share two heaps: at most one thread
     heap's top stays."""
-    result = subprocess.run([sys.executable, "-c", THREADS_HOLDING_BLOCKS], capture_output=True, text=True,
-                            check=True, cwd=Path(__file__).resolve().parents[2])
-    kept = int(result.stdout)
+    kept = freed_blocks_kept("by-threads")
     assert kept <= HEAP_TRIM_THRESHOLD + (8 << 20), f"{kept / 2**20:.0f} MiB of 160 freed stayed in RSS"
+
+
+@pytest.mark.skipif(not hasattr(LIBC, "mallinfo2"), reason="glibc's malloc only")
+def test_a_drains_frees_hand_back_the_thread_heaps_top_too():
+    """What a drained engine held is freed by the drain's collection: a thread heap's top that
+    those frees join goes back to the OS with them, where a 20 MB block stayed at it before."""
+    kept = freed_blocks_kept("drained")
+    assert kept <= 8 << 20, f"{kept / 2**20:.0f} MiB of 160 freed stayed in RSS"
 
 
 LOADS = """

@@ -10,7 +10,7 @@ import structlog
 
 from ....api.manifest import ModelSpec
 from ....core.attention import forget_masks
-from ....core.memory import return_freed_memory
+from ....core.memory import heap_tops_returned, return_freed_memory
 from ....engine.interface import RankGroup, ServingEngine
 from ....serving.registry import Phase
 from ...launch import launch
@@ -35,9 +35,10 @@ def load_backoff(failures: int) -> float:
 def release_drained() -> None:
     """What a drained engine leaves behind, handed back (off the event loop: it frees MLX arrays):
     its reference cycles, the attention masks remembered for its steps, MLX's cache, the heap's
-    free pages."""
-    forget_masks()
-    return_freed_memory(cycles=True)
+    free pages, the free tops of the heaps its arrays were in."""
+    with heap_tops_returned():
+        forget_masks()
+        return_freed_memory(cycles=True)
 
 
 def can_pass(exc: BaseException) -> bool:
