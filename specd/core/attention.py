@@ -34,12 +34,23 @@ import numpy as np
 from .columns import KVQuantization, Pieces, Side, pair_concat, parts, pieces_between, product, side_columns, \
     side_slice
 
+_MASKS_LOCK = threading.Lock()
+_STEP_ARRAYS: list[OrderedDict[tuple, mx.array]] = []  # every memo ``step_arrays`` made
+
+
+def step_arrays() -> OrderedDict[tuple, mx.array]:
+    """A new memo of small arrays that a step's layers share (masks, the columns each row's new keys
+    go to), which ``forget_masks`` empties with the others when an engine drains."""
+    memo: OrderedDict[tuple, mx.array] = OrderedDict()
+    _STEP_ARRAYS.append(memo)
+    return memo
+
+
 # Evaluated, shared by every layer and row of every engine thread, least recently used dropped past
 # MASK_CACHE_CELLS (a prefill chunk's mask over a long context is megabytes) or MASK_CACHE_ENTRIES
 # (a step's rows each ask for their own, and rows' lengths move on every step: a daemon that served
 # for hours would otherwise keep a mask of every length it met, up to the cells' bound)
-_CAUSAL_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()
-_MASKS_LOCK = threading.Lock()
+_CAUSAL_MASKS = step_arrays()
 MASK_CACHE_CELLS = 1 << 26
 MASK_CACHE_ENTRIES = 512
 _cached_cells = 0
@@ -64,13 +75,13 @@ def remembered(masks: OrderedDict[tuple, mx.array], key: tuple, mask: mx.array, 
 
 
 def forget_masks() -> None:
-    """Drop every mask remembered: what a drained engine's steps asked for would otherwise stay
-    for the engines after it, up to ``MASK_CACHE_CELLS`` of them with no engine loaded at all (a
-    step remakes a mask it asks for again)."""
+    """Drop every mask and shared array remembered (``step_arrays``): what a drained engine's steps
+    asked for would otherwise stay for the engines after it, up to ``MASK_CACHE_CELLS`` of them with
+    no engine loaded at all (a step remakes what it asks for again)."""
     global _cached_cells
     with _MASKS_LOCK:
-        for masks in (_CAUSAL_MASKS, _GATHER_MASKS, _BLOCK_MASKS):
-            masks.clear()
+        for memo in _STEP_ARRAYS:
+            memo.clear()
         _cached_cells = 0
 
 
@@ -198,7 +209,7 @@ def gathers() -> bool:
 # Scores a gathered attention call may compute (each query scores every row's columns); above, the
 # wasted work outgrows the launches it saves and rows attend one by one
 GATHER_MAX_SCORES = 1 << 24
-_GATHER_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()  # the last few steps' (every layer shares them)
+_GATHER_MASKS = step_arrays()  # the last few steps' (every layer shares them)
 MASKS_KEPT = 8
 
 
@@ -242,7 +253,7 @@ def attend_gathered(queries: mx.array, rows: list[RowColumns], window: int | Non
     return out.reshape(kv_heads, count, group, n, width).transpose(1, 0, 2, 3, 4).reshape(count, heads, n, width)
 
 
-_BLOCK_MASKS: OrderedDict[tuple, mx.array] = OrderedDict()  # the last few steps' (every layer shares them)
+_BLOCK_MASKS = step_arrays()  # the last few steps' (every layer shares them)
 
 
 def _block_mask(held: tuple[int, ...], n: int, group: int, window: int | None, columns: int) -> mx.array:

@@ -40,7 +40,6 @@ wrong) and runs row by row.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -426,7 +425,7 @@ def _stacked(buffers: list[Side | None], held: list[int], shape_of: Side, width:
     return side_concat(rows, axis=0)
 
 
-_WRITE_INDICES: OrderedDict[tuple, mx.array] = OrderedDict()  # the last few steps' (every layer shares them)
+_WRITE_INDICES = attention.step_arrays()  # the last few steps' (every layer shares them)
 
 
 def _write_index(held: tuple[int, ...], width: int) -> mx.array:

@@ -71,8 +71,9 @@ def test_the_model_reconciler_loads_scales_and_removes_a_model(forged, tmp_path)
 
 
 def masks_remembered() -> int:
-    """Attention masks the process-wide caches hold (which layout a step takes depends on the device)."""
-    return len(attention._CAUSAL_MASKS) + len(attention._GATHER_MASKS) + len(attention._BLOCK_MASKS)
+    """Attention masks and the other arrays steps share that the process-wide memos hold (which
+    layout a step takes, and so which of them it fills, depends on the device)."""
+    return sum(len(memo) for memo in attention._STEP_ARRAYS)
 
 
 def test_a_model_removed_hands_its_memory_back_once_drained(forged, tmp_path):

@@ -444,3 +444,18 @@ def test_the_causal_mask_cache_keeps_the_most_recent_masks_only():
     assert (3, last, 64 * (last // 64 + 1), None) in _CAUSAL_MASKS
     assert (3, 11, 64, None) not in _CAUSAL_MASKS
     assert np.array_equal(np.array(first), np.arange(64)[None, :] <= np.arange(7, 10)[:, None])
+
+
+def test_a_drain_forgets_every_array_steps_shared():
+    """Masks of each layout and the block layout's write indices all go at a drain
+    (``forget_masks``): none stays for the engines after it, or for none."""
+    from specd.core import attention, kv
+
+    attention.causal_mask(2, 9, 16, None)
+    attention._block_mask((9, 5), 2, 2, None, 9)
+    attention._gather_mask((9, 5), 2, 2, None)
+    index = kv._write_index((9, 5), 2)
+    assert np.array_equal(np.array(index)[:, 0, :, 0], [[9, 10], [5, 6]])
+    assert all(attention._STEP_ARRAYS) and kv._WRITE_INDICES in attention._STEP_ARRAYS
+    attention.forget_masks()
+    assert not any(attention._STEP_ARRAYS)
