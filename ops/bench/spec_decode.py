@@ -117,14 +117,31 @@ def step_cost(model, context: int, width: int, batch: int = 1, reps: int = 30) -
     return median(times)
 
 
-def cost_model(target, draft, ks: list[int], batch: int = 1, context: int = 96) -> dict[str, Any]:
-    """c and v(k) measured on these models with ``batch`` sequences decoding together."""
+def cost_model(target, draft, ks: list[int], batch: int = 1, context: int = 96, rounds: int = 5) -> dict[str, Any]:
+    """c and v(k) measured on these models with ``batch`` sequences decoding together: each a median
+    over ``rounds`` of ratios whose two steps were timed one right after the other (this machine's
+    speed drifts between spells by more than neighbouring k differ)."""
     step_cost(target, context, 1, batch, reps=10)  # warm-up: first calls pay allocation and thread start-up
     step_cost(draft, context, 1, batch, reps=10)
-    t1 = step_cost(target, context, 1, batch)
-    d1 = step_cost(draft, context, 1, batch)
-    v = {k: step_cost(target, context, k + 1, batch) / t1 for k in ks}
-    return {"batch": batch, "target_step_s": t1, "draft_step_s": d1, "c": d1 / t1, "v": v}
+    t1, d1, v = [], [], {k: [] for k in ks}
+    for _ in range(rounds):
+        t1.append(step_cost(target, context, 1, batch, reps=10))
+        d1.append(step_cost(draft, context, 1, batch, reps=10))
+        for k in ks:
+            v[k].append(step_cost(target, context, k + 1, batch, reps=10) / t1[-1])
+    return {"batch": batch, "target_step_s": median(t1), "draft_step_s": median(d1),
+            "c": median([d / t for d, t in zip(d1, t1)]), "v": {k: median(r) for k, r in v.items()}}
+
+
+def verify_cost(v: dict[int, float], k: float) -> float:
+    """v at a fractional k (the mean proposal of rounds whose k varied): linear between the
+    measured ks, v(0) being a plain step's 1."""
+    known = {0: 1.0, **v}
+    below = max(j for j in known if j <= k)
+    above = min((j for j in known if j >= k), default=below)
+    if above == below:
+        return known[below]
+    return known[below] + (known[above] - known[below]) * (k - below) / (above - below)
 
 
 def iid_tokens(alpha: float, k: float) -> float:
@@ -262,12 +279,16 @@ def summarize(per_run: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def row(name: str, m: dict, plain_tok_s: float, k: int | None, c: float | None, v: dict) -> dict:
+    """A configuration's figures; with ``c`` (its drafter's cost per drafted token, 0 for a lookup),
+    the speedup a step costing only its forwards would give at the rounds it ran: ``ideal`` at
+    independent acceptance, ``ideal_at_L`` at the accepted length measured. ``k`` is what it asked
+    (None: the goodput policy chose); the model takes the mean proposal of its rounds either way."""
     speedup = m["tok_s"] / plain_tok_s
     out = {"config": name, "tok_s": m["tok_s"], "speedup": speedup, "alpha": m["alpha"],
            "mean_accepted": m["mean_accepted"], "spec_fraction": m["spec_fraction"], "k": k}
-    if k and m["alpha"] is not None and c is not None:
+    if m["alpha"] is not None and c is not None:
         kbar = m["mean_proposed"]
-        vk = v[min(v, key=lambda kk: abs(kk - kbar))]
+        vk = verify_cost(v, kbar)
         f = m["spec_fraction"]
         ideal = ideal_speedup(iid_tokens(m["alpha"], kbar), kbar, c, vk, f)
         ideal_l = ideal_speedup(m["mean_accepted"] + 1, kbar, c, vk, f)
@@ -307,7 +328,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rewrite = [tokenizer.encode(p) for p in rewrite_prompts()]
     result: dict[str, Any] = {"costs": costs}
     try:
-        await serve_clients(engine, [[p] for p in code[:2]], [SpeculationConfig(Method.DRAFT, 2)] * 2, 16)  # warm-up
+        # warm-up, at the concurrency sweep's k: a batch's attention layouts are timed at each verify
+        # width the first time a step meets it (as in a daemon's first rounds); one row never weighs them
+        await serve_clients(engine, [[p] for p in code[:2]], [SpeculationConfig(Method.DRAFT, args.conc_k)] * 2, 16)
         if not args.only_concurrency:
             await single_streams(engine, code, rewrite, ks, costs, c_draft, args, result)
         # 3. concurrency 1, 4, 8: spec on vs off, and the goodput default; c and v measured at that batch size
@@ -315,10 +338,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         rows = []
         result["costs_by_batch"] = {}
         for conc in args.concurrency:
-            bc = cost_model(target, draft, [args.conc_k], batch=conc)
+            bc = cost_model(target, draft, list(range(1, args.conc_k + 1)), batch=conc)
             result["costs_by_batch"][conc] = bc
-            print(f"batch {conc}: target step {bc['target_step_s'] * 1e3:.2f} ms, c = {bc['c']:.3f}, "
-                  f"v({args.conc_k}) = {bc['v'][args.conc_k]:.2f}")
+            print(f"batch {conc}: target step {bc['target_step_s'] * 1e3:.2f} ms, c = {bc['c']:.3f}; v(k) = "
+                  + ", ".join(f"{k}:{v:.2f}" for k, v in bc["v"].items()))
             k, c = args.conc_k, bc["c"]
             # name: (speculation, policy, drafter, the fixed k and the draft's cost c its ideal is modelled with);
             # each drafter as asked (k a ceiling) and under a SpecPolicy with the manifest's defaults
@@ -332,7 +355,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 configs[f"c={conc} {method} k={asked}"] = (SpeculationConfig(method, asked), None, drafter, asked,
                                                            c if method == Method.DRAFT else None)
                 configs[f"c={conc} {method} goodput"] = (SpeculationConfig(method, asked), PolicySettings(),
-                                                         drafter, None, None)
+                                                         drafter, None, c if method == Method.DRAFT else None)
             measured = await interleaved(engine, prompts[:max(conc, 8)], {n: v[:3] for n, v in configs.items()},
                                          args.max_tokens, args.runs, conc, args.learn_runs)
             base = measured[f"c={conc} off"]["tok_s"]

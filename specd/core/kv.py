@@ -49,7 +49,7 @@ from mlx_lm.models import base
 from . import attention, layout
 from .columns import STEP, KVQuantization, Pieces, Side, like, pair_concat, parts, pieces_between, regrown, \
     side_columns, side_concat, side_slice, stored
-from .layout import AttentionShape, LayoutCosts
+from .layout import AttentionShape
 
 
 class RowKV:
@@ -94,7 +94,6 @@ class RowKV:
         self._written: list[tuple[int, int]] = []  # per row, the last update's (padding skipped, columns written)
         self._offset: mx.array | None = None
         self._shape: AttentionShape | None = None  # what the layouts' costs depend on, seen at the first ``attend``
-        self._costs: LayoutCosts | None = None
         self.room = 0  # columns of padding beyond the rows' own that the KV budget has room for (a block's)
 
     @property
@@ -163,11 +162,9 @@ class RowKV:
             return False
         if layout.LAYOUT != "auto":
             return layout.LAYOUT == "block"
-        if self._costs is None:
-            if self._shape is None:  # no forward attended yet: nothing to weigh
-                return self.block is not None
-            self._costs = layout.costs(self._shape)
-        return self._costs.prefers_block(held, width, self.window, self.block is not None)
+        if self._shape is None:  # no forward attended yet: nothing to weigh
+            return self.block is not None
+        return layout.costs(self._shape, width).prefers_block(held, width, self.window, self.block is not None)
 
     def _unblock(self) -> None:
         """From the block layout to a buffer per row (copies of each row's columns)."""

@@ -7,9 +7,15 @@ the device (a GPU pays a launch per op; a CPU of several cores attends long
 rows in parallel), the model's attention shapes and the batch. So the first
 time a shape is met, both are timed on this device over synthetic rows of a
 few batch sizes and lengths (``measure``), and each cost is fitted as a line:
-rows ``a * B + b * columns``, a block ``c + d * B * width``. A step then takes
-the cheaper, keeping its current layout unless the other saves ``MARGIN`` (a
-change of layout copies the rows' columns once).
+rows ``a * B + b * columns``, a block ``c + d * B * width``. Each forward
+width a step meets (a decode step's one query a row, a verify forward's 1 + k)
+is timed at that width, up to ``MEASURED_WIDTHS``: a few queries a row cost
+each layout more than their share of one query's (the row by row path masks
+each row's queries; a verify forward costs every row and layer a few ops more
+than a decode step does), so one width's lines would mislead the other's
+choice. A wider forward (a prefill chunk of rows alike) scales the widest
+measured. A step then takes the cheaper, keeping its current layout unless
+the other saves ``MARGIN`` (a change of layout copies the rows' columns once).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ MARGIN = 0.9  # a step changes layout only if the other costs less than this sha
 PROBES = ((2, 64), (16, 64), (2, 512), (16, 512))  # (rows, columns) the costs are timed at
 REPEATS = 4  # attention calls timed together, as a step's layers run them
 SAMPLES = 5  # timings per probe, the median kept
+MEASURED_WIDTHS = 8  # forward widths (queries a row) timed as they are; a wider one scales the widest
 
 
 @dataclass(frozen=True)
@@ -58,19 +65,22 @@ def attention_shape(sample: tuple[Side, Side], queries: mx.array, quantization: 
 
 @dataclass(frozen=True)
 class LayoutCosts:
-    """Seconds of one attention call over a batch: row by row ``per_row * B + per_column *
-    columns``, as a block ``fixed + per_cell * B * width``."""
+    """Seconds of one attention call over a batch, timed with ``width`` queries a row: row by
+    row ``per_row * B + per_column * columns``, as a block ``fixed + per_cell * B * columns``;
+    a forward of n queries a row scales the column terms by ``n / width``."""
 
     per_row: float
     per_column: float
     fixed: float
     per_cell: float
+    width: int = 1
 
     def rows(self, held: list[int], n: int, window: int | None) -> float:
-        return self.per_row * len(held) + self.per_column * n * sum(seen_columns(h, n, window) for h in held)
+        columns = sum(seen_columns(h, n, window) for h in held)
+        return self.per_row * len(held) + self.per_column * n / self.width * columns
 
     def block(self, held: list[int], n: int) -> float:
-        return self.fixed + self.per_cell * n * len(held) * max(held)
+        return self.fixed + self.per_cell * n / self.width * len(held) * max(held)
 
     def prefers_block(self, held: list[int], n: int, window: int | None, now_block: bool) -> bool:
         """Whether rows holding ``held`` columns after a forward of ``n`` attend as a block."""
@@ -78,26 +88,29 @@ class LayoutCosts:
         return block < rows if now_block else block < MARGIN * rows
 
 
-_MEASURED: dict[AttentionShape, LayoutCosts] = {}
+_MEASURED: dict[tuple[AttentionShape, int], LayoutCosts] = {}
 _LOCK = threading.Lock()
 
 
-def costs(shape: AttentionShape) -> LayoutCosts:
-    """The costs of ``shape`` on this device, timed the first time it is asked for."""
+def costs(shape: AttentionShape, width: int = 1) -> LayoutCosts:
+    """The costs of ``shape`` on this device for a forward of ``width`` queries a row, timed the
+    first time that width (or ``MEASURED_WIDTHS``, for a wider one) is asked for."""
+    key = (shape, min(width, MEASURED_WIDTHS))
     with _LOCK:
-        known = _MEASURED.get(shape)
+        known = _MEASURED.get(key)
     if known is None:
-        known = measure(shape)
+        known = measure(*key)
         with _LOCK:
-            _MEASURED.setdefault(shape, known)
+            _MEASURED.setdefault(key, known)
     return known
 
 
-def measure(shape: AttentionShape) -> LayoutCosts:
-    """Time both layouts over synthetic rows at each of ``PROBES`` and fit their lines."""
+def measure(shape: AttentionShape, width: int = 1) -> LayoutCosts:
+    """Time both layouts over synthetic rows of ``width`` queries at each of ``PROBES`` and fit
+    their lines."""
     rows_seconds, block_seconds = [], []
     for count, columns in PROBES:
-        queries = mx.random.normal((count, shape.heads, 1, shape.dims)).astype(shape.dtype)
+        queries = mx.random.normal((count, shape.heads, width, shape.dims)).astype(shape.dtype)
         keys = stored(mx.random.normal((count, shape.kv_heads, columns, shape.dims)).astype(shape.dtype),
                       shape.quantization)
         values = stored(mx.random.normal((count, shape.kv_heads, columns, shape.value_dims)).astype(shape.dtype),
@@ -107,13 +120,13 @@ def measure(shape: AttentionShape) -> LayoutCosts:
         row_values = [_row(values, b) for b in range(count)]
         mx.eval(queries, keys, values, row_keys, row_values)
         held = [columns] * count
-        rows = [RowColumns(0, 1, [(k, v)], columns) for k, v in zip(row_keys, row_values)]
+        rows = [RowColumns(0, width, [(k, v)], columns) for k, v in zip(row_keys, row_values)]
         rows_seconds.append(_timed(lambda: attend_rows(queries, rows, None, shape.quantization, sinks)))
         block_seconds.append(_timed(lambda: attend_block(queries, keys, values, held, None, shape.quantization,
                                                          sinks)))
     per_row, per_column = _fit([(count, count * columns) for count, columns in PROBES], rows_seconds)
     fixed, per_cell = _fit([(1, count * columns) for count, columns in PROBES], block_seconds)
-    return LayoutCosts(per_row, per_column, fixed, per_cell)
+    return LayoutCosts(per_row, per_column, fixed, per_cell, width)
 
 
 def _row(side, b: int):

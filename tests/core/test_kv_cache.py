@@ -405,7 +405,7 @@ def test_the_layout_is_the_one_measured_cheaper(monkeypatch):
     assert measured.rows([64] * 16, 1, None) > 0 and measured.block([64] * 16, 1) > 0
 
     def batch(costs: layout.LayoutCosts, lengths: list[int], room: int = 0) -> RowKV:
-        monkeypatch.setattr(layout, "costs", lambda shape: costs)
+        monkeypatch.setattr(layout, "costs", lambda shape, width: costs)
         cache = RowKV([0])
         cache.room = room
         write(cache, [[next(counter) for _ in range(lengths[0])]])
@@ -427,6 +427,47 @@ def test_the_layout_is_the_one_measured_cheaper(monkeypatch):
     # within the margin, a layout is kept
     near = layout.LayoutCosts(per_row=1e-4, per_column=0.0, fixed=1.9e-4, per_cell=0.0)  # rows 2e-4, block 1.9e-4
     assert not near.prefers_block([10, 10], 1, None, now_block=False) and near.prefers_block([10, 10], 1, None, True)
+
+
+def test_each_forward_width_takes_the_layout_its_own_costs_favour(monkeypatch):
+    """A verify forward's few queries a row weigh the layouts by costs timed at that width: a
+    batch that decodes row by row (as one query a row measured cheaper) takes the block for a
+    verify forward where that width measured the block cheaper, and goes back for a decode step.
+    Each width is timed once, up to ``MEASURED_WIDTHS``; a wider forward scales the widest's
+    column terms."""
+    monkeypatch.setattr(layout, "LAYOUT", "auto")
+    cheap_rows = layout.LayoutCosts(per_row=1e-6, per_column=1e-9, fixed=1e-3, per_cell=1e-9)
+    cheap_block = layout.LayoutCosts(per_row=1e-4, per_column=1e-9, fixed=1e-5, per_cell=1e-9, width=3)
+    asked = []
+
+    def costs(shape, width):
+        asked.append(width)
+        return cheap_block if width == 3 else cheap_rows
+    monkeypatch.setattr(layout, "costs", costs)
+    cache = RowKV([0])
+    write(cache, [[1, 2, 3, 4]])
+    other = RowKV([0])
+    write(other, [[5, 6]])
+    cache.extend(other)
+    assert write(cache, [[7], [8]]) == [[[1, 2, 3, 4, 7]], [[5, 6, 8]]] and cache.block is None
+    assert write(cache, [[9, 10, 11], [12, 13, 14]]) == [[[1, 2, 3, 4, 7, 9], [1, 2, 3, 4, 7, 9, 10],
+                                                          [1, 2, 3, 4, 7, 9, 10, 11]],
+                                                         [[5, 6, 8, 12], [5, 6, 8, 12, 13], [5, 6, 8, 12, 13, 14]]]
+    assert cache.block is not None
+    write(cache, [[15], [16]])
+    assert cache.block is None and set(asked) == {1, 3}
+
+    monkeypatch.undo()
+    measured = []
+    monkeypatch.setattr(layout, "_MEASURED", {})
+    monkeypatch.setattr(layout, "measure", lambda shape, width: measured.append(width) or cheap_block)
+    shape = layout.AttentionShape(1, 2, D, D, mx.float32, None, False)
+    for width in (3, 3, 1, layout.MEASURED_WIDTHS, 64):
+        layout.costs(shape, width)
+    assert measured == [3, 1, layout.MEASURED_WIDTHS]
+    # measured at 3 queries a row: a forward of 6 pays twice its column terms, not its fixed part
+    assert cheap_block.block([10, 20], 6) == pytest.approx(1e-5 + 1e-9 * 2 * 2 * 20)
+    assert cheap_block.rows([10, 20], 3, None) == pytest.approx(2e-4 + 1e-9 * 30)
 
 
 def test_the_causal_mask_cache_keeps_the_most_recent_masks_only():
