@@ -90,6 +90,16 @@ class LayoutCosts:
 
 _MEASURED: dict[tuple[AttentionShape, int], LayoutCosts] = {}
 _LOCK = threading.Lock()
+_TIMING = threading.local()  # per engine thread: the seconds ``costs`` spent timing layouts
+
+
+def clock() -> float:
+    """``time.perf_counter()`` less the seconds this thread has spent timing layouts: two readings
+    differ by what a step itself cost. The step that first meets an attention shape or width
+    times both layouts inside it, once; the cost model and the goodput controller learn what
+    each k costs from steps' seconds, and that one-off (tenths of a second) would price its width
+    far above a step's cost, a width then never chosen again to correct it."""
+    return time.perf_counter() - getattr(_TIMING, "seconds", 0.0)
 
 
 def costs(shape: AttentionShape, width: int = 1) -> LayoutCosts:
@@ -99,7 +109,9 @@ def costs(shape: AttentionShape, width: int = 1) -> LayoutCosts:
     with _LOCK:
         known = _MEASURED.get(key)
     if known is None:
+        started = time.perf_counter()
         known = measure(*key)
+        _TIMING.seconds = getattr(_TIMING, "seconds", 0.0) + time.perf_counter() - started
         with _LOCK:
             _MEASURED.setdefault(key, known)
     return known

@@ -46,6 +46,7 @@ import mlx.nn as nn
 
 from ..core.batch import RunningBatch
 from ..core.grammar import mask_logits
+from ..core.layout import clock
 from ..core.model_parts import decoder
 from ..core.sampling import adjust_logits, sample_rows
 from ..core.sequence import Sequence
@@ -147,7 +148,7 @@ class ModelRunner:
 
     def decode(self, step: DecodeStep, deliver: Deliver) -> None:
         """One decode step for the running batch; ``deliver`` hands each row its tokens."""
-        step_started = time.perf_counter()
+        step_started = clock()
         batch, speculator = step.batch, self.speculator
         seqs = batch.seqs
         launched = self._ahead_for(step)
@@ -157,7 +158,7 @@ class ModelRunner:
             self._finish(step, launched or self._launch(batch, inputs), proposal, deliver, step_started,
                          launched is not None)
             return
-        started = time.perf_counter()
+        started = clock()
         with speculator.verify_context(batch.cache, proposal):
             logits = batch.cache.forward(self.model, inputs, provisional=True)
         if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
@@ -166,10 +167,10 @@ class ModelRunner:
         logits = self.process(logits, seqs, inputs, None if tree is None else mx.array(tree.ancestry),
                               proposal.drafts, None if tree is None else [[0] + c for c in tree.columns])
         outcome, logits = self._verify(batch, logits, proposal)
-        forward_seconds = time.perf_counter() - started  # verification and rollback included
+        forward_seconds = clock() - started  # verification and rollback included
         speculator.feedback.count(seqs, proposal, outcome)
         deliver(seqs, logits, outcome.emitted)
-        speculator.feedback.observe_step(len(seqs), proposal, forward_seconds, time.perf_counter() - step_started)
+        speculator.feedback.observe_step(len(seqs), proposal, forward_seconds, clock() - step_started)
         batch.last_tokens = [e[-1] for e in outcome.emitted]
 
     def _verify(self, batch: RunningBatch, logits: mx.array, proposal: Proposal) -> tuple[Outcome, mx.array]:
@@ -247,13 +248,13 @@ class ModelRunner:
         if may_run_ahead and self.speculator.decodes_plainly(batch.seqs):
             self.ahead = self._launch(batch, launched.tokens[:, None])
         emitted = [[t] for t in launched.tokens.tolist()]
-        forward_seconds = time.perf_counter() - step_started
+        forward_seconds = clock() - step_started
         outcome = Outcome([0] * len(emitted), emitted, [[0]] * len(emitted), launched.features)
         self.speculator.commit(proposal, outcome)
         self.speculator.feedback.count(batch.seqs, proposal, outcome)
         deliver(batch.seqs, launched.logits, emitted)
         self.speculator.feedback.observe_step(len(emitted), proposal, forward_seconds,
-                                              time.perf_counter() - step_started, pace)
+                                              clock() - step_started, pace)
         batch.last_tokens = [e[-1] for e in emitted]
 
     def drop_ahead(self) -> None:

@@ -16,7 +16,6 @@ proposers, released when the engine says a sequence left.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, ContextManager
@@ -25,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.cache import RowCache, make_row_cache
+from ..core.layout import clock
 from ..core.prefix import PrefixStore, RowPrefixes, model_prefixes
 from ..core.sequence import Sequence
 from ..metrics import Metrics
@@ -317,9 +317,9 @@ class Speculator:
         for proposer in self._proposers():
             if not any(ks[i] for i in round_.rows(proposer.method)):
                 continue
-            started = time.perf_counter()
+            started = clock()
             drafts = proposer.propose(round_)
-            seconds = time.perf_counter() - started - proposer.backlog_seconds
+            seconds = clock() - started - proposer.backlog_seconds
             caught_up |= proposer.caught_up
             backlog += proposer.backlog_seconds
             offered.chains.update(drafts.chains)

@@ -9,6 +9,8 @@ are one-hot token ids: ``attend``'s output names the tokens each query sees.
 from __future__ import annotations
 
 import random
+import threading
+import time
 from unittest import mock
 
 import mlx.core as mx
@@ -468,6 +470,28 @@ def test_each_forward_width_takes_the_layout_its_own_costs_favour(monkeypatch):
     # measured at 3 queries a row: a forward of 6 pays twice its column terms, not its fixed part
     assert cheap_block.block([10, 20], 6) == pytest.approx(1e-5 + 1e-9 * 2 * 2 * 20)
     assert cheap_block.rows([10, 20], 3, None) == pytest.approx(2e-4 + 1e-9 * 30)
+
+
+def test_a_step_that_times_a_layout_is_not_billed_for_it(monkeypatch):
+    """The step that first meets a width times both layouts inside it, once: the clock steps
+    are timed by (the cost model's and the goodput controller's) leaves that out, on the
+    thread that timed them, and runs on as ``time.perf_counter`` elsewhere."""
+    monkeypatch.setattr(layout, "_MEASURED", {})
+    monkeypatch.setattr(layout, "measure", lambda shape, width: time.sleep(0.2) or layout.LayoutCosts(0, 0, 0, 0))
+    shape = layout.AttentionShape(1, 2, D, D, mx.float32, None, False)
+    started, wall = layout.clock(), time.perf_counter()
+    layout.costs(shape, 2)
+    assert time.perf_counter() - wall >= 0.2 and layout.clock() - started < 0.1
+    elsewhere = []
+
+    def other_thread() -> None:
+        before = layout.clock()
+        time.sleep(0.05)
+        elsewhere.append(layout.clock() - before)
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert elsewhere[0] >= 0.05
 
 
 def test_the_causal_mask_cache_keeps_the_most_recent_masks_only():

@@ -24,13 +24,13 @@ and the target restores no more than the head holds (``cached``).
 
 from __future__ import annotations
 
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ...core.cache import BatchRowCache, RowPrefix
 from ...core.kv import RowKV
+from ...core.layout import clock
 from ...core.prefix import RowPrefixes
 from ...core.sequence import Sequence
 from ...core.request import Method, SpeculationConfig
@@ -192,7 +192,7 @@ class EagleProposer:
         # backlog that plain steps left (a controller's try after a run of them): fed and timed
         # apart, so that neither the draft cost nor the step's stands for it
         backlog = any(len(self.queued[s]) > 2 for s in rows.seqs)
-        started = time.perf_counter()
+        started = clock()
         outputs = {}
         if len(rows):
             pairs = []
@@ -204,7 +204,7 @@ class EagleProposer:
                 outputs.update({s: last[i] for i, s in enumerate(rows.seqs)})
         if backlog:
             mx.eval(rows.cache.state, list(outputs.values()))
-        self.backlog_seconds = time.perf_counter() - started if backlog else 0.0
+        self.backlog_seconds = clock() - started if backlog else 0.0
         if new:
             outputs.update(self._start(new))
         rows.order(seqs)
