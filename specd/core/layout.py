@@ -7,15 +7,15 @@ the device (a GPU pays a launch per op; a CPU of several cores attends long
 rows in parallel), the model's attention shapes and the batch. So the first
 time a shape is met, both are timed on this device over synthetic rows of a
 few batch sizes and lengths (``measure``), and each cost is fitted as a line:
-rows ``a * B + b * columns``, a block ``c + d * B * width``. Each forward
-width a step meets (a decode step's one query a row, a verify forward's 1 + k)
-is timed at that width, up to ``MEASURED_WIDTHS``: a few queries a row cost
-each layout more than their share of one query's (the row by row path masks
-each row's queries; a verify forward costs every row and layer a few ops more
-than a decode step does), so one width's lines would mislead the other's
-choice. A wider forward (a prefill chunk of rows alike) scales the widest
-measured. A step then takes the cheaper, keeping its current layout unless
-the other saves ``MARGIN`` (a change of layout copies the rows' columns once).
+rows ``a * B + b * columns``, a block ``c + d * B * longest`` (the longest
+row's columns). Each forward width a step meets (a decode step's one query a
+row, a verify forward's 1 + k) is timed at that width, up to
+``MEASURED_WIDTHS``: several queries a row do not cost the width times one
+query's (row by row masks each row's queries, the block all of them at once),
+so one width's lines would mislead another's choice. A wider forward (a
+prefill chunk of rows alike) scales the widest measured. A step then takes the
+cheaper, keeping its current layout unless the other saves ``MARGIN`` (a
+change of layout copies the rows' columns once).
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ and the target restores no more than the head holds (``cached``).
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import mlx.nn as nn
 
