@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
-import time
+from types import SimpleNamespace
 from unittest import mock
 
 import mlx.core as mx
@@ -476,22 +476,31 @@ def test_a_step_that_times_a_layout_is_not_billed_for_it(monkeypatch):
     """The step that first meets a width times both layouts inside it, once: the clock steps
     are timed by (the cost model's and the goodput controller's) leaves that out, on the
     thread that timed them, and runs on as ``time.perf_counter`` elsewhere."""
+    now = [100.0]  # perf_counter, as the layout module reads it
+
+    def timing(shape, width):
+        now[0] += 5.0  # what timing the layouts took
+        return layout.LayoutCosts(0, 0, 0, 0, width)
+    monkeypatch.setattr(layout, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(layout, "_TIMING", threading.local())
     monkeypatch.setattr(layout, "_MEASURED", {})
-    monkeypatch.setattr(layout, "measure", lambda shape, width: time.sleep(0.2) or layout.LayoutCosts(0, 0, 0, 0))
+    monkeypatch.setattr(layout, "measure", timing)
     shape = layout.AttentionShape(1, 2, D, D, mx.float32, None, False)
-    started, wall = layout.clock(), time.perf_counter()
+    started = layout.clock()
     layout.costs(shape, 2)
-    assert time.perf_counter() - wall >= 0.2 and layout.clock() - started < 0.1
+    now[0] += 0.25  # the rest of the step
+    layout.costs(shape, 2)  # timed already
+    assert now[0] == 105.25 and layout.clock() - started == 0.25
     elsewhere = []
 
     def other_thread() -> None:
         before = layout.clock()
-        time.sleep(0.05)
+        now[0] += 1.0
         elsewhere.append(layout.clock() - before)
     thread = threading.Thread(target=other_thread)
     thread.start()
     thread.join()
-    assert elsewhere[0] >= 0.05
+    assert elsewhere == [1.0]
 
 
 def test_the_causal_mask_cache_keeps_the_most_recent_masks_only():
