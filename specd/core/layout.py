@@ -38,7 +38,11 @@ MARGIN = 0.9  # a step changes layout only if the other costs less than this sha
 PROBES = ((2, 64), (16, 64), (2, 512), (16, 512))  # (rows, columns) the costs are timed at
 REPEATS = 4  # attention calls timed together, as a step's layers run them
 SAMPLES = 5  # timings per probe, the median kept
-MEASURED_WIDTHS = 8  # forward widths (queries a row) timed as they are; a wider one scales the widest
+# Forward widths (queries a row) timed as they are: a decode step's one and a verify forward of up to
+# three proposals. A wider forward (longer proposals, a drafter catching up, a prefill chunk of rows
+# alike) scales the widest's costs: each width timed is a tenth of a second or more of the step that
+# first meets it, and the widths past it are met rarely, some once
+MEASURED_WIDTHS = 4
 
 
 @dataclass(frozen=True)
