@@ -97,8 +97,11 @@ class StaticController:
         return ks if best == longest else [n if r.seeded else min(best, n) for r, n in zip(rows, ks)]
 
     def _rate_of(self, rows: list[Row], ks: list[int]) -> float:
-        """Expected tokens per second for the batch if row i proposes ``ks[i]``."""
-        drafted = [k for r, k in zip(rows, ks) if k and r.drafts(k)]
+        """Expected tokens per second for the batch if row i proposes ``ks[i]``: where some row
+        needs the draft model, it drafts for every draft-model row (lookups are proposed only
+        in rounds where it does not run)."""
+        runs = any(k and r.drafts(k) for r, k in zip(rows, ks))
+        drafted = [k for r, k in zip(rows, ks) if k and r.drafts_with_model] if runs else []
         seconds = (self.costs.target_seconds(len(rows), 1 + max(ks))
                    + self.costs.draft_seconds(len(drafted), max(drafted, default=0)))
         return self._expected(rows, ks) / seconds

@@ -248,8 +248,11 @@ class Speculator:
     def _plan(self, seqs: list[Sequence], last_tokens: list[int], specs: list[SpeculationConfig],
               budgets: list[int]) -> Round:
         """The controller's choice of k for each row, within its budget, and the
-        draft-model rows whose prompt lookup covers it: a lookup costs the device
-        nothing, so they propose it and the draft model does not draft for them."""
+        draft-model rows that propose their prompt lookup instead: where the lookups of
+        every drafting row cover its k, the round proposes them and the draft model does not
+        run (a lookup costs the device nothing); where some row needs the draft model, it
+        drafts for every row (it runs its rows as one batch, whatever it drafts for them),
+        and its proposals are accepted more often than a lookup's."""
         rows, found = [], {}
         for i, (s, spec, budget) in enumerate(zip(seqs, specs, budgets)):
             estimate = self.feedback.estimate(s)
@@ -265,6 +268,8 @@ class Speculator:
         if reason is not None:
             self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
         lookups = {i: chain[:ks[i]] for i, chain in found.items() if 0 < ks[i] <= len(chain)}
+        if any(ks[i] and i not in lookups for i in found):  # the draft model runs
+            lookups = {}
         return Round(seqs, last_tokens, specs, ks, lookups)
 
     def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]],

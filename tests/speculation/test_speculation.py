@@ -218,21 +218,23 @@ def test_greedy_parity_while_a_policy_toggles_speculation(pair, prompts, referen
     assert [r[0] for r in results] == reference
 
 
-def test_draft_rows_propose_their_prompt_lookup_where_it_covers_k(pair, prompts, reference):
-    """A draft pairing's row whose prompt lookup covers its k proposes the lookup (free), and
-    the draft model drafts only for rows without one: repetitive prompts speculate through both,
-    greedy and sampled side by side, with the reference's greedy tokens; the lookups' tokens are
-    counted under ``ngram``, the draft model's under ``draft``."""
-    drafted_for = []
+def test_draft_rows_propose_their_prompt_lookups_where_the_draft_model_does_not_run(pair, prompts, reference):
+    """A draft pairing's rows propose their prompt lookups (free) in a round where every
+    drafting row's lookup covers its k; where some row needs the draft model, it drafts for
+    every row (its proposals are accepted more often): repetitive prompts speculate through
+    both, greedy and sampled side by side, with the reference's greedy tokens; the lookups'
+    tokens are counted under ``ngram``, the draft model's under ``draft``."""
+    rounds = []
 
     async def go(engine):
-        drafter = engine.scheduler.speculator.drafter
-        propose = drafter.propose
+        speculator = engine.scheduler.speculator
+        plan = speculator._plan
 
-        def record(round_):
-            drafted_for.append((dict(round_.lookups), round_.model_ks))
-            return propose(round_)
-        drafter.propose = record
+        def record(*args):
+            round_ = plan(*args)
+            rounds.append((dict(round_.lookups), round_.model_ks))
+            return round_
+        speculator._plan = record
         greedy = [generate(engine, p, DRAFT, delay=0.01 * i) for i, p in enumerate(prompts[10:])]
         sampled = [generate(engine, p, DRAFT, SamplingParams(temperature=0.8, seed=i), 60)
                    for i, p in enumerate(prompts[12:])]
@@ -244,9 +246,9 @@ def test_draft_rows_propose_their_prompt_lookup_where_it_covers_k(pair, prompts,
     tokens = {s.labels["method"]: s.value for f in text_string_to_metric_families(text)
               if f.name == "specd_spec_decode_num_draft_tokens" for s in f.samples if s.name.endswith("_total")}
     assert tokens.get("ngram", 0) > 0 and tokens.get("draft", 0) > 0, tokens
-    # the draft model never drafted for a row that proposed its lookup
-    assert any(lookups for lookups, _ in drafted_for)
-    assert all(ks[i] == 0 for lookups, ks in drafted_for for i in lookups)
+    # a round proposed lookups only where the draft model did not run
+    assert any(lookups for lookups, _ in rounds)
+    assert all(not any(ks) for lookups, ks in rounds if lookups)
 
 
 def test_empty_lookups_still_teach_the_estimates(pair):
