@@ -98,10 +98,11 @@ class StaticController:
 
     def _rate_of(self, rows: list[Row], ks: list[int]) -> float:
         """Expected tokens per second for the batch if row i proposes ``ks[i]``: where some row
-        needs the draft model, it drafts for every draft-model row (lookups are proposed only
-        in rounds where it does not run)."""
+        needs the draft model, it drafts for every draft-model row but seeded ones whose lookup
+        covers their k (the others propose lookups only in rounds where it does not run)."""
         runs = any(k and r.drafts(k) for r, k in zip(rows, ks))
-        drafted = [k for r, k in zip(rows, ks) if k and r.drafts_with_model] if runs else []
+        drafted = [k for r, k in zip(rows, ks) if k and r.drafts_with_model and (r.drafts(k) or not r.seeded)] \
+            if runs else []
         seconds = (self.costs.target_seconds(len(rows), 1 + max(ks))
                    + self.costs.draft_seconds(len(drafted), max(drafted, default=0)))
         return self._expected(rows, ks) / seconds

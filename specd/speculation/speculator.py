@@ -252,7 +252,9 @@ class Speculator:
         every drafting row cover its k, the round proposes them and the draft model does not
         run (a lookup costs the device nothing); where some row needs the draft model, it
         drafts for every row (it runs its rows as one batch, whatever it drafts for them),
-        and its proposals are accepted more often than a lookup's."""
+        and its proposals are accepted more often than a lookup's. A seeded sampling row
+        proposes its lookup either way: drafting advances its RNG, and it samples the same
+        alone or batched."""
         rows, found = [], {}
         for i, (s, spec, budget) in enumerate(zip(seqs, specs, budgets)):
             estimate = self.feedback.estimate(s)
@@ -269,7 +271,7 @@ class Speculator:
             self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
         lookups = {i: chain[:ks[i]] for i, chain in found.items() if 0 < ks[i] <= len(chain)}
         if any(ks[i] and i not in lookups for i in found):  # the draft model runs
-            lookups = {}
+            lookups = {i: chain for i, chain in lookups.items() if rows[i].seeded}
         return Round(seqs, last_tokens, specs, ks, lookups)
 
     def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]],

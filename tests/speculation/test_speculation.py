@@ -10,6 +10,7 @@ import asyncio
 import copy
 import itertools
 
+import mlx.core as mx
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -97,7 +98,6 @@ def test_rows_with_nothing_to_prefill(pair, prompts):
     (asked again): alone, and beside longer rows, plain, n-gram and draft give the greedy tokens of
     mlx-lm's own generator."""
     from mlx_lm.generate import generate_step
-    import mlx.core as mx
     target, tokenizer = pair[0], pair[1]
     shorts = [[prompts[0][0]], [prompts[5][3]], prompts[2]]
     expected = []
@@ -175,6 +175,31 @@ def test_seeded_sampling_is_batch_invariant_with_speculation(pair, prompts):
     assert alone == batched
 
 
+def test_a_seeded_row_proposes_its_lookup_where_the_draft_model_drafts_for_its_batch_mates(pair, prompts):
+    """A draft pairing's seeded sampling row whose prompt lookup covers its k proposes the
+    lookup even in a round where the draft model drafts for its batch mates, and the round
+    leaves its RNG key as it was: drafting for it would advance the key, and a seeded row
+    draws the same stream alone or batched."""
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7)
+    kept = []
+
+    async def go(engine):
+        drafter = engine.scheduler.speculator.drafter
+        propose = drafter.propose
+
+        def record(round_):
+            seeded = [i for i in round_.lookups if round_.seqs[i].params.seed is not None]
+            before = [round_.seqs[i].key for i in seeded]
+            drafts = propose(round_)
+            kept.extend(mx.array_equal(round_.seqs[i].key, key).item() for i, key in zip(seeded, before))
+            return drafts
+        drafter.propose = record
+        await asyncio.gather(generate(engine, prompts[12], DRAFT, params, 48),
+                             *(generate(engine, p, DRAFT, max_tokens=48) for p in prompts[2:6]))
+    serve(pair, go)
+    assert kept and all(kept)
+
+
 @pytest.mark.parametrize("spec", [DRAFT, NGRAM], ids=["draft", "ngram"])
 def test_sampled_tokens_follow_the_target_end_to_end(pair, prompts, spec):
     """Two-sample chi-square on the 2nd..4th generated tokens (the first comes
@@ -221,9 +246,10 @@ def test_greedy_parity_while_a_policy_toggles_speculation(pair, prompts, referen
 def test_draft_rows_propose_their_prompt_lookups_where_the_draft_model_does_not_run(pair, prompts, reference):
     """A draft pairing's rows propose their prompt lookups (free) in a round where every
     drafting row's lookup covers its k; where some row needs the draft model, it drafts for
-    every row (its proposals are accepted more often): repetitive prompts speculate through
-    both, greedy and sampled side by side, with the reference's greedy tokens; the lookups'
-    tokens are counted under ``ngram``, the draft model's under ``draft``."""
+    every row but seeded sampling ones (its proposals are accepted more often): repetitive
+    prompts speculate through both, greedy and sampled side by side, with the reference's
+    greedy tokens; the lookups' tokens are counted under ``ngram``, the draft model's under
+    ``draft``."""
     rounds = []
 
     async def go(engine):
@@ -232,7 +258,7 @@ def test_draft_rows_propose_their_prompt_lookups_where_the_draft_model_does_not_
 
         def record(*args):
             round_ = plan(*args)
-            rounds.append((dict(round_.lookups), round_.model_ks))
+            rounds.append(round_)
             return round_
         speculator._plan = record
         greedy = [generate(engine, p, DRAFT, delay=0.01 * i) for i, p in enumerate(prompts[10:])]
@@ -246,9 +272,11 @@ def test_draft_rows_propose_their_prompt_lookups_where_the_draft_model_does_not_
     tokens = {s.labels["method"]: s.value for f in text_string_to_metric_families(text)
               if f.name == "specd_spec_decode_num_draft_tokens" for s in f.samples if s.name.endswith("_total")}
     assert tokens.get("ngram", 0) > 0 and tokens.get("draft", 0) > 0, tokens
-    # a round proposed lookups only where the draft model did not run
-    assert any(lookups for lookups, _ in rounds)
-    assert all(not any(ks) for lookups, ks in rounds if lookups)
+    # a round proposed lookups only where the draft model did not run, but a seeded row's (whose
+    # RNG drafting would advance)
+    assert any(round_.lookups for round_ in rounds)
+    assert all(round_.seqs[i].params.seed is not None for round_ in rounds if any(round_.model_ks)
+               for i in round_.lookups)
 
 
 def test_empty_lookups_still_teach_the_estimates(pair):
