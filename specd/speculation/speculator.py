@@ -253,8 +253,8 @@ class Speculator:
         run (a lookup costs the device nothing); where some row needs the draft model, it
         drafts for every row (it runs its rows as one batch, whatever it drafts for them),
         and its proposals are accepted more often than a lookup's. A seeded sampling row
-        proposes its lookup either way: drafting advances its RNG, and it samples the same
-        alone or batched."""
+        proposes its lookup either way: drafting would advance its RNG, whose stream it
+        draws alike alone or batched."""
         rows, found = [], {}
         for i, (s, spec, budget) in enumerate(zip(seqs, specs, budgets)):
             estimate = self.feedback.estimate(s)
