@@ -49,6 +49,17 @@ class Row:
         return self.drafts_with_model and self.lookup < min(k, self.budget)
 
 
+def proposes_lookup(rows: list[Row], ks: list[int]) -> list[bool]:
+    """Which rows propose their prompt lookup if row i proposes ``ks[i]``: a draft-model row
+    whose lookup covers its k, in a round where the draft model does not run (no such row
+    lacks one); where it runs it drafts for every row (it runs them as one batch either way,
+    and its proposals are accepted more often), but a seeded sampling row keeps its lookup,
+    as drafting would advance its RNG, whose stream it draws alike alone or batched."""
+    runs = any(k and r.drafts(k) for r, k in zip(rows, ks))
+    return [bool(k) and r.drafts_with_model and not r.drafts(k) and (r.seeded or not runs)
+            for r, k in zip(rows, ks)]
+
+
 class StaticController:
     mode = "static"
     PRIOR_WEIGHT = 4.0  # how many rounds the model's history counts for a new request
@@ -97,12 +108,10 @@ class StaticController:
         return ks if best == longest else [n if r.seeded else min(best, n) for r, n in zip(rows, ks)]
 
     def _rate_of(self, rows: list[Row], ks: list[int]) -> float:
-        """Expected tokens per second for the batch if row i proposes ``ks[i]``: where some row
-        needs the draft model, it drafts for every draft-model row but seeded ones whose lookup
-        covers their k (the others propose lookups only in rounds where it does not run)."""
-        runs = any(k and r.drafts(k) for r, k in zip(rows, ks))
-        drafted = [k for r, k in zip(rows, ks) if k and r.drafts_with_model and (r.drafts(k) or not r.seeded)] \
-            if runs else []
+        """Expected tokens per second for the batch if row i proposes ``ks[i]`` (the draft model
+        drafting for the rows that do not propose their lookup, ``proposes_lookup``)."""
+        drafted = [k for r, k, lookup in zip(rows, ks, proposes_lookup(rows, ks))
+                   if k and r.drafts_with_model and not lookup]
         seconds = (self.costs.target_seconds(len(rows), 1 + max(ks))
                    + self.costs.draft_seconds(len(drafted), max(drafted, default=0)))
         return self._expected(rows, ks) / seconds

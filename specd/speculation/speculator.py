@@ -29,7 +29,7 @@ from ..core.prefix import PrefixStore, RowPrefixes, model_prefixes
 from ..core.sequence import Sequence
 from ..metrics import Metrics
 from ..core.request import DRAFTERS, NO_SPECULATION, Method, SpeculationConfig
-from .controller import Row
+from .controller import Row, proposes_lookup
 from .dflash.drafter import DFlashDrafter
 from .dflash.proposer import DFlashProposer
 from .draft import DraftModelProposer
@@ -248,13 +248,8 @@ class Speculator:
     def _plan(self, seqs: list[Sequence], last_tokens: list[int], specs: list[SpeculationConfig],
               budgets: list[int]) -> Round:
         """The controller's choice of k for each row, within its budget, and the
-        draft-model rows that propose their prompt lookup instead: where the lookups of
-        every drafting row cover its k, the round proposes them and the draft model does not
-        run (a lookup costs the device nothing); where some row needs the draft model, it
-        drafts for every row (it runs its rows as one batch, whatever it drafts for them),
-        and its proposals are accepted more often than a lookup's. A seeded sampling row
-        proposes its lookup either way: drafting would advance its RNG, whose stream it
-        draws alike alone or batched."""
+        draft-model rows that propose their prompt lookup instead (``proposes_lookup``: a
+        lookup costs the device nothing where the draft model does not run at all)."""
         rows, found = [], {}
         for i, (s, spec, budget) in enumerate(zip(seqs, specs, budgets)):
             estimate = self.feedback.estimate(s)
@@ -269,9 +264,7 @@ class Speculator:
             self._chosen_k.observe(k)
         if reason is not None:
             self.metrics.spec_off_steps.labels(self.name, reason).inc(sum(1 for r in rows if r.budget))
-        lookups = {i: chain[:ks[i]] for i, chain in found.items() if 0 < ks[i] <= len(chain)}
-        if any(ks[i] and i not in lookups for i in found):  # the draft model runs
-            lookups = {i: chain for i, chain in lookups.items() if rows[i].seeded}
+        lookups = {i: found[i][:ks[i]] for i, lookup in enumerate(proposes_lookup(rows, ks)) if lookup}
         return Round(seqs, last_tokens, specs, ks, lookups)
 
     def _jump_forward(self, seqs: list[Sequence], drafts: list[list[int]],
