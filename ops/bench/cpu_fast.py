@@ -7,9 +7,11 @@ bench times both in one process, switching ``mx.fast`` between them run by run
 (each run's ratio is to the run beside it: this machine's speed drifts by more than
 the differences measured):
 
-1. single forwards of the target and the draft model through the engine's batched
+1. each op alone by the size of its array, MLX's own against the compiled version at
+   every size (past the sizes where ``cpu_fast`` takes it: the limits it keeps);
+2. single forwards of the target and the draft model through the engine's batched
    cache, at a decode step's and a verify forward's shapes;
-2. the engine serving greedy code completions in process: spec-off at one and at
+3. the engine serving greedy code completions in process: spec-off at one and at
    eight clients, and the draft pairing's goodput default at eight (with its ratio
    to spec-off under each, which stand-ins that speed every forward alike leave as it was).
 
@@ -65,6 +67,46 @@ def paired(a: list[float], b: list[float]) -> float:
     return statistics.median([x / y for x, y in zip(a, b)])
 
 
+def op_us(call, reps: int = 100) -> float:
+    """Median microseconds of one call, timed as ten in one evaluation (a forward's calls are)."""
+    times = []
+    for _ in range(reps + 10):
+        start = time.perf_counter()
+        mx.eval([call() for _ in range(10)])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[10:]) * 1e5
+
+
+def ops_by_size(runs: int) -> list[dict[str, Any]]:
+    limits = cpu_fast.NORM_ELEMENTS, cpu_fast.ROPE_ELEMENTS
+    cpu_fast.NORM_ELEMENTS = cpu_fast.ROPE_ELEMENTS = 1 << 30  # the compiled version at every size
+    rows = []
+    try:
+        for hidden, batch in [(h, b) for h in (128, 256, 896) for b in (1, 4, 8, 16, 32)]:
+            x, w = mx.random.normal((batch, 1, hidden)), mx.ones((hidden,))
+            rows.append(("rms_norm", (batch, 1, hidden), lambda arm, x=x, w=w: (
+                cpu_fast._ORIGINAL["rms_norm"] if arm == "mlx" else cpu_fast.rms_norm)(x, w, 1e-5)))
+        for heads, batch, columns in [(h, b, c) for h in (2, 4, 14) for b, c in ((1, 1), (8, 1), (8, 4), (32, 1))]:
+            x, offset = mx.random.normal((batch, heads, columns, 64)), mx.arange(batch) + 90
+            rows.append(("rope", (batch, heads, columns, 64), lambda arm, x=x, offset=offset: (
+                cpu_fast._ORIGINAL["rope"] if arm == "mlx" else cpu_fast.rope)(
+                    x, 64, traditional=False, base=10000.0, scale=1.0, offset=offset)))
+        out = []
+        for op, shape, call in rows:
+            us = {arm: statistics.median(op_us(lambda: call(arm)) for _ in range(runs)) for arm in ARMS}
+            size = 1
+            for n in shape:
+                size *= n
+            out.append({"op": op, "shape": shape, "elements": size, "mlx_us": us["mlx"],
+                        "compiled_us": us["stand-ins"], "compiled_over_mlx": us["stand-ins"] / us["mlx"],
+                        "compiled_by_cpu_fast": size <= (limits[0] if op == "rms_norm" else limits[1])})
+            print(f"{op:8} {str(shape):18} {size:6} elements: MLX's own {us['mlx']:6.1f} us, compiled "
+                  f"{us['stand-ins']:6.1f} us{'' if out[-1]['compiled_by_cpu_fast'] else '  (past the limit)'}")
+    finally:
+        cpu_fast.NORM_ELEMENTS, cpu_fast.ROPE_ELEMENTS = limits
+    return out
+
+
 def forwards(models: dict[str, Any], runs: int) -> list[dict[str, Any]]:
     rows = []
     for name, model in models.items():
@@ -118,7 +160,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=16), drafter=draft)  # installs them
     engine.start()
     try:
-        result = {"forwards": forwards({"target": target, "draft": draft}, args.runs)}
+        result = {"ops_by_size": ops_by_size(3), "forwards": forwards({"target": target, "draft": draft}, args.runs)}
         result["serving"] = await serving(engine, tokenizer, args.runs, args.max_tokens)
     finally:
         await engine.shutdown(1)

@@ -5,16 +5,18 @@ MLX's CPU backend has none of them: every call expands into its fallback, about 
 for a norm and thirty for RoPE, and each node is a dispatch on the CPU stream, which in a small
 model's decode or draft step costs more than the node's arithmetic. The same fallback traced by
 ``mx.compile`` is a few nodes, its elementwise ops fused into one pass, and gives the same
-numbers bit for bit (``ops/bench/cpu_fast.py`` times both).
+numbers bit for bit (``ops/bench/cpu_fast.py`` times both). Compiled, though, an elementwise
+op runs slower per element than MLX's own (vectorised, and specialised for broadcasting), so
+it pays only on small arrays, where the dispatches outweigh the arithmetic.
 
 ``install`` puts ``rms_norm``, ``layer_norm`` and ``rope`` in ``mx.fast`` in their place, once per
-process, where the default device is the CPU: mlx-lm's families reach them through ``mx.fast``,
-from their own modules and from ``mlx.nn``'s layers. A call of a decode, verify or draft step
-(at most ``MAX_COLUMNS`` columns a row; its shapes repeat step after step) takes the compiled
-version, kept per shape (``COMPILED_SHAPES`` of them, the least recently used dropped); a prefill
-chunk's (many columns; its lengths seldom repeat, and its arithmetic dwarfs the dispatches) takes
-MLX's own. RoPE at a Python ``int`` offset takes MLX's own too: compiled, each offset would be a
-trace of its own. Elsewhere (a GPU) nothing changes.
+process; they defer to MLX's own off the CPU: mlx-lm's families reach them through ``mx.fast``,
+from their own modules and from ``mlx.nn``'s layers. A call on an array of at most
+``NORM_ELEMENTS`` (a norm) or ``ROPE_ELEMENTS`` elements (a small model's decode, verify or draft
+step; its shapes repeat step after step) takes the compiled version, kept per shape
+(``COMPILED_SHAPES`` of them, the least recently used dropped); a larger one (a prefill chunk, a
+large model's step) takes MLX's own. RoPE at a Python ``int`` offset takes MLX's own too:
+compiled, each offset would be a trace of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from typing import Callable
 
 import mlx.core as mx
 
-MAX_COLUMNS = 16  # a step's columns a row (x.shape[-2]) up to which a call is compiled
+# The largest arrays whose calls are compiled: past them the compiled elementwise ops' slower
+# pass costs more than the dispatches saved (``ops/bench/results/cpu_fast.json``)
+NORM_ELEMENTS = 2048
+ROPE_ELEMENTS = 8192
 COMPILED_SHAPES = 512  # compiled functions kept, by op, settings and input shapes
 
 _ORIGINAL = {"rms_norm": mx.fast.rms_norm, "layer_norm": mx.fast.layer_norm, "rope": mx.fast.rope}
@@ -50,14 +55,14 @@ def _compiled_for(key: tuple, make: Callable[[], Callable]) -> Callable:
         return function
 
 
-def _repeats(x: mx.array, stream) -> bool:
-    """Whether a call is a step's (few columns a row) on the CPU, where compiling it pays."""
-    return stream is None and x.ndim >= 2 and x.shape[-2] <= MAX_COLUMNS and mx.default_device() == mx.cpu
+def _pays(x: mx.array, elements: int, stream) -> bool:
+    """Whether compiling a call pays: on the CPU, on at most ``elements`` elements."""
+    return stream is None and x.size <= elements and mx.default_device() == mx.cpu
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None) -> mx.array:
     original = _ORIGINAL["rms_norm"]
-    if not _repeats(x, stream):
+    if not _pays(x, NORM_ELEMENTS, stream):
         return original(x, weight, eps, stream=stream)
     key = ("rms_norm", eps, _signature(x, weight))
     if weight is None:
@@ -68,7 +73,7 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None) -
 def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float, *,
                stream=None) -> mx.array:
     original = _ORIGINAL["layer_norm"]
-    if not _repeats(x, stream):
+    if not _pays(x, NORM_ELEMENTS, stream):
         return original(x, weight, bias, eps, stream=stream)
     key = ("layer_norm", eps, _signature(x, weight, bias))
     given = [a for a in (weight, bias) if a is not None]
@@ -85,7 +90,7 @@ def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps:
 def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset,
          freqs: mx.array | None = None, stream=None) -> mx.array:
     original = _ORIGINAL["rope"]
-    if not (isinstance(offset, mx.array) and _repeats(a, stream)):
+    if not (isinstance(offset, mx.array) and _pays(a, ROPE_ELEMENTS, stream)):
         return original(a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
                         stream=stream)
     key = ("rope", dims, traditional, base, scale, _signature(a, offset, freqs))

@@ -19,6 +19,13 @@ def same(a: mx.array, b: mx.array) -> bool:
 
 
 @pytest.fixture
+def compiled_at_any_size(monkeypatch):
+    """Calls of every size take the compiled stand-ins (past their size limits, which only weigh speed)."""
+    monkeypatch.setattr(cpu_fast, "NORM_ELEMENTS", 1 << 30)
+    monkeypatch.setattr(cpu_fast, "ROPE_ELEMENTS", 1 << 30)
+
+
+@pytest.fixture
 def mlx_own(monkeypatch):
     """Use MLX's own functions in ``mx.fast`` (whether or not an engine installed the stand-ins)."""
     def use(own: bool) -> None:
@@ -29,7 +36,7 @@ def mlx_own(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(1, 4, 1, 64), (3, 2, 5, 32), (8, 4, 16, 64)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_rope_matches_mlx_at_row_offsets(shape, dtype):
+def test_rope_matches_mlx_at_row_offsets(shape, dtype, compiled_at_any_size):
     x = (mx.random.normal(shape, key=mx.random.key(1)) * 3).astype(dtype)
     offset = mx.random.randint(0, 4000, (shape[0],), key=mx.random.key(2))
     dims = shape[-1]
@@ -44,7 +51,7 @@ def test_rope_matches_mlx_at_row_offsets(shape, dtype):
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (4, 3, 256), (16, 2, 48), (5, 128)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-def test_norms_match_mlx(shape, dtype):
+def test_norms_match_mlx(shape, dtype, compiled_at_any_size):
     x = (mx.random.normal(shape, key=mx.random.key(4)) * 5).astype(dtype)
     weight = mx.random.normal(shape[-1:], key=mx.random.key(5)).astype(dtype)
     bias = mx.random.normal(shape[-1:], key=mx.random.key(6)).astype(dtype)
@@ -55,15 +62,19 @@ def test_norms_match_mlx(shape, dtype):
                 assert same(cpu_fast.layer_norm(x, w, b, eps), MLX["layer_norm"](x, w, b, eps))
 
 
-def test_prefill_chunks_and_int_offsets_take_mlx_own(monkeypatch):
+def test_large_arrays_and_int_offsets_take_mlx_own(monkeypatch):
     monkeypatch.setattr(cpu_fast, "_compiled", type(cpu_fast._compiled)())
-    wide = mx.random.normal((2, 4, cpu_fast.MAX_COLUMNS + 1, 32), key=mx.random.key(7))
-    cpu_fast.rope(wide, 32, traditional=False, base=10000.0, scale=1.0, offset=mx.array([3, 9]))
-    cpu_fast.rms_norm(wide, None, 1e-5)
-    cpu_fast.rope(wide[:, :, :1], 32, traditional=False, base=10000.0, scale=1.0, offset=5)
+    chunk = mx.random.normal((2, 4, 64, 32), key=mx.random.key(7))  # a prefill chunk's
+    offset = mx.array([3, 9])
+    cpu_fast.rope(chunk, 32, traditional=False, base=10000.0, scale=1.0, offset=offset)
+    cpu_fast.rms_norm(chunk, None, 1e-5)
+    cpu_fast.layer_norm(chunk, None, None, 1e-5)
+    step = chunk[:, :, :1]  # a decode step's
+    cpu_fast.rope(step, 32, traditional=False, base=10000.0, scale=1.0, offset=5)
     assert not cpu_fast._compiled
-    cpu_fast.rope(wide[:, :, :1], 32, traditional=False, base=10000.0, scale=1.0, offset=mx.array([3, 9]))
-    assert len(cpu_fast._compiled) == 1
+    cpu_fast.rope(step, 32, traditional=False, base=10000.0, scale=1.0, offset=offset)
+    cpu_fast.rms_norm(step, None, 1e-5)
+    assert [key[0] for key in cpu_fast._compiled] == ["rope", "rms_norm"]
 
 
 def test_compiled_functions_are_bounded_least_recently_used_first(monkeypatch):
@@ -81,14 +92,14 @@ def test_compiled_functions_are_bounded_least_recently_used_first(monkeypatch):
 # norms and RoPE as families write them: mlx.nn's layers, Llama 3 and LongRoPE scaling (freqs), YaRN with
 # attention sinks, Gemma's (1 + weight) norms, Qwen 3's norms of queries and keys, LayerNorm with partial RoPE
 @pytest.mark.parametrize("family", ["llama", "phi3", "gpt_oss", "gemma3_text", "qwen3", "phi"])
-def test_families_decode_bit_for_bit_with_the_stand_ins(family, family_models, mlx_own):
+def test_families_decode_bit_for_bit_with_the_stand_ins(family, family_models, mlx_own, compiled_at_any_size):
     model, tokenizer = load_model(str(family_models(family)))
     prompt = mx.array([tokenizer.encode("def parse(line):\n    return line.split()")[:12]] * 3)
     logits = {}
     for own in (True, False):
         mlx_own(own)
         cache = make_row_cache(model, [0, 0, 0])
-        prefill = cache.forward(model, prompt)  # a chunk of few columns is compiled too
+        prefill = cache.forward(model, prompt)
         step = cache.forward(model, mx.array([[5], [7], [11]]))
         logits[own] = mx.concatenate([prefill[:, -1], step[:, -1]])
     assert same(logits[True], logits[False])
