@@ -1,8 +1,9 @@
 """The compiled stand-ins for MLX's CPU fallbacks (``specd.core.cpu_fast``) against MLX's own, in turn.
 
 On MLX's CPU backend, RMSNorm, LayerNorm and RoPE have no kernel: each call is a
-fallback of ten to thirty small ops. ``specd.core.cpu_fast`` replaces them, for a
-step's few columns a row, with compiled functions that give the same numbers. This
+fallback of ten to thirty small ops. ``specd.core.cpu_fast`` replaces them, on small
+arrays (a small model's decode, verify and draft steps), with compiled functions that give
+the same numbers. This
 bench times both in one process, switching ``mx.fast`` between them run by run
 (each run's ratio is to the run beside it: this machine's speed drifts by more than
 the differences measured):
@@ -12,8 +13,8 @@ the differences measured):
 2. single forwards of the target and the draft model through the engine's batched
    cache, at a decode step's and a verify forward's shapes;
 3. the engine serving greedy code completions in process: spec-off at one and at
-   eight clients, and the draft pairing's goodput default at eight (with its ratio
-   to spec-off under each, which stand-ins that speed every forward alike leave as it was).
+   eight clients, and the draft pairing's goodput default at eight, with its ratio to
+   spec-off under each (the stand-ins save a plain step a larger share than a verify forward).
 
     python ops/bench/cpu_fast.py --pair models/demo --runs 8
 

@@ -5,9 +5,9 @@ MLX's CPU backend has none of them: every call expands into its fallback, about 
 for a norm and thirty for RoPE, and each node is a dispatch on the CPU stream, which in a small
 model's decode or draft step costs more than the node's arithmetic. The same fallback traced by
 ``mx.compile`` is a few nodes, its elementwise ops fused into one pass, and gives the same
-numbers bit for bit (``ops/bench/cpu_fast.py`` times both). Compiled, though, an elementwise
-op runs slower per element than MLX's own (vectorised, and specialised for broadcasting), so
-it pays only on small arrays, where the dispatches outweigh the arithmetic.
+numbers bit for bit (``ops/bench/cpu_fast.py`` times both). Its fused pass, though, runs slower
+per element than MLX's own ops, so it pays only on small arrays, where the dispatches outweigh
+the arithmetic.
 
 ``install`` puts ``rms_norm``, ``layer_norm`` and ``rope`` in ``mx.fast`` in their place, once per
 process; they defer to MLX's own off the CPU: mlx-lm's families reach them through ``mx.fast``,
@@ -98,7 +98,7 @@ def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale
         return _compiled_for(key, lambda: lambda a, offset: original(
             a, dims, traditional=traditional, base=base, scale=scale, offset=offset))(a, offset)
     return _compiled_for(key, lambda: lambda a, offset, freqs: original(
-        a, dims, traditional=traditional, base=None, scale=scale, offset=offset, freqs=freqs))(a, offset, freqs)
+        a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs))(a, offset, freqs)
 
 
 _installed = False
