@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import statistics
 import time
 from typing import Any
@@ -94,10 +95,12 @@ def ops_by_size(runs: int) -> list[dict[str, Any]]:
                     x, 64, traditional=False, base=10000.0, scale=1.0, offset=offset)))
         out = []
         for op, shape, call in rows:
-            us = {arm: statistics.median(op_us(lambda: call(arm)) for _ in range(runs)) for arm in ARMS}
-            size = 1
-            for n in shape:
-                size *= n
+            timed: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            for run in range(runs):
+                for arm in (ARMS if run % 2 else ARMS[::-1]):
+                    timed[arm].append(op_us(lambda: call(arm)))
+            us = {arm: statistics.median(v) for arm, v in timed.items()}
+            size = math.prod(shape)
             out.append({"op": op, "shape": shape, "elements": size, "mlx_us": us["mlx"],
                         "compiled_us": us["stand-ins"], "compiled_over_mlx": us["stand-ins"] / us["mlx"],
                         "compiled_by_cpu_fast": size <= (limits[0] if op == "rms_norm" else limits[1])})
