@@ -65,9 +65,8 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None) -
     if not _pays(x, NORM_ELEMENTS, stream):
         return original(x, weight, eps, stream=stream)
     key = ("rms_norm", eps, _signature(x, weight))
-    if weight is None:
-        return _compiled_for(key, lambda: lambda x: original(x, None, eps))(x)
-    return _compiled_for(key, lambda: lambda x, w: original(x, w, eps))(x, weight)
+    weights = () if weight is None else (weight,)
+    return _compiled_for(key, lambda: lambda x, *w: original(x, w[0] if w else None, eps))(x, *weights)
 
 
 def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float, *,
@@ -94,11 +93,10 @@ def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale
         return original(a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
                         stream=stream)
     key = ("rope", dims, traditional, base, scale, _signature(a, offset, freqs))
-    if freqs is None:
-        return _compiled_for(key, lambda: lambda a, offset: original(
-            a, dims, traditional=traditional, base=base, scale=scale, offset=offset))(a, offset)
-    return _compiled_for(key, lambda: lambda a, offset, freqs: original(
-        a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs))(a, offset, freqs)
+    given = () if freqs is None else (freqs,)
+    return _compiled_for(key, lambda: lambda a, offset, *f: original(
+        a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=f[0] if f else None))(
+            a, offset, *given)
 
 
 _installed = False
