@@ -13,17 +13,20 @@ the arithmetic.
 process; they defer to MLX's own off the CPU: mlx-lm's families reach them through ``mx.fast``,
 from their own modules and from ``mlx.nn``'s layers. A call on an array of at most
 ``NORM_ELEMENTS`` (a norm) or ``ROPE_ELEMENTS`` elements (a small model's decode, verify or draft
-step; its shapes repeat step after step) takes the compiled version, kept per shape
-(``COMPILED_SHAPES`` of them, the least recently used dropped); a larger one (a prefill chunk, a
-large model's step) takes MLX's own. RoPE at a Python ``int`` offset takes MLX's own too:
+step; its shapes repeat step after step) takes the compiled version; a larger one (a prefill chunk,
+a large model's step) takes MLX's own. RoPE at a Python ``int`` offset takes MLX's own too:
 compiled, each offset would be a trace of its own.
+
+Each op is one module-level compiled function that takes its settings (``eps``, ``dims``, ``base``
+and the rest) as arguments, so MLX keys its traces by them as well as by the shapes. A compiled
+function made per setting and dropped later would not be safe: MLX keeps traces in a cache per
+thread, keyed by the traced function's address, and dropping a compiled function clears only the
+last calling thread's cache, so another engine's thread could later find a stale trace (another
+``eps``, another ``dims``) under a new function at the same address. The size limits bound the
+shapes, so each thread's traces stay few.
 """
 
 from __future__ import annotations
-
-import threading
-from collections import OrderedDict
-from typing import Callable
 
 import mlx.core as mx
 
@@ -31,28 +34,25 @@ import mlx.core as mx
 # pass costs more than the dispatches saved (``ops/bench/results/cpu_fast.json``)
 NORM_ELEMENTS = 2048
 ROPE_ELEMENTS = 8192
-COMPILED_SHAPES = 512  # compiled functions kept, by op, settings and input shapes
 
 _ORIGINAL = {"rms_norm": mx.fast.rms_norm, "layer_norm": mx.fast.layer_norm, "rope": mx.fast.rope}
-_compiled: OrderedDict[tuple, Callable] = OrderedDict()
-_lock = threading.Lock()  # steps of several engines (threads) share the cache
 
 
-def _signature(*arrays: mx.array | None) -> tuple:
-    return tuple(None if a is None else (a.shape, a.dtype) for a in arrays)
+def _rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    return _ORIGINAL["rms_norm"](x, weight, eps)
 
 
-def _compiled_for(key: tuple, make: Callable[[], Callable]) -> Callable:
-    """The compiled function for ``key``, made (``make``) the first time it is met."""
-    with _lock:
-        function = _compiled.get(key)
-        if function is None:
-            function = _compiled[key] = mx.compile(make())
-            if len(_compiled) > COMPILED_SHAPES:
-                _compiled.popitem(last=False)
-        else:
-            _compiled.move_to_end(key)
-        return function
+def _layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float) -> mx.array:
+    return _ORIGINAL["layer_norm"](x, weight, bias, eps)
+
+
+def _rope(a: mx.array, offset: mx.array, freqs: mx.array | None, dims: int, traditional: bool,
+          base: float | None, scale: float) -> mx.array:
+    return _ORIGINAL["rope"](a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+
+
+# never dropped (see above); ``None`` and the settings are constants of each trace
+COMPILED = {"rms_norm": mx.compile(_rms_norm), "layer_norm": mx.compile(_layer_norm), "rope": mx.compile(_rope)}
 
 
 def _pays(x: mx.array, elements: int, stream) -> bool:
@@ -61,42 +61,25 @@ def _pays(x: mx.array, elements: int, stream) -> bool:
 
 
 def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *, stream=None) -> mx.array:
-    original = _ORIGINAL["rms_norm"]
     if not _pays(x, NORM_ELEMENTS, stream):
-        return original(x, weight, eps, stream=stream)
-    key = ("rms_norm", eps, _signature(x, weight))
-    weights = () if weight is None else (weight,)
-    return _compiled_for(key, lambda: lambda x, *w: original(x, w[0] if w else None, eps))(x, *weights)
+        return _ORIGINAL["rms_norm"](x, weight, eps, stream=stream)
+    return COMPILED["rms_norm"](x, weight, float(eps))
 
 
 def layer_norm(x: mx.array, weight: mx.array | None, bias: mx.array | None, eps: float, *,
                stream=None) -> mx.array:
-    original = _ORIGINAL["layer_norm"]
     if not _pays(x, NORM_ELEMENTS, stream):
-        return original(x, weight, bias, eps, stream=stream)
-    key = ("layer_norm", eps, _signature(x, weight, bias))
-    given = [a for a in (weight, bias) if a is not None]
-
-    def make() -> Callable:
-        def norm(x: mx.array, *parameters: mx.array) -> mx.array:
-            rest = iter(parameters)
-            return original(x, next(rest) if weight is not None else None, next(rest) if bias is not None else None,
-                            eps)
-        return norm
-    return _compiled_for(key, make)(x, *given)
+        return _ORIGINAL["layer_norm"](x, weight, bias, eps, stream=stream)
+    return COMPILED["layer_norm"](x, weight, bias, float(eps))
 
 
 def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset,
          freqs: mx.array | None = None, stream=None) -> mx.array:
-    original = _ORIGINAL["rope"]
     if not (isinstance(offset, mx.array) and _pays(a, ROPE_ELEMENTS, stream)):
-        return original(a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
-                        stream=stream)
-    key = ("rope", dims, traditional, base, scale, _signature(a, offset, freqs))
-    given = () if freqs is None else (freqs,)
-    return _compiled_for(key, lambda: lambda a, offset, *f: original(
-        a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=f[0] if f else None))(
-            a, offset, *given)
+        return _ORIGINAL["rope"](a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs,
+                                 stream=stream)
+    return COMPILED["rope"](a, offset, freqs, int(dims), bool(traditional), None if base is None else float(base),
+                            float(scale))
 
 
 _installed = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import mlx.core as mx
 import pytest
@@ -63,7 +64,10 @@ def test_norms_match_mlx(shape, dtype, compiled_at_any_size):
 
 
 def test_large_arrays_and_int_offsets_take_mlx_own(monkeypatch):
-    monkeypatch.setattr(cpu_fast, "_compiled", type(cpu_fast._compiled)())
+    taken = []
+    for name, function in cpu_fast.COMPILED.items():
+        monkeypatch.setitem(cpu_fast.COMPILED, name,
+                            lambda *args, name=name, function=function: taken.append(name) or function(*args))
     chunk = mx.random.normal((2, 4, 64, 32), key=mx.random.key(7))  # a prefill chunk's
     offset = mx.array([3, 9])
     cpu_fast.rope(chunk, 32, traditional=False, base=10000.0, scale=1.0, offset=offset)
@@ -71,22 +75,40 @@ def test_large_arrays_and_int_offsets_take_mlx_own(monkeypatch):
     cpu_fast.layer_norm(chunk, None, None, 1e-5)
     step = chunk[:, :, :1]  # a decode step's
     cpu_fast.rope(step, 32, traditional=False, base=10000.0, scale=1.0, offset=5)
-    assert not cpu_fast._compiled
+    assert not taken
     cpu_fast.rope(step, 32, traditional=False, base=10000.0, scale=1.0, offset=offset)
     cpu_fast.rms_norm(step, None, 1e-5)
-    assert [key[0] for key in cpu_fast._compiled] == ["rope", "rms_norm"]
+    assert taken == ["rope", "rms_norm"]
 
 
-def test_compiled_functions_are_bounded_least_recently_used_first(monkeypatch):
-    monkeypatch.setattr(cpu_fast, "_compiled", type(cpu_fast._compiled)())
-    monkeypatch.setattr(cpu_fast, "COMPILED_SHAPES", 3)
-    rows = [mx.ones((b, 1, 8)) for b in range(1, 6)]
-    for x in rows[:3]:
-        cpu_fast.rms_norm(x, None, 1e-5)
-    cpu_fast.rms_norm(rows[0], None, 1e-5)  # used again: the batch of two is now the oldest
-    for x in rows[3:]:
-        assert same(cpu_fast.rms_norm(x, None, 1e-5), MLX["rms_norm"](x, None, 1e-5))
-    assert [key[-1][0][0][0] for key in cpu_fast._compiled] == [1, 4, 5]
+def test_threads_calling_with_other_settings_at_one_shape_each_get_their_own():
+    """MLX keeps compiled traces per thread, keyed by the traced function: calls of one shape from
+    several threads (engines), interleaving settings (eps, dims, base, scale, traditional), each
+    give MLX's own numbers."""
+    x = mx.random.normal((2, 2, 1, 32), key=mx.random.key(8))
+    offset = mx.array([4, 17])
+    mx.eval(x, offset)  # not lazy arrays of this thread's stream
+    settings = [(eps, dims, dict(traditional=traditional, base=base, scale=1.0, offset=offset))
+                for eps, dims, traditional, base in itertools.product((1e-5, 1e-6), (32, 16), (False, True),
+                                                                      (1e4, 1e6))]
+    mismatches = []
+
+    def calls(thread: int) -> None:
+        for i in range(3 * len(settings)):
+            eps, dims, rope = settings[(i * (thread + 1)) % len(settings)]
+            try:
+                if not (same(cpu_fast.rms_norm(x, None, eps), MLX["rms_norm"](x, None, eps))
+                        and same(cpu_fast.rope(x, dims, **rope), MLX["rope"](x, dims, **rope))):
+                    mismatches.append((thread, i))
+            except Exception as error:
+                mismatches.append((thread, i, error))
+
+    threads = [threading.Thread(target=calls, args=(thread,)) for thread in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not mismatches
 
 
 # norms and RoPE as families write them: mlx.nn's layers, Llama 3 and LongRoPE scaling (freqs), YaRN with
