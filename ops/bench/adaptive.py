@@ -31,8 +31,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from mlx_lm import load
-
+from specd.core.loader import load_model as load  # as the daemon loads (core.cpu_jit first)
 from specd.core.memory import reuse_freed_memory
 from specd.engine.engine import Engine
 from specd.engine.scheduler import EngineConfig

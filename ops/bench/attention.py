@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from spec_decode import machine_info, step_cost, write_result
+from specd.core.loader import load_model as load  # as the daemon loads (core.cpu_jit first)
 from specd.core import attention, layout
 from specd.core.cache import make_row_cache
 

@@ -31,9 +31,9 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm import load
 
 from spec_decode import CODE_PROMPTS, machine_info, one_run, rewrite_prompts, write_result
+from specd.core.loader import load_model as load  # as the daemon loads (core.cpu_jit first)
 from specd.core import cpu_fast
 from specd.core.cache import make_row_cache
 from specd.core.request import Method, NO_SPECULATION, SpeculationConfig

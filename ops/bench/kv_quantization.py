@@ -29,9 +29,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from mlx_lm import load
 
 from spec_decode import machine_info, write_result
+from specd.core.loader import load_model as load  # as the daemon loads (core.cpu_jit first)
 from specd.core.cache import kv_bytes
 from specd.core.columns import KVQuantization
 from specd.core.memory import reuse_freed_memory

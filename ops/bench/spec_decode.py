@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm import load
 
+from specd.core.loader import load_model as load  # as the daemon loads (core.cpu_jit first)
 from specd.core.cache import make_row_cache
 from specd.core.memory import reuse_freed_memory
 from specd.engine.engine import Engine

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
+from . import cpu_jit
 from .embedding import Pooling, read_pooling
 
 
@@ -33,7 +34,9 @@ def resolve_source(source: str) -> str:
 def load_model(source: str, revision: str | None = None) -> tuple[nn.Module, object]:
     """Load a model with mlx-lm.  Local paths must exist; anything else is a
     Hugging Face repo id that mlx-lm downloads (what Mac users serve), at
-    ``revision`` (a branch, tag or commit) when given."""
+    ``revision`` (a branch, tag or commit) when given. On a CPU, MLX's kernels are built for
+    its FMA first (``cpu_jit``)."""
+    cpu_jit.install()
     model, tokenizer = mlx_lm_load(resolve_source(source), revision=revision)
     materialize(model)
     return model, tokenizer

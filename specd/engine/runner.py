@@ -44,7 +44,7 @@ from typing import Callable, ContextManager
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core import cpu_fast
+from ..core import cpu_fast, cpu_jit
 from ..core.batch import RunningBatch
 from ..core.grammar import mask_logits
 from ..core.layout import clock
@@ -93,6 +93,7 @@ class ModelRunner:
         self.max_context = max_context
         self.decode_ahead = decode_ahead
         self.ahead: Launched | None = None  # the next plain step, started before this one's tokens were read
+        cpu_jit.install()  # on an x86-64 CPU, MLX's compiled kernels with its FMA
         cpu_fast.install()  # on MLX's CPU backend, a step's norms and RoPE as compiled functions
 
     def prefill(self, chunk: PrefillChunk) -> None:

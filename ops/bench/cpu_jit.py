@@ -1,0 +1,142 @@
+"""MLX's CPU kernels built with the CPU's FMA (``specd.core.cpu_jit``) against as MLX builds them, in turn.
+
+MLX keeps the kernels it built for the life of a process, so each arm runs in processes of its
+own, the two arms' processes taken in turn (ABAB..; each ratio is to the process beside it: this
+machine's speed drifts by more than the differences measured). A process measures:
+
+1. mlx-lm's compiled SwiGLU alone, at the demo target's decode and verify shapes;
+2. single forwards of the target and the draft model through the engine's batched cache
+   (``cpu_fast.forward_ms``), at a decode step's and a verify forward's shapes;
+3. the engine serving greedy code completions in process: spec-off at one and at eight
+   clients, and the draft pairing's goodput default at eight.
+
+The "as built" arm keeps ``cpu_jit.install`` from running, so it builds (or takes from
+``$TMPDIR/mlx``) kernels as MLX builds them, as ``mlx_lm.server`` does.
+
+    python ops/bench/cpu_jit.py --pair models/demo --processes 4
+
+Run with OpenBLAS preloaded (``source ops/env.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ARMS = ("as built", "fma")
+SWIGLU_SHAPES = ((1, 1, 704), (8, 1, 704), (8, 4, 704), (32, 1, 704))
+
+
+def swiglu_us(reps: int = 200) -> dict[str, float]:
+    import mlx.core as mx
+    from mlx_lm.models.activations import swiglu
+
+    out = {}
+    for shape in SWIGLU_SHAPES:
+        gate, up = mx.random.normal(shape), mx.random.normal(shape)
+        mx.eval(gate, up, swiglu(gate, up))
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(reps):
+                mx.eval(swiglu(gate, up))
+            times.append((time.perf_counter() - start) / reps * 1e6)
+        out["x".join(map(str, shape))] = statistics.median(times)
+    return out
+
+
+async def one_process(args: argparse.Namespace) -> dict[str, Any]:
+    """What one process of one arm measures (run as ``--arm``)."""
+    from specd.core import cpu_jit
+
+    if args.arm == "as built":
+        cpu_jit.install = lambda: False  # the loader's and the runner's calls find it gone
+    from cpu_fast import SHAPES, forward_ms
+    from spec_decode import CODE_PROMPTS, one_run, rewrite_prompts
+    from specd.core.loader import load_model
+    from specd.core.request import Method, NO_SPECULATION, SpeculationConfig
+    from specd.engine.engine import Engine
+    from specd.engine.scheduler import EngineConfig
+    from specd.speculation.config import PolicySettings
+
+    target, tokenizer = load_model(f"{args.pair}/target")
+    draft, _ = load_model(f"{args.pair}/draft")
+    engine = Engine("bench", target, tokenizer, EngineConfig(max_batch_size=16), drafter=draft)
+    engine.start()
+    try:
+        result: dict[str, Any] = {"swiglu_us": swiglu_us()}
+        result["forward_ms"] = {f"{name} B{rows} x {columns}": statistics.median(
+            forward_ms(model, rows, columns) for _ in range(3))
+            for name, model in (("target", target), ("draft", draft)) for rows, columns in SHAPES}
+        prompts = [tokenizer.encode(p) for p in CODE_PROMPTS + rewrite_prompts()][:8]
+        configs = {"spec-off c=1": (prompts[:3], NO_SPECULATION, None, 1),
+                   "spec-off c=8": (prompts, NO_SPECULATION, None, 8),
+                   "draft goodput c=8": (prompts, SpeculationConfig(Method.DRAFT, 3), PolicySettings(), 8)}
+        tok_s: dict[str, list[float]] = {name: [] for name in configs}
+        for run in range(args.runs + 1):  # the first warms up (compiles, layouts, what goodput learns)
+            for name, (batch, spec, policy, clients) in configs.items():
+                engine.set_policy(policy, None if policy is None else "goodput-default")
+                measured = await one_run(engine, batch, spec, args.max_tokens, clients)
+                if run:
+                    tok_s[name].append(measured["tok_s"])
+        result["tok_s"] = {name: statistics.median(v) for name, v in tok_s.items()}
+        result["tok_s"]["goodput / spec-off c=8"] = statistics.median(
+            g / o for g, o in zip(tok_s["draft goodput c=8"], tok_s["spec-off c=8"]))
+    finally:
+        await engine.shutdown(1)
+    return result
+
+
+def in_turn(args: argparse.Namespace) -> dict[str, Any]:
+    """``--processes`` processes of each arm, taken in turn; paired ratios fma / as built."""
+    per_arm: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for turn in range(args.processes):
+        for arm in (ARMS if turn % 2 == 0 else ARMS[::-1]):
+            done = subprocess.run([sys.executable, __file__, "--arm", arm, "--pair", args.pair, "--runs",
+                                   str(args.runs), "--max-tokens", str(args.max_tokens)],
+                                  capture_output=True, text=True, check=True)
+            per_arm[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"turn {turn} {arm}: {per_arm[arm][-1]['tok_s']}", flush=True)
+    rows = {}
+    for section in ("swiglu_us", "forward_ms", "tok_s"):
+        for key in per_arm["fma"][0][section]:
+            values = {arm: [p[section][key] for p in per_arm[arm]] for arm in ARMS}
+            rows[f"{section} {key}"] = {**{arm: statistics.median(v) for arm, v in values.items()},
+                                        "fma_over_as_built": statistics.median(
+                                            f / b for f, b in zip(values["fma"], values["as built"]))}
+    for name, row in rows.items():
+        print(f"{name:42} as built {row['as built']:9.2f}  fma {row['fma']:9.2f}  paired {row['fma_over_as_built']:.3f}")
+    return {"processes": per_arm, "summary": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", default="models/demo")
+    parser.add_argument("--processes", type=int, default=4, help="processes of each arm")
+    parser.add_argument("--runs", type=int, default=3, help="serving runs a process")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="ops/bench/results/cpu_jit.json")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    if args.arm:
+        print(json.dumps(asyncio.run(one_process(args))))
+        return
+    from spec_decode import machine_info, write_result
+
+    from specd.core import cpu_jit
+    if not cpu_jit.applies():
+        raise SystemExit("core.cpu_jit applies to x86-64 Linux CPUs with FMA and a g++ only")
+    write_result(args.out, {"machine": machine_info(args), "method": "python " + " ".join(sys.argv),
+                            **in_turn(args)})
+
+
+if __name__ == "__main__":
+    main()
