@@ -46,7 +46,9 @@ PROGRAM = textwrap.dedent("""
 
 
 def built_kernels(tmp_path: Path, install: bool) -> list[Path]:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp")}
+    # not this process's wrapper either, where an engine here installed it
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != cpu_jit.cache_dir() / "bin")
+    env = {**os.environ, "PATH": path, "XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir(exist_ok=True)
     done = subprocess.run([sys.executable, "-c", PROGRAM, "install" if install else "as is"], env=env,
                           capture_output=True, text=True, timeout=600)
