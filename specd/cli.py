@@ -112,6 +112,7 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from . import serve
     from .api.manifest import parse_documents
     from .control.watcher import ManifestDirectory, sync_owned
+    from .core import cpu_jit
     from .core.memory import reuse_freed_memory
     from .metrics import Metrics
     from .daemon import daemon_app, run_daemon
@@ -119,6 +120,7 @@ def _serve(args: argparse.Namespace, token: str | None) -> None:
     from .server.response_store import ResponseStore
 
     reuse_freed_memory()
+    cpu_jit.install()  # its PATH and TMPDIR set here, on the main thread, before any engine's thread runs
     if args.mlx_memory_limit is not None:
         mx.set_memory_limit(args.mlx_memory_limit)  # engines start requests only with room under it
     _warn_without_fast_blas()

@@ -14,7 +14,8 @@ not fuse) the kernels give MLX's own numbers bit for bit, faster
 at a directory of specd's own: kernels another process built without them (``mlx_lm.server``,
 an older specd) are not taken, and theirs do not get these. Python's own temporary directory is
 kept as it was. Kernels MLX already built in this process before ``install`` stay as built, so
-models are loaded after it (``core.loader``).
+models are loaded after it (``core.loader``). The daemon and a group's ranks install it at start,
+on their main thread, before engine threads run: ``os.environ`` is better not set beside them.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import numpy as np
 import structlog
 from prometheus_client import generate_latest
 
-from ..core import layout
+from ..core import cpu_jit, layout
 from ..core.loader import load_model, weight_bytes
 from ..core.memory import reuse_freed_memory
 from ..core.sequence import Sequence
@@ -217,6 +217,7 @@ def _leave_with_the_daemon() -> None:
 def run(plan: GroupPlan) -> int:
     _leave_with_the_daemon()
     reuse_freed_memory()
+    cpu_jit.install()  # its PATH and TMPDIR set before the stepping thread starts
     # A rank's rows keep a buffer each: every rank would time the layouts on its own and could take
     # another, and mlx-lm's own pipeline hand-off reads a layer's per-row buffers (``cache.keys``).
     layout.LAYOUT = "rows"
