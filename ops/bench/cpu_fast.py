@@ -129,12 +129,17 @@ def forwards(models: dict[str, Any], runs: int) -> list[dict[str, Any]]:
     return rows
 
 
-async def serving(engine: Engine, tokenizer, runs: int, max_tokens: int) -> dict[str, Any]:
+def serving_configs(tokenizer) -> dict[str, tuple]:
+    """Name: (prompts, speculation, policy, clients): greedy code completions served spec-off at one
+    and at eight clients, and by the draft pairing's goodput default at eight."""
     prompts = [tokenizer.encode(p) for p in CODE_PROMPTS + rewrite_prompts()][:8]
-    draft = SpeculationConfig(Method.DRAFT, 3)
-    configs = {"spec-off c=1": (prompts[:3], NO_SPECULATION, None, 1),
-               "spec-off c=8": (prompts, NO_SPECULATION, None, 8),
-               "draft goodput c=8": (prompts, draft, PolicySettings(), 8)}
+    return {"spec-off c=1": (prompts[:3], NO_SPECULATION, None, 1),
+            "spec-off c=8": (prompts, NO_SPECULATION, None, 8),
+            "draft goodput c=8": (prompts, SpeculationConfig(Method.DRAFT, 3), PolicySettings(), 8)}
+
+
+async def serving(engine: Engine, tokenizer, runs: int, max_tokens: int) -> dict[str, Any]:
+    configs = serving_configs(tokenizer)
     tok_s: dict[tuple[str, str], list[float]] = {(c, a): [] for c in configs for a in ARMS}
     for run in range(runs + 1):  # the first turn warms both arms up (compiles, layouts, what goodput learns)
         for arm in (ARMS if run % 2 else ARMS[::-1]):

@@ -26,7 +26,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +33,16 @@ ARMS = ("as built", "fma")
 SWIGLU_SHAPES = ((1, 1, 704), (8, 1, 704), (8, 4, 704), (32, 1, 704))
 
 
-def swiglu_us(reps: int = 200) -> dict[str, float]:
+def swiglu_us() -> dict[str, float]:
     import mlx.core as mx
     from mlx_lm.models.activations import swiglu
+
+    from cpu_fast import op_us
 
     out = {}
     for shape in SWIGLU_SHAPES:
         gate, up = mx.random.normal(shape), mx.random.normal(shape)
-        mx.eval(gate, up, swiglu(gate, up))
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(reps):
-                mx.eval(swiglu(gate, up))
-            times.append((time.perf_counter() - start) / reps * 1e6)
-        out["x".join(map(str, shape))] = statistics.median(times)
+        out["x".join(map(str, shape))] = op_us(lambda: swiglu(gate, up))
     return out
 
 
@@ -58,13 +52,11 @@ async def one_process(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.arm == "as built":
         cpu_jit.install = lambda: False  # the loader's and the runner's calls find it gone
-    from cpu_fast import SHAPES, forward_ms
-    from spec_decode import CODE_PROMPTS, one_run, rewrite_prompts
+    from cpu_fast import SHAPES, forward_ms, paired, serving_configs
+    from spec_decode import one_run
     from specd.core.loader import load_model
-    from specd.core.request import Method, NO_SPECULATION, SpeculationConfig
     from specd.engine.engine import Engine
     from specd.engine.scheduler import EngineConfig
-    from specd.speculation.config import PolicySettings
 
     target, tokenizer = load_model(f"{args.pair}/target")
     draft, _ = load_model(f"{args.pair}/draft")
@@ -75,10 +67,7 @@ async def one_process(args: argparse.Namespace) -> dict[str, Any]:
         result["forward_ms"] = {f"{name} B{rows} x {columns}": statistics.median(
             forward_ms(model, rows, columns) for _ in range(3))
             for name, model in (("target", target), ("draft", draft)) for rows, columns in SHAPES}
-        prompts = [tokenizer.encode(p) for p in CODE_PROMPTS + rewrite_prompts()][:8]
-        configs = {"spec-off c=1": (prompts[:3], NO_SPECULATION, None, 1),
-                   "spec-off c=8": (prompts, NO_SPECULATION, None, 8),
-                   "draft goodput c=8": (prompts, SpeculationConfig(Method.DRAFT, 3), PolicySettings(), 8)}
+        configs = serving_configs(tokenizer)
         tok_s: dict[str, list[float]] = {name: [] for name in configs}
         for run in range(args.runs + 1):  # the first warms up (compiles, layouts, what goodput learns)
             for name, (batch, spec, policy, clients) in configs.items():
@@ -87,8 +76,7 @@ async def one_process(args: argparse.Namespace) -> dict[str, Any]:
                 if run:
                     tok_s[name].append(measured["tok_s"])
         result["tok_s"] = {name: statistics.median(v) for name, v in tok_s.items()}
-        result["tok_s"]["goodput / spec-off c=8"] = statistics.median(
-            g / o for g, o in zip(tok_s["draft goodput c=8"], tok_s["spec-off c=8"]))
+        result["tok_s"]["goodput / spec-off c=8"] = paired(tok_s["draft goodput c=8"], tok_s["spec-off c=8"])
     finally:
         await engine.shutdown(1)
     return result
@@ -104,13 +92,14 @@ def in_turn(args: argparse.Namespace) -> dict[str, Any]:
                                   capture_output=True, text=True, check=True)
             per_arm[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(f"turn {turn} {arm}: {per_arm[arm][-1]['tok_s']}", flush=True)
+    from cpu_fast import paired
+
     rows = {}
     for section in ("swiglu_us", "forward_ms", "tok_s"):
         for key in per_arm["fma"][0][section]:
             values = {arm: [p[section][key] for p in per_arm[arm]] for arm in ARMS}
             rows[f"{section} {key}"] = {**{arm: statistics.median(v) for arm, v in values.items()},
-                                        "fma_over_as_built": statistics.median(
-                                            f / b for f, b in zip(values["fma"], values["as built"]))}
+                                        "fma_over_as_built": paired(values["fma"], values["as built"])}
     for name, row in rows.items():
         print(f"{name:42} as built {row['as built']:9.2f}  fma {row['fma']:9.2f}  paired {row['fma_over_as_built']:.3f}")
     return {"processes": per_arm, "summary": rows}
