@@ -28,7 +28,7 @@ import asyncio
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -138,18 +138,26 @@ def serving_configs(tokenizer) -> dict[str, tuple]:
             "draft goodput c=8": (prompts, SpeculationConfig(Method.DRAFT, 3), PolicySettings(), 8)}
 
 
-async def serving(engine: Engine, tokenizer, runs: int, max_tokens: int) -> dict[str, Any]:
-    configs = serving_configs(tokenizer)
-    tok_s: dict[tuple[str, str], list[float]] = {(c, a): [] for c in configs for a in ARMS}
+async def served_in_turn(engine: Engine, configs: dict[str, tuple], arms: tuple[str, str],
+                         use_arm: Callable[[str], None], runs: int, max_tokens: int) -> dict[tuple[str, str], list[float]]:
+    """Tokens/s of every configuration under each arm, ``runs`` turns of the arms in turn (ABBA..),
+    every configuration in each; (configuration, arm) -> each run's."""
+    tok_s: dict[tuple[str, str], list[float]] = {(c, a): [] for c in configs for a in arms}
     for run in range(runs + 1):  # the first turn warms both arms up (compiles, layouts, what goodput learns)
-        for arm in (ARMS if run % 2 else ARMS[::-1]):
-            use(arm)
+        for arm in (arms if run % 2 else arms[::-1]):
+            use_arm(arm)
             for name, (batch, spec, policy, clients) in configs.items():
                 engine.set_policy(policy, None if policy is None else "goodput-default")
                 measured = await one_run(engine, batch, spec, max_tokens, clients)
                 if run:
                     tok_s[(name, arm)].append(measured["tok_s"])
     engine.set_policy(None, None)
+    return tok_s
+
+
+async def serving(engine: Engine, tokenizer, runs: int, max_tokens: int) -> dict[str, Any]:
+    configs = serving_configs(tokenizer)
+    tok_s = await served_in_turn(engine, configs, ARMS, use, runs, max_tokens)
     result: dict[str, Any] = {}
     for name in configs:
         result[name] = {**{f"{arm}_tok_s": statistics.median(tok_s[(name, arm)]) for arm in ARMS},

@@ -11,7 +11,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
-from . import cpu_jit
+from . import cpu_jit, dispatch
 from .embedding import Pooling, read_pooling
 
 
@@ -35,10 +35,12 @@ def load_model(source: str, revision: str | None = None) -> tuple[nn.Module, obj
     """Load a model with mlx-lm.  Local paths must exist; anything else is a
     Hugging Face repo id that mlx-lm downloads (what Mac users serve), at
     ``revision`` (a branch, tag or commit) when given. On a CPU, MLX's kernels are built for
-    its FMA first (``cpu_jit``)."""
+    its FMA first (``cpu_jit``), and an engine's forwards start each decoder layer as it is built
+    (``dispatch``)."""
     cpu_jit.install()
     model, tokenizer = mlx_lm_load(resolve_source(source), revision=revision)
     materialize(model)
+    dispatch.install(model)
     return model, tokenizer
 
 

@@ -44,7 +44,7 @@ from typing import Callable, ContextManager
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core import cpu_fast, cpu_jit
+from ..core import cpu_fast, cpu_jit, dispatch
 from ..core.batch import RunningBatch
 from ..core.grammar import mask_logits
 from ..core.layout import clock
@@ -162,7 +162,7 @@ class ModelRunner:
                          launched is not None)
             return
         started = clock()
-        with speculator.verify_context(batch.cache, proposal):
+        with speculator.verify_context(batch.cache, proposal), dispatch.forwards():
             logits = batch.cache.forward(self.model, inputs, provisional=True)
         if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
             mx.async_eval(logits)
@@ -212,7 +212,8 @@ class ModelRunner:
         settings and RNG key), and start it on the device."""
         seqs = list(batch.seqs)  # the rows as they are now: the batch's own list changes as rows join
         keys = [s.key for s in seqs]
-        logits = batch.cache.forward(self.model, inputs)
+        with dispatch.forwards():
+            logits = batch.cache.forward(self.model, inputs)
         features = self.speculator.take_features()  # before a forward built ahead replaces them
         if any(s.constraint for s in seqs):  # the forward runs while the grammars fill their masks
             mx.async_eval(logits)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..core import dispatch
 from ..core.cache import kv_bytes, make_row_cache
 from ..core.prefix import RowPrefixes, common_prefix
 from ..core.grammar import Constraint, mask_logits
@@ -67,7 +68,8 @@ class DraftModelProposer:
         """Feed each row its tokens (right-padded); return each row's last logits."""
         width = max(len(t) for t in tokens)
         inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
-        logits = self.rows.cache.forward(self.model, inputs, provisional=True)
+        with dispatch.forwards():
+            logits = self.rows.cache.forward(self.model, inputs, provisional=True)
         last = mx.array([len(t) - 1 for t in tokens])
         self.rows.cache.rollback([width - len(t) for t in tokens])
         return logits[mx.arange(len(tokens)), last]
@@ -121,7 +123,8 @@ class DraftModelProposer:
             if logprobs is not None:
                 probs.append(mx.exp(logprobs))
             if step < k - 1:
-                logits = self.rows.cache.forward(self.model, token[:, None], provisional=True)[:, -1]
+                with dispatch.forwards():
+                    logits = self.rows.cache.forward(self.model, token[:, None], provisional=True)[:, -1]
         grammars.rewind()
         self._drafted = k
         tokens = mx.stack(drafts, axis=1)
