@@ -96,19 +96,41 @@ def download(source: str, revision: str | None = None, progress: DownloadProgres
 
     watcher = threading.Thread(target=watch, name="download-progress", daemon=True)
     watcher.start()
-    try:  # at the commit the listing resolved (and the cache recorded): the hub is not asked again
-        return Path(snapshot_download(source, revision=files[0].commit_hash if files else revision,
-                                      allow_patterns=patterns))
+    commit = files[0].commit_hash if files else None
+    try:  # at the commit the listing resolved: the hub is not asked again
+        path = Path(snapshot_download(source, revision=commit or revision, allow_patterns=patterns))
     finally:
         stop.set()
         watcher.join()
+    if commit is not None:
+        _record_ref(source, revision, commit)
+    return path
 
 
-def _blobs_dir(source: str) -> Path:
+def _record_ref(source: str, revision: str | None, commit: str) -> None:
+    """Record in the cache that ``revision`` (a branch or tag; None: the default branch) is at
+    ``commit``, as the hub client records a download by name: a load offline then finds the
+    snapshot by that name. A listing (``dry_run``) records nothing since huggingface_hub 2.5, and
+    the download itself went by commit."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import _cache_commit_hash_for_specific_revision
+
+    try:
+        _cache_commit_hash_for_specific_revision(str(_repo_dir(source)), revision or constants.DEFAULT_REVISION,
+                                                 commit)
+    except OSError:  # a cache this user cannot write: the snapshot is there, found by commit
+        pass
+
+
+def _repo_dir(source: str) -> Path:
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
 
-    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=source, repo_type="model") / "blobs"
+    return Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=source, repo_type="model")
+
+
+def _blobs_dir(source: str) -> Path:
+    return _repo_dir(source) / "blobs"
 
 
 def _files(directory: Path) -> list[Path]:
