@@ -52,8 +52,7 @@ async def one_process(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.arm == "as built":
         cpu_jit.install = lambda: False  # the loader's and the runner's calls find it gone
-    from cpu_fast import SHAPES, forward_ms, paired, serving_configs
-    from spec_decode import one_run
+    from cpu_fast import SHAPES, forward_ms, paired, served_in_turn, serving_configs
     from specd.core.loader import load_model
     from specd.engine.engine import Engine
     from specd.engine.scheduler import EngineConfig
@@ -68,13 +67,9 @@ async def one_process(args: argparse.Namespace) -> dict[str, Any]:
             forward_ms(model, rows, columns) for _ in range(3))
             for name, model in (("target", target), ("draft", draft)) for rows, columns in SHAPES}
         configs = serving_configs(tokenizer)
-        tok_s: dict[str, list[float]] = {name: [] for name in configs}
-        for run in range(args.runs + 1):  # the first warms up (compiles, layouts, what goodput learns)
-            for name, (batch, spec, policy, clients) in configs.items():
-                engine.set_policy(policy, None if policy is None else "goodput-default")
-                measured = await one_run(engine, batch, spec, args.max_tokens, clients)
-                if run:
-                    tok_s[name].append(measured["tok_s"])
+        # this process's one arm: what each configuration served, run after run (the first warms up)
+        served = await served_in_turn(engine, configs, (args.arm,), lambda arm: None, args.runs, args.max_tokens)
+        tok_s = {name: served[(name, args.arm)] for name in configs}
         result["tok_s"] = {name: statistics.median(v) for name, v in tok_s.items()}
         result["tok_s"]["goodput / spec-off c=8"] = paired(tok_s["draft goodput c=8"], tok_s["spec-off c=8"])
     finally:

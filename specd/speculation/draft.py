@@ -68,8 +68,7 @@ class DraftModelProposer:
         """Feed each row its tokens (right-padded); return each row's last logits."""
         width = max(len(t) for t in tokens)
         inputs = mx.array([t + [0] * (width - len(t)) for t in tokens])
-        with dispatch.forwards():
-            logits = self.rows.cache.forward(self.model, inputs, provisional=True)
+        logits = self.rows.cache.forward(self.model, inputs, provisional=True)
         last = mx.array([len(t) - 1 for t in tokens])
         self.rows.cache.rollback([width - len(t) for t in tokens])
         return logits[mx.arange(len(tokens)), last]
@@ -112,18 +111,18 @@ class DraftModelProposer:
         keys = [s.key for s in seqs]
         drafts, probs = [], []
         grammars = GrammarWalk([s.constraint if d else None for s, d in zip(seqs, drafting)])
-        logits = self._forward([r.pending for r in rows])
-        for step in range(k):
-            # q is what the draft samples from: with the target's logit_bias and grammar, its
-            # proposals are accepted more often (the verifier masks p with the same grammar state)
-            biased = adjust_logits(logits[:, None, :], params, [()] * len(params), [()] * len(params))
-            token, keys, logprobs = sample_rows(grammars.mask(biased)[:, 0], params, keys)
-            grammars.follow(token)
-            drafts.append(token)
-            if logprobs is not None:
-                probs.append(mx.exp(logprobs))
-            if step < k - 1:
-                with dispatch.forwards():
+        with dispatch.forwards():  # the draft's steps (its prefill, ``_admit``, is built whole)
+            logits = self._forward([r.pending for r in rows])
+            for step in range(k):
+                # q is what the draft samples from: with the target's logit_bias and grammar, its
+                # proposals are accepted more often (the verifier masks p with the same grammar state)
+                biased = adjust_logits(logits[:, None, :], params, [()] * len(params), [()] * len(params))
+                token, keys, logprobs = sample_rows(grammars.mask(biased)[:, 0], params, keys)
+                grammars.follow(token)
+                drafts.append(token)
+                if logprobs is not None:
+                    probs.append(mx.exp(logprobs))
+                if step < k - 1:
                     logits = self.rows.cache.forward(self.model, token[:, None], provisional=True)[:, -1]
         grammars.rewind()
         self._drafted = k
