@@ -207,10 +207,8 @@ class GoodputController(StaticController):
         self._no_gain_rows = None
         if k == 0:
             return [0] * len(rows), reason
-        use = self._worth_it(rows, k)
-        ks, reason = self._for_rows(rows, k, use)
-        ks = self._lookups_alone(rows, ks) if any(use) else ks
-        if not any(ks):  # no row's estimate pays for a proposal (a lookup alone finds none)
+        ks, reason = self._for_rows(rows, k, self._worth_it(rows, k))
+        if not any(ks):  # no row's estimate pays for a proposal
             self._no_gain_rows = batch_size
             measured.pending = None  # a plain step, not one at k: it measures neither
         return ks, reason
@@ -229,8 +227,7 @@ class GoodputController(StaticController):
         k, none = self.bet(rows), [False] * len(rows)
         use = self._worth_it(rows, k)
         if self._rate(rows, k, use) > self._rate(rows, 0, none) * 1.0001:
-            ks, reason = self._for_rows(rows, k, use)
-            return self._lookups_alone(rows, ks), reason
+            return self._for_rows(rows, k, use)
         return self._for_rows(rows, 0, none)
 
     def bet(self, rows: list[Row]) -> int:
@@ -263,14 +260,6 @@ class GoodputController(StaticController):
     def _ks(rows: list[Row], k: int, use: list[bool]) -> list[int]:
         return [min(k, r.budget) if u else 0 for r, u in zip(rows, use)]
 
-    def _lookups_alone(self, rows: list[Row], ks: list[int]) -> list[int]:
-        """``ks``, or ``ks`` without the draft model, if that yields more tokens per second:
-        the rows it would draft for propose their shorter lookups, or nothing. A draft step
-        costs a fixed part whatever its rows (``DraftStepFit``), which the few rows that
-        no lookup covers may not pay for while the others' lookups are free."""
-        alone = [min(k, r.lookup) if k and r.drafts(k) else k for r, k in zip(rows, ks)]
-        return alone if alone != ks and self._rate_of(rows, alone) >= self._rate_of(rows, ks) else ks
-
     def _worth_it(self, rows: list[Row], k: int) -> list[bool]:
         """Rows whose expected extra tokens pay for the drafting they add."""
         per_row_draft = self.costs.draft_row_seconds(k)
@@ -286,9 +275,8 @@ class GoodputController(StaticController):
         return use
 
     def _rate(self, rows: list[Row], k: int, use: list[bool]) -> float:
-        """Expected tokens per second for the batch if ``use`` rows propose up to k
-        (without the draft model, if lookups alone yield more)."""
-        return self._rate_of(rows, self._lookups_alone(rows, self._ks(rows, k, use)))
+        """Expected tokens per second for the batch if ``use`` rows propose up to k."""
+        return self._rate_of(rows, self._ks(rows, k, use))
 
 
 def make_controller(policy: PolicySettings | None, name: str | None, costs: CostModel,

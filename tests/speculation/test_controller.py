@@ -10,7 +10,7 @@ import pytest
 
 from specd.speculation.acceptance import AcceptanceEstimate, AcceptanceHistory
 from specd.speculation.config import PolicySettings
-from specd.speculation.controller import GoodputController, Row, StaticController, make_controller
+from specd.speculation.controller import GoodputController, Row, StaticController, make_controller, proposes_lookup
 from specd.speculation.costs import CostModel
 from specd.speculation.exploration import Realised
 
@@ -613,20 +613,25 @@ def test_a_lookup_that_finds_nothing_counts_against_the_k_chosen():
     assert controller.ema == pytest.approx(1.0)
 
 
-def test_lookups_alone_when_the_draft_step_costs_more_than_the_rows_they_miss_gain():
-    """A draft step costs a fixed part for one row as for eight: with lookups covering six of
-    eight rows, the row without one proposes nothing rather than pay for it, and the row with a
-    shorter lookup proposes that; with lookups covering two rows, the draft model drafts for the
-    six others."""
+def test_where_the_draft_model_runs_it_drafts_for_the_rows_whose_lookups_cover_k_too():
+    """Lookups covering six of eight rows: the goodput controller still plans k for the two
+    others (a lookup's acceptance is not what a row's estimate measured of the draft model's
+    proposals, so leaving those rows out to spare the draft step's fixed part misjudged it), and
+    the draft model then drafts for all eight; lookups covering every row stand in for it. A row
+    whose estimate does not pay for its drafting is still left out."""
     cost = costs(0.004, 0.0001, draft_fixed=0.002, draft_per_row=0.00005)
     controller = GoodputController(PolicySettings(max_speculative_tokens=3), "p", cost)
 
-    def row(lookup: int) -> Row:
-        return Row(3, True, iid(0.8), lookup)
-    ks, _ = controller.choose([row(3)] * 6 + [row(1), row(0)])
-    assert ks == [3] * 6 + [1, 0]
-    ks, _ = controller.choose([row(3)] * 2 + [row(0)] * 6)
-    assert all(ks), ks  # at the k whose draft steps they pay for
-    free = GoodputController(PolicySettings(max_speculative_tokens=3), "p", costs(0.004, 0.0001))
-    ks, _ = free.choose([row(3)] * 6 + [row(1), row(0)])  # a draft step that costs nothing is always worth it
-    assert ks == [3] * 8
+    def row(lookup: int, alpha: float = 0.8) -> Row:
+        return Row(3, True, iid(alpha), lookup)
+    planned = [row(3)] * 6 + [row(1), row(0)]
+    ks, _ = controller.choose(planned)
+    assert all(ks) and len(set(ks)) == 1, ks  # at the k whose draft steps they pay for
+    assert proposes_lookup(planned, ks) == [False] * 8
+    covered = [row(3)] * 8
+    ks, _ = controller.choose(covered)
+    assert ks == [3] * 8 and proposes_lookup(covered, ks) == [True] * 8
+    costly = GoodputController(PolicySettings(max_speculative_tokens=3), "p",
+                               costs(0.004, 0.0001, draft_fixed=0.0005, draft_per_row=0.0002))
+    ks, _ = costly.choose([row(0)] * 7 + [row(0, alpha=0.01)])
+    assert all(ks[:7]) and ks[7] == 0, ks
