@@ -631,7 +631,7 @@ def test_where_the_draft_model_runs_it_drafts_for_the_rows_whose_lookups_cover_k
     covered = [row(3)] * 8
     ks, _ = controller.choose(covered)
     assert ks == [3] * 8 and proposes_lookup(covered, ks) == [True] * 8
-    costly = GoodputController(PolicySettings(max_speculative_tokens=3), "p",
-                               costs(0.004, 0.0001, draft_fixed=0.0005, draft_per_row=0.0002))
-    ks, _ = costly.choose([row(0)] * 7 + [row(0, alpha=0.01)])
+    cheaper = GoodputController(PolicySettings(max_speculative_tokens=3), "p",
+                                costs(0.004, 0.0001, draft_fixed=0.0005, draft_per_row=0.0002))
+    ks, _ = cheaper.choose([row(0)] * 7 + [row(0, alpha=0.01)])
     assert all(ks[:7]) and ks[7] == 0, ks
